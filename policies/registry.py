@@ -1,0 +1,58 @@
+"""Policies by registry name, created with keyword parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from policies.contiguous_schedulers import OrcaScheduler, StaticScheduler
+from policies.scheduler import Scheduler
+from policies.vllm_scheduler import VllmScheduler
+
+
+def _vllm(num_blocks: int, block_size: int = 16, **kw: Any) -> Scheduler:
+    return VllmScheduler(num_gpu_blocks=num_blocks, block_size=block_size, **kw)
+
+
+def _orca(variant: str) -> Callable[..., Scheduler]:
+    def make(num_blocks: int, block_size: int = 16, **kw: Any) -> Scheduler:
+        # the contiguous baselines place chunks at token granularity; the cache is the same size
+        return OrcaScheduler(num_slots=num_blocks * block_size, variant=variant,
+                             block_size=kw.pop("alloc_unit", 1), **_only(kw, "orca"))
+    return make
+
+
+def _static(num_blocks: int, block_size: int = 16, **kw: Any) -> Scheduler:
+    return StaticScheduler(num_slots=num_blocks * block_size, block_size=kw.pop("alloc_unit", 1),
+                           **_only(kw, "static"))
+
+
+def _only(kw: dict[str, Any], name: str) -> dict[str, Any]:
+    """Contiguous baselines take the budgets only; paged-only options must be off."""
+    allowed = {"max_num_seqs", "max_num_batched_tokens"}
+    paged_only = {"preemption", "chunked_prefill", "prefix_caching", "num_cpu_blocks", "watermark"}
+    for k, v in kw.items():
+        if k in paged_only:
+            if v not in (None, False, 0, "recompute", 0.01):
+                raise ValueError(f"{k}={v!r} applies to the paged 'vllm' policy only, not {name!r}")
+        elif k not in allowed:
+            raise ValueError(f"unknown parameter {k!r} for policy {name!r}")
+    return {k: v for k, v in kw.items() if k in allowed}
+
+
+POLICIES: dict[str, Callable[..., Scheduler]] = {
+    "vllm": _vllm,
+    "orca-max": _orca("max"),
+    "orca-pow2": _orca("pow2"),
+    "orca-oracle": _orca("oracle"),
+    "static": _static,
+}
+
+
+def make_scheduler(name: str, num_blocks: int, block_size: int = 16, **kw: Any) -> Scheduler:
+    """Create a policy by name over a KV cache of `num_blocks` blocks of `block_size` tokens."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}")
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    return POLICIES[name](num_blocks, block_size, **kw)

@@ -1,0 +1,177 @@
+"""Requests, sequences and sequence groups: the units the schedulers and block managers move.
+
+A `Request` is what arrives. When admitted to a scheduler it becomes a `SequenceGroup` holding one
+`Sequence` at first; parallel sampling (n > 1) and beam search fork more sequences after the first
+token. Sequences count tokens; token ids are optional (the simulator has none, the live backend has
+them all).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request decodes. `max_tokens` bounds the output; with `ignore_eos` it is exact."""
+
+    max_tokens: int = 256
+    ignore_eos: bool = False
+    n: int = 1
+    beam_width: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    length_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check(self.n >= 1, f"n must be >= 1, got {self.n}")
+        _check(self.beam_width >= 1, f"beam_width must be >= 1, got {self.beam_width}")
+        _check(self.n == 1 or self.beam_width == 1,
+               f"use either n > 1 (parallel sampling) or beam_width > 1, not both (n={self.n}, "
+               f"beam_width={self.beam_width})")
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def width(self) -> int:
+        """How many sequences the group runs at once after its first token."""
+        return max(self.n, self.beam_width)
+
+
+@dataclass
+class Request:
+    """One incoming request.
+
+    `output_len` is the true output length: known to the simulator and to oracle policies only
+    (None in live serving without a trace). `prefix_hashes` name the prompt's blocks of
+    `hash_block_size` tokens by content, chained (equal prefix => equal hashes), as Mooncake traces
+    supply them; `prompt_token_ids`, when given, are used instead.
+    """
+
+    request_id: int
+    arrival: float
+    prompt_len: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    output_len: int | None = None
+    prompt_token_ids: list[int] | None = None
+    prefix_hashes: tuple[int, ...] | None = None
+    hash_block_size: int = 16
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.prompt_len >= 1, f"request {self.request_id}: prompt_len must be >= 1, got {self.prompt_len}")
+        _check(self.output_len is None or self.output_len >= 1,
+               f"request {self.request_id}: output_len must be >= 1, got {self.output_len}")
+        if self.prompt_token_ids is not None:
+            _check(len(self.prompt_token_ids) == self.prompt_len,
+                   f"request {self.request_id}: prompt_token_ids has {len(self.prompt_token_ids)} ids "
+                   f"but prompt_len is {self.prompt_len}")
+
+    @property
+    def max_output(self) -> int:
+        """The most tokens any of its sequences will generate."""
+        if self.output_len is not None and (self.sampling.ignore_eos or self.output_len < self.sampling.max_tokens):
+            return self.output_len
+        return self.sampling.max_tokens
+
+
+class SeqStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    FINISHED = 3
+
+
+class Sequence:
+    """One stream of tokens: the prompt followed by what it has generated.
+
+    Invariant: 0 <= num_computed <= num_tokens; the tokens in [num_computed, num_tokens) still need
+    a forward pass (one in steady decode, the whole sequence after a recompute preemption).
+    """
+
+    __slots__ = (
+        "block_hashes",
+        "cum_logprob",
+        "group",
+        "num_computed",
+        "output_len",
+        "prompt_len",
+        "seq_id",
+        "status",
+        "target_len",
+        "token_ids",
+    )
+
+    def __init__(self, seq_id: int, group: SequenceGroup, prompt_len: int, target_len: int,
+                 token_ids: list[int] | None = None, output_len: int = 0) -> None:
+        self.seq_id = seq_id
+        self.group = group
+        self.prompt_len = prompt_len
+        self.output_len = output_len
+        self.num_computed = 0
+        self.token_ids = token_ids
+        self.status = SeqStatus.WAITING
+        self.target_len = target_len      # outputs it will reach (trace length or max_tokens)
+        self.block_hashes: list[int] = []  # chained content hashes of full blocks, filled lazily
+        self.cum_logprob = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.output_len
+
+    def append(self, token: int | None) -> None:
+        self.output_len += 1
+        if self.token_ids is not None:
+            self.token_ids.append(-1 if token is None else token)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed}, "
+                f"{self.status.name})")
+
+
+class SequenceGroup:
+    """A request's sequences and its life story (timestamps, preemptions, outcome)."""
+
+    def __init__(self, request: Request, first_seq_id: int) -> None:
+        self.request = request
+        self.group_id = request.request_id
+        ids = list(request.prompt_token_ids) if request.prompt_token_ids is not None else None
+        self.seqs: list[Sequence] = [Sequence(first_seq_id, self, request.prompt_len, request.max_output, ids)]
+        self.finished_seqs: list[Sequence] = []
+        self.status = SeqStatus.WAITING
+        self.num_preemptions = 0
+        self.num_swaps = 0
+        self.first_scheduled: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.rejected: str | None = None
+        self.prefix_hit_tokens = 0
+
+    @property
+    def arrival(self) -> float:
+        return self.request.arrival
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return self.seqs
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    @property
+    def output_len(self) -> int:
+        """Tokens generated by the group's longest sequence (the request's output length)."""
+        return max((s.output_len for s in self.seqs + self.finished_seqs), default=0)
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup(id={self.group_id}, seqs={self.seqs}, {self.status.name})"

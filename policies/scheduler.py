@@ -1,0 +1,164 @@
+"""The scheduler base: queues, the step contract, and what happens when a step is done.
+
+Every policy follows one loop (see DESIGN.md):
+
+    plan = scheduler.schedule(now)          # StepPlan: who runs, how many tokens each, preemptions
+    result = executor.execute(plan)         # StepResult: duration and sampled outcomes
+    scheduler.on_step_done(plan, result, now + result.duration)
+
+Subclasses decide admission, memory and preemption; this base owns the request life cycle
+(arrival, tokens appended, forks, finish, rejection) so that all policies account for requests the
+same way.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from abc import ABC, abstractmethod
+from collections import deque
+
+from policies.memory import MemoryBreakdown
+from policies.plan import StepPlan, StepResult
+from policies.request import Request, SeqStatus, Sequence, SequenceGroup
+
+
+def _order_key(g: SequenceGroup) -> tuple[float, int]:
+    return (g.request.arrival, g.group_id)
+
+
+class Scheduler(ABC):
+    """Base class. Invariants: a group is in exactly one of waiting / running / swapped / done;
+    `running` is sorted by (arrival, id), so the tail is the most recently arrived group."""
+
+    name = "base"
+
+    def __init__(self, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
+                 block_size: int = 16) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if max_num_batched_tokens < block_size:
+            raise ValueError(f"max_num_batched_tokens must be >= block_size ({block_size}), "
+                             f"got {max_num_batched_tokens}")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_size = block_size
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
+        self.swapped: deque[SequenceGroup] = deque()
+        self.done: list[SequenceGroup] = []
+        self.seqs: dict[int, Sequence] = {}
+        self._seq_ids = itertools.count()
+        self.num_added = 0
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- life cycle
+    def add_request(self, request: Request) -> SequenceGroup:
+        group = SequenceGroup(request, next(self._seq_ids))
+        for s in group.seqs:
+            self.seqs[s.seq_id] = s
+        self.waiting.append(group)
+        self.num_added += 1
+        return group
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(g.seqs) for g in self.running)
+
+    def _insert_running(self, group: SequenceGroup) -> None:
+        group.status = SeqStatus.RUNNING
+        for s in group.seqs:
+            s.status = SeqStatus.RUNNING
+        bisect.insort(self.running, group, key=_order_key)
+
+    def _reject(self, group: SequenceGroup, reason: str, plan: StepPlan, now: float) -> None:
+        group.rejected = reason
+        group.status = SeqStatus.FINISHED
+        group.finish_time = now
+        for s in group.seqs:
+            s.status = SeqStatus.FINISHED
+            self.seqs.pop(s.seq_id, None)
+        self.done.append(group)
+        plan.rejected.append((group.group_id, reason))
+
+    @abstractmethod
+    def schedule(self, now: float) -> StepPlan:
+        """Decide the next iteration."""
+
+    @abstractmethod
+    def _free_seq(self, seq: Sequence) -> None:
+        """Release a sequence's memory."""
+
+    @abstractmethod
+    def _fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        """Give a new child sequence its parent's memory (shared or copied)."""
+
+    @abstractmethod
+    def memory(self) -> MemoryBreakdown:
+        """KV memory by category right now."""
+
+    def on_step_done(self, plan: StepPlan, result: StepResult, now: float) -> list[SequenceGroup]:
+        """Apply an executed plan: advance computed counts, append sampled tokens, fork and drop
+        sequences, finish groups. Returns the groups that finished in this step."""
+        touched: dict[int, SequenceGroup] = {}
+        for ss in plan.seqs:
+            seq = self.seqs[ss.seq_id]
+            seq.num_computed += ss.num_new_tokens
+            if not ss.samples:
+                continue
+            group = seq.group
+            touched[group.group_id] = group
+            if group.first_token_time is None:
+                group.first_token_time = now
+            out = result.outcomes.get(ss.seq_id)
+            if out is None:
+                raise ValueError(f"executor returned no outcome for sampling sequence {ss.seq_id}")
+            for tok in out.children:
+                child = Sequence(next(self._seq_ids), group, seq.prompt_len, seq.target_len,
+                                 None if seq.token_ids is None else list(seq.token_ids), seq.output_len)
+                child.num_computed = seq.num_computed
+                child.status = SeqStatus.RUNNING
+                child.cum_logprob = seq.cum_logprob
+                self._fork_seq(seq, child)
+                child.append(tok)
+                group.seqs.append(child)
+                self.seqs[child.seq_id] = child
+            if out.keep:
+                seq.append(out.token)
+                seq.cum_logprob = out.logprob
+                if out.finished:
+                    self._finish_seq(seq, keep_record=True)
+            else:
+                self._finish_seq(seq, keep_record=False)
+        finished = []
+        for group in touched.values():
+            if not group.seqs:
+                group.status = SeqStatus.FINISHED
+                group.finish_time = now
+                self.running.remove(group)
+                self.done.append(group)
+                finished.append(group)
+        return finished
+
+    def _finish_seq(self, seq: Sequence, keep_record: bool) -> None:
+        seq.status = SeqStatus.FINISHED
+        self._free_seq(seq)
+        seq.group.seqs.remove(seq)
+        if keep_record:
+            seq.group.finished_seqs.append(seq)
+        self.seqs.pop(seq.seq_id, None)
+
+    # ---------------------------------------------------------------- checks
+    def check_conservation(self) -> None:
+        """Every added request is waiting, running, swapped, finished or rejected, exactly once."""
+        ids = [g.group_id for q in (self.waiting, self.running, self.swapped, self.done) for g in q]
+        assert len(ids) == len(set(ids)) == self.num_added, \
+            f"{self.num_added} requests added but {len(set(ids))} accounted for ({len(ids)} entries)"
+        for g in self.done:
+            assert g.status == SeqStatus.FINISHED and not g.seqs, f"group {g.group_id} done but not finished"
+            assert g.rejected is not None or g.finished_seqs, f"group {g.group_id}: finished with no output"

@@ -1,0 +1,216 @@
+"""vLLM's scheduler on the paged block manager: iteration-level FCFS with preemption.
+
+One token-budget rule covers everything: each iteration, running groups first (in arrival order),
+then swapped groups, then waiting ones, each taking the tokens it needs (one per decoding
+sequence; a prompt, a recompute, or with chunked prefill a piece of one) while the budgets
+`max_num_seqs` and `max_num_batched_tokens` and the free blocks allow. When a running group cannot
+get its blocks, the most recently arrived running group is preempted, whole: by `recompute` (its
+blocks are freed and its tokens recomputed later) or by `swap` (its blocks move to the CPU pool;
+nothing new is admitted while any group is swapped out).
+"""
+
+from __future__ import annotations
+
+from policies.block_manager import AllocStatus, PagedBlockManager
+from policies.memory import MemoryBreakdown
+from policies.plan import ScheduledSeq, StepPlan
+from policies.request import SeqStatus, Sequence, SequenceGroup
+from policies.scheduler import Scheduler
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+class VllmScheduler(Scheduler):
+    name = "vllm"
+
+    def __init__(self, num_gpu_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
+                 preemption: str = "recompute", chunked_prefill: bool = False,
+                 prefix_caching: bool = False, watermark: float = 0.01) -> None:
+        super().__init__(max_num_seqs, max_num_batched_tokens, block_size)
+        if preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}; got {preemption!r}")
+        if preemption == "swap" and num_cpu_blocks < 1:
+            raise ValueError("preemption='swap' needs num_cpu_blocks >= 1 (the CPU swap space)")
+        self.preemption = preemption
+        self.chunked_prefill = chunked_prefill
+        self.bm = PagedBlockManager(num_gpu_blocks, block_size, num_cpu_blocks, watermark, prefix_caching)
+
+    # ---------------------------------------------------------------- memory hooks
+    def _free_seq(self, seq: Sequence) -> None:
+        self.bm.free(seq)
+
+    def _fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        self.bm.fork(parent, child)
+
+    def memory(self) -> MemoryBreakdown:
+        return self.bm.memory()
+
+    # ---------------------------------------------------------------- scheduling
+    def schedule(self, now: float) -> StepPlan:
+        plan = StepPlan(block_size=self.block_size)
+        budget = [self.max_num_batched_tokens]
+        preempted = self._schedule_running(plan, budget)
+        if not preempted:
+            self._schedule_swapped(plan, budget, now)
+        if not preempted and not self.swapped:
+            self._schedule_waiting(plan, budget, now)
+        return plan
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = seq.num_tokens - seq.num_computed
+        return min(n, budget) if self.chunked_prefill else (n if n <= budget else 0)
+
+    def _emit(self, plan: StepPlan, seq: Sequence, n: int) -> None:
+        plan.seqs.append(ScheduledSeq(seq.seq_id, seq.group.group_id, seq.num_computed, n,
+                                      self.bm.tables[seq.seq_id], seq.num_computed + n == seq.num_tokens))
+
+    def _schedule_running(self, plan: StepPlan, budget: list[int]) -> bool:
+        """Give running groups their tokens, preempting from the tail when blocks run out."""
+        preempted = False
+        bm = self.bm
+        i = 0
+        while i < len(self.running):
+            group = self.running[i]
+            seqs = group.seqs
+            if len(seqs) == 1:  # the common case, kept lean
+                seq = seqs[0]
+                n = self._chunk(seq, budget[0])
+                if n == 0:
+                    i += 1
+                    continue
+                while True:
+                    copies = bm.append_slots(seq, n)
+                    if copies is not None:
+                        break
+                    preempted = True
+                    if self._preempt(self.running[-1], plan) is group:
+                        break
+                if copies is None:
+                    break
+                plan.copies.extend(copies)
+                budget[0] -= n
+                self._emit(plan, seq, n)
+                i += 1
+                continue
+            chunks = [self._chunk(s, budget[0]) for s in seqs]
+            if sum(chunks) > budget[0] or 0 in chunks:
+                i += 1
+                continue
+            while sum(bm.can_append(s, n) for s, n in zip(seqs, chunks)) > bm.num_free_blocks:
+                preempted = True
+                if self._preempt(self.running[-1], plan) is group:
+                    break
+            if group.status != SeqStatus.RUNNING:
+                break
+            for s, n in zip(seqs, chunks):
+                plan.copies.extend(bm.append_slots(s, n))
+                self._emit(plan, s, n)
+            budget[0] -= sum(chunks)
+            i += 1
+        return preempted
+
+    def _preempt(self, group: SequenceGroup, plan: StepPlan) -> SequenceGroup:
+        """Preempt a whole group. Swap keeps a forked group's sharing; without room in the CPU pool
+        a single sequence is recomputed, and a forked group restarts from its prompt (mode
+        "restart"), as vLLM cannot recompute forked groups either."""
+        self.running.remove(group)
+        group.num_preemptions += 1
+        self.num_preemptions += 1
+        mode = self.preemption
+        if len(group.seqs) > 1 and self.bm.cpu.num_blocks:
+            mode = "swap"
+        if mode == "swap" and not self.bm.can_swap_out(group):
+            mode = "recompute"
+        if mode == "recompute" and (len(group.seqs) > 1 or group.finished_seqs):
+            mode = "restart"
+        plan.preempted.append((group.group_id, mode))
+        if mode == "swap":
+            plan.swap_out.extend(self.bm.swap_out(group))
+            group.status = SeqStatus.SWAPPED
+            group.num_swaps += 1
+            for s in group.seqs:
+                s.status = SeqStatus.SWAPPED
+            self.swapped.append(group)
+            return group
+        for s in group.seqs:
+            self.bm.free(s)
+            s.num_computed = 0
+            s.status = SeqStatus.WAITING
+        if mode == "restart":
+            for s in group.seqs[1:]:
+                self.seqs.pop(s.seq_id, None)
+            first = group.seqs[0]
+            first.output_len = 0
+            first.cum_logprob = 0.0
+            if first.token_ids is not None:
+                del first.token_ids[first.prompt_len:]
+            del first.block_hashes[first.prompt_len // self.block_size:]
+            group.seqs = [first]
+            group.finished_seqs = []
+        group.status = SeqStatus.WAITING
+        self.waiting.appendleft(group)
+        return group
+
+    def _schedule_swapped(self, plan: StepPlan, budget: list[int], now: float) -> None:
+        while self.swapped:
+            group = self.swapped[0]
+            need = sum(s.num_tokens - s.num_computed for s in group.seqs)
+            if need > budget[0] or self.num_running_seqs + len(group.seqs) > self.max_num_seqs:
+                return
+            if not self.bm.can_swap_in(group):
+                return
+            self.swapped.popleft()
+            plan.swap_in.extend(self.bm.swap_in(group))
+            self._insert_running(group)
+            for s in group.seqs:
+                n = s.num_tokens - s.num_computed
+                plan.copies.extend(self.bm.append_slots(s, n))
+                self._emit(plan, s, n)
+            budget[0] -= need
+
+    def _schedule_waiting(self, plan: StepPlan, budget: list[int], now: float) -> None:
+        bm = self.bm
+        while self.waiting and budget[0] > 0:
+            group = self.waiting[0]
+            status = bm.can_allocate(group, None if not self.chunked_prefill else budget[0])
+            if status is AllocStatus.NEVER:
+                self.waiting.popleft()
+                self._reject(group, f"needs {bm.max_blocks_needed(group)} blocks but the cache holds "
+                                    f"{bm.num_gpu_blocks - bm.watermark_blocks} (after the watermark)", plan, now)
+                continue
+            longest = max(s.num_tokens for s in group.seqs)
+            if not self.chunked_prefill and longest > self.max_num_batched_tokens:
+                self.waiting.popleft()
+                self._reject(group, f"prompt of {longest} tokens exceeds max_num_batched_tokens="
+                                    f"{self.max_num_batched_tokens} and chunked prefill is off", plan, now)
+                continue
+            if status is AllocStatus.LATER or self.num_running_seqs + len(group.seqs) > self.max_num_seqs:
+                return
+            if not self._admit(group, plan, budget):
+                return
+            self.waiting.popleft()
+            if group.first_scheduled is None:
+                group.first_scheduled = now
+
+    def _admit(self, group: SequenceGroup, plan: StepPlan, budget: list[int]) -> bool:
+        """Allocate the (single) waiting sequence's table and schedule its first chunk; False, with
+        nothing changed, if the token budget cannot take it this iteration."""
+        bm = self.bm
+        (seq,) = group.seqs  # waiting groups always hold one sequence (see _preempt)
+        cached = bm.allocate(seq)
+        seq.num_computed = cached
+        n = self._chunk(seq, budget[0])
+        if n == 0:
+            bm.free(seq)
+            seq.num_computed = 0
+            return False
+        group.prefix_hit_tokens += cached
+        copies = bm.append_slots(seq, n)
+        if copies is None:  # can_allocate said OK, so this is a bookkeeping bug
+            raise AssertionError(f"group {group.group_id}: blocks vanished during admission")
+        plan.copies.extend(copies)
+        self._insert_running(group)
+        self._emit(plan, seq, n)
+        budget[0] -= n
+        return True

@@ -1,0 +1,53 @@
+"""Request traces: the Trace type, loaders for public formats, arrival processes, synthetic
+workloads. Imports nothing else from this project (numpy, pandas, pyarrow only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from traces.arrivals import apply_arrivals
+from traces.loaders import KNOWN_FORMATS, TraceFormatError, load_trace
+from traces.synthetic import SYNTHETIC, make_synthetic
+from traces.trace import Trace
+
+DEFAULT_SYNTHETIC_REQUESTS = 1000
+
+__all__ = [
+    "KNOWN_FORMATS",
+    "SYNTHETIC",
+    "Trace",
+    "TraceFormatError",
+    "apply_arrivals",
+    "load_trace",
+    "make_synthetic",
+    "resolve_trace",
+]
+
+
+def resolve_trace(
+    spec: str,
+    num_requests: int | None = None,
+    rate: float | None = None,
+    burstiness: float | None = None,
+    seed: int = 0,
+    format: str | None = None,
+) -> Trace:
+    """The trace a run should replay, with arrivals applied.
+
+    ``spec`` is a synthetic workload name (``SYNTHETIC``; ``num_requests`` defaults to
+    DEFAULT_SYNTHETIC_REQUESTS) or a trace file path (``num_requests`` keeps the first requests).
+    Arrivals follow ``apply_arrivals``: a length-only workload needs ``rate``.
+    """
+    if spec in SYNTHETIC:
+        n = DEFAULT_SYNTHETIC_REQUESTS if num_requests is None else num_requests
+        trace = make_synthetic(spec, n, seed=seed)
+    elif Path(spec).is_file():
+        trace = load_trace(spec, format=format)
+        if num_requests is not None:
+            trace = trace.head(num_requests)
+    else:
+        raise ValueError(
+            f"trace {spec!r} is neither a synthetic workload ({', '.join(SYNTHETIC)}) "
+            "nor an existing file: the file does not exist"
+        )
+    return apply_arrivals(trace, rate=rate, burstiness=burstiness, seed=seed)
