@@ -1,0 +1,446 @@
+"""Loaders for public LLM-serving trace formats and the project's own format.
+
+``load_trace(path, format=None)`` reads a file into a ``Trace``. The format is detected from the
+suffix and the column names (CSV header, Parquet schema, JSONL keys) unless given by name.
+
+Every problem with the file's content raises ``TraceFormatError`` naming the file, the 1-based file
+line (CSV, JSONL) or data row (Parquet) or the field, and what was expected. CSV line numbers
+assume one record per line (no quoted newlines), which holds for all supported formats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from traces.trace import Trace, split_ints
+
+KNOWN_FORMATS = ("azure", "length-csv", "splitwise", "mooncake", "burstgpt", "pagesim")
+
+MOONCAKE_BLOCK = 512  # Mooncake hash_ids name 512-token prompt blocks
+
+# Column aliases for Splitwise-style processed traces: Vidur's trace replay uses
+# arrived_at/num_prefill_tokens/num_decode_tokens, splitwise-sim uses
+# arrival_timestamp/prompt_size/token_size. All in seconds and tokens.
+SPLITWISE_TIME = ("arrived_at", "arrival_timestamp", "arrival_time")
+SPLITWISE_PROMPT = ("num_prefill_tokens", "prompt_size", "prompt_tokens", "input_tokens")
+SPLITWISE_OUTPUT = ("num_decode_tokens", "token_size", "output_tokens", "completion_tokens")
+
+
+class TraceFormatError(ValueError):
+    """A trace file cannot be read as the requested or detected format."""
+
+
+@dataclass(frozen=True)
+class _Where:
+    """How to name a location in the file being read, for error messages."""
+
+    path: Path
+    unit: str = "line"  # "line" for CSV/JSONL, "row" for Parquet
+    first: int = 2  # CSV: data row 0 is file line 2 (line 1 is the header)
+
+    def at(self, label: int) -> str:
+        return f"{self.path}: {self.unit} {int(label) + self.first}"
+
+    def fail(self, label: int, column: str, message: str) -> TraceFormatError:
+        return TraceFormatError(f"{self.at(label)}: column {column!r}: {message}")
+
+
+# ---------------------------------------------------------------- column validation
+
+
+def _require(frame: pd.DataFrame, columns: tuple[str, ...], where: _Where, fmt: str) -> None:
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise TraceFormatError(
+            f"{where.path}: {fmt} format needs column(s) {missing}; found {list(frame.columns)}"
+        )
+
+
+def _first_alias(frame: pd.DataFrame, aliases: tuple[str, ...], where: _Where, what: str) -> str:
+    for name in aliases:
+        if name in frame.columns:
+            return name
+    raise TraceFormatError(
+        f"{where.path}: splitwise format needs a {what} column (one of {list(aliases)}); "
+        f"found {list(frame.columns)}"
+    )
+
+
+def _numeric(frame: pd.DataFrame, column: str, where: _Where, expected: str) -> pd.Series:
+    """The column as float, failing at the first missing or non-numeric cell."""
+    raw = frame[column]
+    missing = raw.isna()
+    if missing.any():
+        raise where.fail(raw.index[missing.argmax()], column, f"missing value (NaN), expected {expected}")
+    values = pd.to_numeric(raw, errors="coerce")
+    bad = values.isna()
+    if bad.any():
+        label = raw.index[bad.argmax()]
+        raise where.fail(label, column, f"{raw[label]!r} is not a number, expected {expected}")
+    return values.astype(np.float64)
+
+
+def _lengths(frame: pd.DataFrame, column: str, where: _Where) -> np.ndarray:
+    """A token-length column as int64, every value a positive integer."""
+    expected = "a positive integer token count"
+    values = _numeric(frame, column, where, expected)
+    frac = ~np.isfinite(values) | (values != np.floor(values))
+    if frac.any():
+        label = values.index[frac.argmax()]
+        raise where.fail(label, column, f"non-integer length {float(values[label])!r}, expected {expected}")
+    small = values < 1
+    if small.any():
+        label = values.index[small.argmax()]
+        kind = "zero" if values[label] == 0 else "negative"
+        raise where.fail(label, column, f"{kind} length {int(values[label])}, expected {expected}")
+    return values.to_numpy(np.int64)
+
+
+def _seconds(frame: pd.DataFrame, column: str, where: _Where, scale: float = 1.0) -> np.ndarray:
+    """A numeric timestamp column in seconds (``scale`` converts units), finite and >= 0."""
+    values = _numeric(frame, column, where, "a timestamp >= 0")
+    bad = ~np.isfinite(values) | (values < 0)
+    if bad.any():
+        label = values.index[bad.argmax()]
+        raise where.fail(label, column, f"timestamp {float(values[label]):g}, expected a finite value >= 0")
+    return values.to_numpy(np.float64) * scale
+
+
+# ---------------------------------------------------------------- reading files
+
+
+_TEXT_COLUMNS = {"prefix_hashes": str, "prompt_token_ids": str}
+
+
+def _read_csv(path: Path) -> pd.DataFrame:
+    """Read a CSV keeping file line numbers recoverable: index label i is file line i + 2."""
+    try:
+        # skip_blank_lines=False keeps blank lines as all-NaN rows so the index stays aligned with
+        # file lines; dropping them afterwards keeps the original index labels.
+        # Int-list columns stay strings: a column of single hashes would otherwise parse as
+        # numbers, and as lossy floats when some cells are empty.
+        frame = pd.read_csv(path, skip_blank_lines=False, skipinitialspace=True, dtype=_TEXT_COLUMNS)
+    except (pd.errors.ParserError, UnicodeDecodeError, pd.errors.EmptyDataError) as exc:
+        raise TraceFormatError(f"{path}: cannot parse as CSV: {exc}") from exc
+    frame.columns = [str(c).strip() for c in frame.columns]
+    frame = frame.dropna(how="all")
+    if frame.empty:
+        raise TraceFormatError(f"{path}: no requests (header only, expected at least one data line)")
+    return frame
+
+
+def _read_parquet(path: Path) -> pd.DataFrame:
+    try:
+        frame = pd.read_parquet(path)
+    except Exception as exc:  # pyarrow raises several unrelated types for corrupt files
+        raise TraceFormatError(f"{path}: cannot read as Parquet: {exc}") from exc
+    if frame.empty:
+        raise TraceFormatError(f"{path}: no requests (expected at least one row)")
+    return frame.reset_index(drop=True)
+
+
+def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(1-based line number, object) for each non-blank line."""
+    records = []
+    with path.open("r", encoding="utf-8") as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceFormatError(f"{path}: line {lineno}: unreadable JSON ({exc.msg})") from exc
+            if not isinstance(obj, dict):
+                raise TraceFormatError(f"{path}: line {lineno}: expected a JSON object, got {type(obj).__name__}")
+            records.append((lineno, obj))
+    if not records:
+        raise TraceFormatError(f"{path}: no requests (expected JSON lines)")
+    return records
+
+
+def _sorted_order(arrival: np.ndarray, path: Path) -> np.ndarray | None:
+    """A stable sorting permutation if arrivals are out of order (with a warning), else None."""
+    if not np.any(np.diff(arrival) < 0):
+        return None
+    warnings.warn(f"{path}: timestamps are not sorted; sorting {len(arrival)} requests by arrival", stacklevel=3)
+    return np.argsort(arrival, kind="stable")
+
+
+def _build(path: Path, arrival: np.ndarray | None, prompt: np.ndarray, output: np.ndarray, **extra: Any) -> Trace:
+    """Make a Trace from validated columns, sorting by arrival (with a warning) if needed."""
+    has_ts = arrival is not None
+    arrival = np.zeros(len(prompt)) if arrival is None else arrival
+    order = _sorted_order(arrival, path) if has_ts else None
+    if order is not None:
+        arrival, prompt, output = arrival[order], prompt[order], output[order]
+        for key in ("prefix_hashes", "prompt_token_ids"):
+            if extra.get(key) is not None:
+                extra[key] = [extra[key][i] for i in order]
+        for key in ("n", "beam_width"):
+            if extra.get(key) is not None:
+                extra[key] = extra[key][order]
+    return Trace(
+        arrival=arrival,
+        prompt_len=prompt,
+        output_len=output,
+        name=path.stem,
+        source=str(path),
+        has_timestamps=has_ts,
+        **extra,
+    )
+
+
+# ---------------------------------------------------------------- per-format loaders
+
+
+def _load_azure(path: Path) -> Trace:
+    frame = _read_csv(path)
+    where = _Where(path)
+    _require(frame, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"), where, "azure")
+    raw = frame["TIMESTAMP"]
+    # pandas parses the 7 fractional digits that datetime.strptime's %f rejects.
+    stamps = pd.to_datetime(raw, errors="coerce", format="ISO8601")
+    bad = stamps.isna()
+    if bad.any():
+        label = raw.index[bad.argmax()]
+        raise where.fail(label, "TIMESTAMP", f"{raw[label]!r} is not a date-time like 2023-11-16 18:15:46.6805900")
+    arrival = (stamps - stamps.min()).dt.total_seconds().to_numpy(np.float64)
+    return _build(path, arrival, _lengths(frame, "ContextTokens", where), _lengths(frame, "GeneratedTokens", where))
+
+
+def _load_length_csv(path: Path) -> Trace:
+    frame = _read_csv(path)
+    where = _Where(path)
+    _require(frame, ("num_prefill_tokens", "num_decode_tokens"), where, "length-csv")
+    prompt = _lengths(frame, "num_prefill_tokens", where)
+    return _build(path, None, prompt, _lengths(frame, "num_decode_tokens", where))
+
+
+def _load_splitwise(path: Path) -> Trace:
+    frame = _read_csv(path)
+    where = _Where(path)
+    time_col = _first_alias(frame, SPLITWISE_TIME, where, "arrival time")
+    prompt_col = _first_alias(frame, SPLITWISE_PROMPT, where, "prompt length")
+    output_col = _first_alias(frame, SPLITWISE_OUTPUT, where, "output length")
+    arrival = _seconds(frame, time_col, where)
+    return _build(path, arrival, _lengths(frame, prompt_col, where), _lengths(frame, output_col, where))
+
+
+def _load_burstgpt(path: Path) -> Trace:
+    frame = _read_csv(path)
+    where = _Where(path)
+    _require(frame, ("Timestamp", "Request tokens", "Response tokens"), where, "burstgpt")
+    request = _numeric(frame, "Request tokens", where, "a token count")
+    response = _numeric(frame, "Response tokens", where, "a token count")
+    # BurstGPT logs failed requests with zero request or response tokens: not work to replay.
+    failed = (request == 0) | (response == 0)
+    dropped = int(failed.sum())
+    if dropped:
+        warnings.warn(
+            f"{path}: dropped {dropped} failed requests (zero request or response tokens)", stacklevel=3
+        )
+        frame = frame[~failed.to_numpy()]
+        if frame.empty:
+            raise TraceFormatError(f"{path}: every request failed (zero tokens); nothing to replay")
+    arrival = _seconds(frame, "Timestamp", where)
+    prompt = _lengths(frame, "Request tokens", where)
+    trace = _build(path, arrival, prompt, _lengths(frame, "Response tokens", where))
+    return replace(trace, dropped=dropped)
+
+
+def _mooncake_int(obj: dict[str, Any], key: str, where: str, minimum: int) -> int:
+    if key not in obj:
+        raise TraceFormatError(f"{where}: missing field {key!r}; found {sorted(obj)}")
+    value = obj[key]
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value != int(value):
+        raise TraceFormatError(f"{where}: field {key!r} = {value!r}, expected an integer >= {minimum}")
+    if value < minimum:
+        kind = "zero" if value == 0 else "negative"
+        raise TraceFormatError(f"{where}: field {key!r} is {kind} ({value}), expected an integer >= {minimum}")
+    return int(value)
+
+
+def _mooncake_ms(obj: dict[str, Any], where: str) -> float:
+    if "timestamp" not in obj:
+        raise TraceFormatError(f"{where}: missing field 'timestamp'; found {sorted(obj)}")
+    stamp = obj["timestamp"]
+    if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or not math.isfinite(stamp) or stamp < 0:
+        raise TraceFormatError(f"{where}: field 'timestamp' = {stamp!r}, expected milliseconds >= 0")
+    return float(stamp)
+
+
+def _mooncake_hashes(obj: dict[str, Any], where: str, prompt: int) -> tuple[int, ...]:
+    value = obj["hash_ids"]
+    if not isinstance(value, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in value):
+        raise TraceFormatError(f"{where}: field 'hash_ids' must be a list of integers")
+    if len(value) > -(-prompt // MOONCAKE_BLOCK):
+        raise TraceFormatError(
+            f"{where}: field 'hash_ids' has {len(value)} ids for input_length {prompt}, "
+            f"expected at most ceil({prompt}/{MOONCAKE_BLOCK})"
+        )
+    return tuple(value)
+
+
+def _load_mooncake(path: Path) -> Trace:
+    records = _read_jsonl(path)
+    with_hashes = "hash_ids" in records[0][1]
+    arrival, prompt, output, hashes = [], [], [], []
+    for lineno, obj in records:
+        where = f"{path}: line {lineno}"
+        # Mooncake timestamps are integer milliseconds; accept fractional ms too.
+        arrival.append(_mooncake_ms(obj, where) / 1000.0)
+        prompt.append(_mooncake_int(obj, "input_length", where, 1))
+        output.append(_mooncake_int(obj, "output_length", where, 1))
+        if ("hash_ids" in obj) != with_hashes:
+            state = "missing" if with_hashes else "present here but not on the first line"
+            raise TraceFormatError(f"{where}: field 'hash_ids' {state}; expected on all lines or none")
+        if with_hashes:
+            hashes.append(_mooncake_hashes(obj, where, prompt[-1]))
+    extra: dict[str, Any] = {}
+    if with_hashes:
+        extra = {"prefix_hashes": hashes, "hash_block_size": MOONCAKE_BLOCK}
+    return _build(path, np.array(arrival), np.array(prompt, np.int64), np.array(output, np.int64), **extra)
+
+
+def _load_pagesim(path: Path) -> Trace:
+    parquet = path.suffix.lower() in (".parquet", ".pq")
+    frame = _read_parquet(path) if parquet else _read_csv(path)
+    where = _Where(path, unit="row", first=1) if parquet else _Where(path)
+    _require(frame, ("prompt_len", "output_len"), where, "pagesim")
+    arrival = None
+    if "arrival" in frame and not frame["arrival"].isna().all():
+        arrival = _seconds(frame, "arrival", where)  # partly empty column: error at first gap
+    extra: dict[str, Any] = {}
+    for column in ("n", "beam_width"):
+        if column in frame:
+            extra[column] = _lengths(frame, column, where)
+    if "prefix_hashes" in frame:
+        extra.update(_pagesim_hashes(frame, where))
+    if "prompt_token_ids" in frame:
+        extra["prompt_token_ids"] = _int_lists(frame, "prompt_token_ids", where)
+    prompt = _lengths(frame, "prompt_len", where)
+    try:
+        return _build(path, arrival, prompt, _lengths(frame, "output_len", where), **extra)
+    except ValueError as exc:  # cross-column invariants (hash counts, token id counts)
+        raise TraceFormatError(f"{path}: {exc}") from exc
+
+
+def _int_lists(frame: pd.DataFrame, column: str, where: _Where) -> list[list[int]]:
+    out = []
+    for label, value in frame[column].items():
+        try:
+            out.append(split_ints(value))
+        except (TypeError, ValueError):
+            raise where.fail(label, column, f"{value!r} is not space-separated integers") from None
+    return out
+
+
+def _pagesim_hashes(frame: pd.DataFrame, where: _Where) -> dict[str, Any]:
+    if "hash_block_size" not in frame:
+        raise TraceFormatError(f"{where.path}: column 'prefix_hashes' needs a 'hash_block_size' column")
+    block = _lengths(frame, "hash_block_size", where)
+    differs = block != block[0]
+    if differs.any():
+        label = frame.index[differs.argmax()]
+        raise where.fail(label, "hash_block_size", f"{int(block[differs.argmax()])} differs from the first row's {block[0]}")
+    hashes = [tuple(ids) for ids in _int_lists(frame, "prefix_hashes", where)]
+    return {"prefix_hashes": hashes, "hash_block_size": int(block[0])}
+
+
+LOADERS: dict[str, Callable[[Path], Trace]] = {
+    "azure": _load_azure,
+    "length-csv": _load_length_csv,
+    "splitwise": _load_splitwise,
+    "mooncake": _load_mooncake,
+    "burstgpt": _load_burstgpt,
+    "pagesim": _load_pagesim,
+}
+
+
+# ---------------------------------------------------------------- detection
+
+
+def _csv_header(path: Path) -> list[str]:
+    with path.open("r", encoding="utf-8-sig", errors="replace") as handle:
+        for line in handle:
+            if line.strip():
+                return [c.strip().strip('"') for c in line.rstrip("\n").split(",")]
+    return []
+
+
+def _format_from_columns(columns: list[str]) -> str | None:
+    cols = set(columns)
+    if {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} <= cols:
+        return "azure"
+    if {"Timestamp", "Request tokens", "Response tokens"} <= cols:
+        return "burstgpt"
+    if {"prompt_len", "output_len"} <= cols:
+        return "pagesim"
+    if all(cols & set(aliases) for aliases in (SPLITWISE_TIME, SPLITWISE_PROMPT, SPLITWISE_OUTPUT)):
+        return "splitwise"
+    if {"num_prefill_tokens", "num_decode_tokens"} <= cols:
+        return "length-csv"
+    return None
+
+
+def _jsonl_keys(path: Path) -> list[str]:
+    with path.open("r", encoding="utf-8", errors="replace") as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if line.strip():
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise TraceFormatError(f"{path}: line {lineno}: unreadable JSON ({exc.msg})") from exc
+                return sorted(obj) if isinstance(obj, dict) else []
+    return []
+
+
+def detect_format(path: str | Path) -> str:
+    """The format name of ``path`` from its suffix and column names or JSON keys."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix in (".parquet", ".pq"):
+        return "pagesim"
+    if suffix in (".jsonl", ".json"):
+        keys = _jsonl_keys(path)
+        if {"timestamp", "input_length", "output_length"} <= set(keys):
+            return "mooncake"
+        raise TraceFormatError(
+            f"{path}: cannot detect trace format from JSON fields {keys}; expected Mooncake fields "
+            f"timestamp, input_length, output_length[, hash_ids]. Known formats: {', '.join(KNOWN_FORMATS)}"
+        )
+    columns = _csv_header(path)
+    fmt = _format_from_columns(columns)
+    if fmt is None:
+        raise TraceFormatError(
+            f"{path}: cannot detect trace format from columns {columns}; "
+            f"pass a format, one of: {', '.join(KNOWN_FORMATS)}"
+        )
+    return fmt
+
+
+def load_trace(path: str | Path, format: str | None = None) -> Trace:
+    """Load a trace file; ``format`` is one of ``KNOWN_FORMATS`` or None to detect it.
+
+    Raises FileNotFoundError if the file does not exist and TraceFormatError for unreadable or
+    invalid content. Unsorted timestamps are sorted with a warning naming the file.
+    """
+    path = Path(path)
+    if format is not None and format not in LOADERS:
+        raise TraceFormatError(f"{path}: unknown trace format {format!r}; known formats: {', '.join(KNOWN_FORMATS)}")
+    if not path.is_file():
+        raise FileNotFoundError(f"trace file {path} does not exist")
+    if path.stat().st_size == 0:
+        raise TraceFormatError(f"{path}: file is empty, expected a trace")
+    fmt = format or detect_format(path)
+    return LOADERS[fmt](path)
