@@ -55,6 +55,7 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # content hash -> block id
         self.evictions = 0
+        self.used_filled = 0  # sum of `filled` over blocks in use: the token states, kept O(1)
 
     @property
     def num_free(self) -> int:
@@ -75,6 +76,7 @@ class BlockPool:
         """Take a reference on a block found by hash (removing it from the free queue if idle)."""
         if block.ref_count == 0:
             del self.free[block.block_id]
+            self.used_filled += block.filled
         block.ref_count += 1
 
     def release(self, block: Block) -> None:
@@ -82,9 +84,15 @@ class BlockPool:
         if block.ref_count < 0:
             raise AssertionError(f"block {block.block_id} freed twice")
         if block.ref_count == 0:
+            self.used_filled -= block.filled
             self.free[block.block_id] = None
             if block.hash is None:           # nothing worth keeping: reuse it first
                 self.free.move_to_end(block.block_id, last=False)
+
+    def set_filled(self, block: Block, filled: int) -> None:
+        """Record how many slots of an in-use block hold tokens."""
+        self.used_filled += filled - block.filled
+        block.filled = filled
 
     def register(self, block: Block, content_hash: int) -> None:
         if block.hash is None and content_hash not in self.cached:
@@ -203,6 +211,8 @@ class PagedBlockManager:
             parent = hashes[j - 1] if j else 0
             if seq.token_ids is not None:
                 content: object = tuple(seq.token_ids[j * bs:end])
+                if end > seq.prompt_len and -1 in content:  # simulated tokens have no content
+                    return None
             else:
                 ph = seq.group.request.prefix_hashes
                 hbs = seq.group.request.hash_block_size
@@ -271,6 +281,15 @@ class PagedBlockManager:
         bs = self.block_size
         table = self.tables[sid]
         blocks = self.pool.blocks
+        if cur % bs and new_total <= len(table) * bs and blocks[table[-1]].ref_count == 1:
+            # the common decode case: the token lands in the sequence's own partly filled block
+            last = blocks[table[-1]]
+            self.pool.used_filled += new_total - cur
+            last.filled += new_total - cur
+            self.slots[sid] = new_total
+            if self.enable_prefix_caching and new_total % bs == 0:
+                self._register_full_blocks(seq, len(table) - 1, len(table))
+            return []
         cow = cur % bs != 0 and blocks[table[-1]].ref_count > 1
         need = _cdiv(new_total, bs) - len(table)
         if need + cow > self.pool.num_free:
@@ -279,15 +298,16 @@ class PagedBlockManager:
         if cow:
             old = blocks[table[-1]]
             new = self.pool.take()
-            new.filled = old.filled
+            self.pool.set_filled(new, old.filled)
             copies.append((old.block_id, new.block_id))
             self.pool.release(old)
             table[-1] = new.block_id
         for _ in range(need):
             table.append(self.pool.take().block_id)
         first = cur // bs
+        set_filled = self.pool.set_filled
         for i in range(first, len(table)):
-            blocks[table[i]].filled = min(bs, new_total - i * bs)
+            set_filled(blocks[table[i]], min(bs, new_total - i * bs))
         self.slots[sid] = new_total
         if self.enable_prefix_caching:
             self._register_full_blocks(seq, first, new_total // bs)
@@ -371,7 +391,7 @@ class PagedBlockManager:
                 self.cpu.release(c)
             n = self.cpu_slots.pop(s.seq_id)
             for i, b in enumerate(table):
-                self.pool.blocks[b].filled = min(self.block_size, n - i * self.block_size)
+                self.pool.set_filled(self.pool.blocks[b], min(self.block_size, n - i * self.block_size))
             self.tables[s.seq_id] = table
             self.slots[s.seq_id] = n
         return list(mapping.items())
@@ -379,9 +399,9 @@ class PagedBlockManager:
     # ---------------------------------------------------------------- accounting
     def memory(self) -> MemoryBreakdown:
         bs = self.block_size
-        used = [b for b in self.pool.blocks if b.ref_count > 0]
-        states = sum(b.filled for b in used)
-        return MemoryBreakdown(token_states=states, reserved=0, internal_frag=len(used) * bs - states,
+        used = self.num_gpu_blocks - self.pool.num_free
+        states = self.pool.used_filled
+        return MemoryBreakdown(token_states=states, reserved=0, internal_frag=used * bs - states,
                                external_frag=0, free=self.pool.num_free * bs)
 
     def usage(self) -> float:
@@ -394,6 +414,8 @@ class PagedBlockManager:
             assert len(table) == _cdiv(self.slots[sid], self.block_size), f"seq {sid}: table/slots mismatch"
             for b in table:
                 refs[b] += 1
+        filled = sum(b.filled for b in self.pool.blocks if b.ref_count > 0)
+        assert filled == self.pool.used_filled, f"token-state count {self.pool.used_filled} != {filled}"
         for b in self.pool.blocks:
             assert b.ref_count == refs[b.block_id], f"block {b.block_id}: ref {b.ref_count} != {refs[b.block_id]}"
             assert (b.ref_count == 0) == (b.block_id in self.pool.free), f"block {b.block_id}: free-queue mismatch"

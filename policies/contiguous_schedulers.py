@@ -19,7 +19,7 @@ from policies.block_manager import AllocStatus
 from policies.buddy import next_pow2
 from policies.contiguous import ContiguousAllocator
 from policies.memory import MemoryBreakdown
-from policies.plan import ScheduledSeq, StepPlan
+from policies.plan import ScheduledSeq, StepPlan, StepResult
 from policies.request import Sequence, SequenceGroup
 from policies.scheduler import Scheduler
 
@@ -53,16 +53,41 @@ class _ReservingScheduler(Scheduler):
         self.spares.pop(group.group_id, None)
 
     def _schedule_running(self, plan: StepPlan, budget: int | None) -> int:
+        """Schedule every running group's next tokens, whole groups only (a beam group advances in
+        lockstep), skipping groups that do not fit in the remaining token `budget`."""
+        out = plan.seqs
+        regions = self.regions
         for group in self.running:
-            for seq in group.seqs:
-                n = seq.num_tokens - seq.num_computed
-                if budget is not None and n > budget:
-                    continue
-                region = self.regions[seq.seq_id]
-                plan.seqs.append(ScheduledSeq(seq.seq_id, group.group_id, seq.num_computed, n, region, True))
+            seqs = group.seqs
+            gid = group.group_id
+            if len(seqs) == 1:  # the common case, kept lean
+                seq = seqs[0]
+                start = seq.num_computed
+                n = seq.prompt_len + seq.output_len - start
                 if budget is not None:
+                    if n > budget:
+                        continue
                     budget -= n
+                out.append(ScheduledSeq(seq.seq_id, gid, start, n, regions[seq.seq_id], True))
+                continue
+            if budget is not None:
+                need = sum(s.num_tokens - s.num_computed for s in seqs)
+                if need > budget:
+                    continue
+                budget -= need
+            for seq in seqs:
+                out.append(ScheduledSeq(seq.seq_id, gid, seq.num_computed, seq.num_tokens - seq.num_computed,
+                                        regions[seq.seq_id], True))
         return budget if budget is not None else 0
+
+    def _too_wide(self, group: SequenceGroup, plan: StepPlan, now: float) -> bool:
+        """Reject a group wider than max_num_seqs (it could never be admitted)."""
+        width = group.request.sampling.width
+        if width <= self.max_num_seqs:
+            return False
+        self.waiting.popleft()
+        self._reject(group, f"needs {width} sequences at once but max_num_seqs={self.max_num_seqs}", plan, now)
+        return True
 
     def _new_plan(self) -> StepPlan:
         plan = StepPlan(block_size=self.block_size)
@@ -83,15 +108,22 @@ class OrcaScheduler(_ReservingScheduler):
     def schedule(self, now: float) -> StepPlan:
         plan = self._new_plan()
         budget = self._schedule_running(plan, self.max_num_batched_tokens)
+        if not self.waiting:
+            return plan
+        demand = sum(self.seq_demand(g) for g in self.running)
         while self.waiting:
             group = self.waiting[0]
             status = self.alloc.can_allocate(group)
             width = group.request.sampling.width
             if status is AllocStatus.NEVER:
                 self.waiting.popleft()
-                self._reject(group, f"reservation of {width} x {self.alloc.reservation(group)} slots exceeds the "
-                                    f"largest chunk the cache can place ({self.alloc.buddy.max_chunk * self.block_size})",
-                             plan, now)
+                units = next_pow2(-(-self.alloc.reservation(group) // self.block_size))
+                fits = self.alloc.buddy.capacity // units
+                self._reject(group, f"reservation of {width} x {self.alloc.reservation(group)} slots does not fit: "
+                                    f"the cache places at most {fits} chunk(s) of {units * self.block_size} slots "
+                                    f"(largest chunk {self.alloc.buddy.max_chunk * self.block_size})", plan, now)
+                continue
+            if self._too_wide(group, plan, now):
                 continue
             n = group.request.prompt_len
             if n > self.max_num_batched_tokens:
@@ -99,10 +131,11 @@ class OrcaScheduler(_ReservingScheduler):
                 self._reject(group, f"prompt of {n} tokens exceeds max_num_batched_tokens="
                                     f"{self.max_num_batched_tokens}", plan, now)
                 continue
-            if status is AllocStatus.LATER or n > budget or self.num_running_seqs + width > self.max_num_seqs:
+            if status is AllocStatus.LATER or n > budget or demand + width > self.max_num_seqs:
                 break
             self.waiting.popleft()
             self._admit(group)
+            demand += width
             group.first_scheduled = now
             seq = group.seqs[0]
             plan.seqs.append(ScheduledSeq(seq.seq_id, group.group_id, 0, n, self.regions[seq.seq_id], True))
@@ -182,8 +215,18 @@ class StaticScheduler(_ReservingScheduler):
         self._schedule_running(plan, None)
         return plan
 
+    def on_step_done(self, plan: StepPlan, result: StepResult, now: float) -> list[SequenceGroup]:
+        finished = super().on_step_done(plan, result, now)
+        if not self.running:  # the batch is over: its memory is free
+            self.batch_len = self.batch_blocks = 0
+        return finished
+
     def _form_batch(self, plan: StepPlan, now: float) -> None:
+        """The largest FCFS batch that fits: padded memory within the cache, at most max_num_seqs
+        sequences, and its prefill (all prompts, or one token per sequence) within
+        max_num_batched_tokens."""
         batch: list[SequenceGroup] = []
+        width = tokens = 0
         while self.waiting:
             group = self.waiting[0]
             _, alone = self._padded([group])
@@ -192,11 +235,20 @@ class StaticScheduler(_ReservingScheduler):
                 self._reject(group, f"padded reservation of {alone * self.block_size} slots exceeds the "
                                     f"cache ({self.num_blocks * self.block_size} slots)", plan, now)
                 continue
+            if self._too_wide(group, plan, now):
+                continue
+            if group.request.prompt_len > self.max_num_batched_tokens:
+                self.waiting.popleft()
+                self._reject(group, f"prompt of {group.request.prompt_len} tokens exceeds max_num_batched_tokens="
+                                    f"{self.max_num_batched_tokens}", plan, now)
+                continue
             _, blocks = self._padded(batch + [group])
-            width = sum(g.request.sampling.width for g in batch) + group.request.sampling.width
-            if blocks > self.num_blocks or width > self.max_num_seqs:
+            w = width + group.request.sampling.width
+            t = tokens + group.request.prompt_len
+            if blocks > self.num_blocks or w > self.max_num_seqs or max(t, w) > self.max_num_batched_tokens:
                 break
             batch.append(self.waiting.popleft())
+            width, tokens = w, t
         if not batch:
             return
         self.batch_len, self.batch_blocks = self._padded(batch)
@@ -212,17 +264,11 @@ class StaticScheduler(_ReservingScheduler):
             group.first_scheduled = now
             self._insert_running(group)
 
-    def _release_group(self, group: SequenceGroup) -> None:
-        super()._release_group(group)
-        if len(self.running) == 1 and self.running[0] is group:  # the batch ends with it
-            self.batch_len = self.batch_blocks = 0
-
     def memory(self) -> MemoryBreakdown:
         bs = self.block_size
         states = reserved = 0
         for group in self.running:
-            true_out = group.request.output_len
-            eventual = group.request.prompt_len + (true_out if true_out is not None else group.request.max_output)
+            eventual = group.request.prompt_len + group.request.max_output
             for seq in group.seqs:
                 states += seq.num_computed
                 reserved += max(eventual - seq.num_computed, 0)

@@ -39,7 +39,7 @@ class StepComposition:
         return self.num_tokens == 0 and self.swap_in_blocks == 0 and self.swap_out_blocks == 0
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's work in an iteration: compute `num_new_tokens` tokens starting at
     position `start` (its number of already computed tokens)."""
@@ -94,7 +94,7 @@ class StepPlan:
         )
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqOutcome:
     """What one sampling sequence produced. `children` is used by parallel sampling and beam
     search: each entry (token) is a new sequence forked from this one that continues with that

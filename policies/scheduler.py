@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 
 from policies.memory import MemoryBreakdown
-from policies.plan import StepPlan, StepResult
+from policies.plan import SeqOutcome, StepPlan, StepResult
 from policies.request import Request, SeqStatus, Sequence, SequenceGroup
 
 
@@ -34,7 +34,7 @@ class Scheduler(ABC):
     name = "base"
 
     def __init__(self, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
-                 block_size: int = 16) -> None:
+                 block_size: int = 16, max_model_len: int | None = None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if block_size < 1:
@@ -42,6 +42,9 @@ class Scheduler(ABC):
         if max_num_batched_tokens < block_size:
             raise ValueError(f"max_num_batched_tokens must be >= block_size ({block_size}), "
                              f"got {max_num_batched_tokens}")
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
@@ -59,8 +62,19 @@ class Scheduler(ABC):
         group = SequenceGroup(request, next(self._seq_ids))
         for s in group.seqs:
             self.seqs[s.seq_id] = s
-        self.waiting.append(group)
         self.num_added += 1
+        total = request.prompt_len + request.max_output
+        if self.max_model_len is not None and total > self.max_model_len:
+            group.rejected = (f"prompt {request.prompt_len} + output {request.max_output} tokens exceeds "
+                              f"the model's context of {self.max_model_len}")
+            group.status = SeqStatus.FINISHED
+            group.finish_time = request.arrival
+            for s in group.seqs:
+                s.status = SeqStatus.FINISHED
+                self.seqs.pop(s.seq_id, None)
+            self.done.append(group)
+            return group
+        self.waiting.append(group)
         return group
 
     def has_unfinished(self) -> bool:
@@ -69,6 +83,16 @@ class Scheduler(ABC):
     @property
     def num_running_seqs(self) -> int:
         return sum(len(g.seqs) for g in self.running)
+
+    @staticmethod
+    def seq_demand(group: SequenceGroup) -> int:
+        """Sequences the group runs at once from now on, at most: its width (n or beam width) until it
+        has forked, then its live sequences. Admission must count this, not len(group.seqs), or
+        forks push a batch past max_num_seqs."""
+        width = group.request.sampling.width
+        if width > 1 and len(group.seqs) + len(group.finished_seqs) <= 1:
+            return width
+        return len(group.seqs)
 
     def _insert_running(self, group: SequenceGroup) -> None:
         group.status = SeqStatus.RUNNING
@@ -106,6 +130,7 @@ class Scheduler(ABC):
         """Apply an executed plan: advance computed counts, append sampled tokens, fork and drop
         sequences, finish groups. Returns the groups that finished in this step."""
         touched: dict[int, SequenceGroup] = {}
+        sampled: list[tuple[Sequence, SeqOutcome]] = []
         for ss in plan.seqs:
             seq = self.seqs[ss.seq_id]
             seq.num_computed += ss.num_new_tokens
@@ -118,7 +143,16 @@ class Scheduler(ABC):
             out = result.outcomes.get(ss.seq_id)
             if out is None:
                 raise ValueError(f"executor returned no outcome for sampling sequence {ss.seq_id}")
-            for tok in out.children:
+            if out.keep or out.children:
+                sampled.append((seq, out))
+            else:  # pruned beams first: their memory serves this step's forks (contiguous spares)
+                self._finish_seq(seq, keep_record=False)
+        for seq, out in sampled:
+            group = seq.group
+            token, children = out.token, out.children
+            if not out.keep:  # a dropped parent with children continues as its first child (no copy)
+                token, children = children[0], children[1:]
+            for tok in children:
                 child = Sequence(next(self._seq_ids), group, seq.prompt_len, seq.target_len,
                                  None if seq.token_ids is None else list(seq.token_ids), seq.output_len)
                 child.num_computed = seq.num_computed
@@ -128,13 +162,10 @@ class Scheduler(ABC):
                 child.append(tok)
                 group.seqs.append(child)
                 self.seqs[child.seq_id] = child
-            if out.keep:
-                seq.append(out.token)
-                seq.cum_logprob = out.logprob
-                if out.finished:
-                    self._finish_seq(seq, keep_record=True)
-            else:
-                self._finish_seq(seq, keep_record=False)
+            seq.append(token)
+            seq.cum_logprob = out.logprob
+            if out.finished:
+                self._finish_seq(seq, keep_record=True)
         finished = []
         for group in touched.values():
             if not group.seqs:
@@ -160,5 +191,10 @@ class Scheduler(ABC):
         assert len(ids) == len(set(ids)) == self.num_added, \
             f"{self.num_added} requests added but {len(set(ids))} accounted for ({len(ids)} entries)"
         for g in self.done:
-            assert g.status == SeqStatus.FINISHED and not g.seqs, f"group {g.group_id} done but not finished"
-            assert g.rejected is not None or g.finished_seqs, f"group {g.group_id}: finished with no output"
+            assert g.status == SeqStatus.FINISHED, f"group {g.group_id} done but not finished"
+            if g.rejected is None:
+                assert not g.seqs, f"group {g.group_id} done with live sequences {g.seqs}"
+                assert g.finished_seqs, f"group {g.group_id}: finished with no output"
+            else:  # a rejected group keeps its (never run) sequences, all finished and forgotten
+                assert all(s.status == SeqStatus.FINISHED and s.seq_id not in self.seqs for s in g.seqs), \
+                    f"rejected group {g.group_id} has live sequences"

@@ -11,6 +11,10 @@ nothing new is admitted while any group is swapped out).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
+
 from policies.block_manager import AllocStatus, PagedBlockManager
 from policies.memory import MemoryBreakdown
 from policies.plan import ScheduledSeq, StepPlan
@@ -214,3 +218,98 @@ class VllmScheduler(Scheduler):
         self._emit(plan, seq, n)
         budget[0] -= n
         return True
+
+    # ---------------------------------------------------------------- skipping ahead
+    def decode_horizon(self, remaining: Callable[[], list[int]]) -> int:
+        """How many coming iterations are certain to be plain decodes of exactly the running set:
+        no admission, swap-in, rejection, preemption or finish can happen in them.
+
+        `remaining()[i]` is how many more tokens running group i will sample before it finishes
+        (known to a simulator; asked only when everything else allows skipping). Returns 0 when the next iteration must be scheduled normally.
+        The caller must still stop the window at the next arrival if nothing is waiting.
+        """
+        running = self.running
+        if not running or self.swapped or len(running) > self.max_num_batched_tokens:
+            return 0
+        if self.waiting and not self._head_stays_blocked(len(running)):
+            return 0
+        for g in running:
+            if len(g.seqs) != 1 or g.seqs[0].num_tokens - g.seqs[0].num_computed != 1:
+                return 0
+        k = min(remaining()) - 1
+        if k < 1:
+            return 0
+        need = self._blocks_needed_by_step(k)
+        cum = np.cumsum(need)
+        return int(np.searchsorted(cum, self.bm.num_free_blocks, side="right"))
+
+    def _head_stays_blocked(self, num_running: int) -> bool:
+        """True if the waiting head is refused now for a reason that persists while running
+        sequences only grow (free blocks only shrink, counts and budgets stay)."""
+        head = self.waiting[0]
+        if len(head.seqs) != 1 or head.rejected is not None:
+            return False
+        bm = self.bm
+        left = self.max_num_batched_tokens - num_running
+        status = bm.can_allocate(head, left if self.chunked_prefill else None)
+        if status is AllocStatus.NEVER:
+            return False
+        if not self.chunked_prefill and head.seqs[0].num_tokens > self.max_num_batched_tokens:
+            return False
+        if status is AllocStatus.LATER or num_running + 1 > self.max_num_seqs:
+            return True
+        return not self.chunked_prefill and head.seqs[0].num_tokens > left
+
+    def _decode_slots(self) -> np.ndarray:
+        return np.fromiter((g.seqs[0].num_computed for g in self.running), dtype=np.int64,
+                           count=len(self.running))
+
+    def _blocks_needed_by_step(self, k: int) -> np.ndarray:
+        """need[j-1] = sequences that must take a new block in decode step j (1..k)."""
+        bs = self.block_size
+        first = (-self._decode_slots()) % bs + 1  # first step whose token opens a new block
+        per_phase = np.bincount(first, minlength=bs + 1)[1:]  # sequences opening at steps 1..bs
+        reps = -(-k // bs)
+        return np.tile(per_phase, reps)[:k]
+
+    def fast_forward(self, k: int) -> dict[str, np.ndarray]:
+        """Apply k plain decode iterations at once, exactly as k calls of schedule() and
+        on_step_done() would (blocks taken in the same order), without sampled tokens.
+        Returns per-iteration arrays: batch size, context tokens, and memory by category."""
+        bm = self.bm
+        bs = self.block_size
+        seqs = [g.seqs[0] for g in self.running]
+        slots = self._decode_slots()
+        b = len(seqs)
+        first = (-slots) % bs + 1
+        # every (step, position-in-batch) that opens a block, taken in iteration order
+        steps = [np.arange(f, k + 1, bs) for f in first]
+        counts = np.fromiter((len(s) for s in steps), dtype=np.int64, count=b)
+        order = np.lexsort((np.repeat(np.arange(b), counts), np.concatenate(steps) if b else np.array([])))
+        owners = np.repeat(np.arange(b), counts)[order]
+        mem0 = bm.memory()
+        for i in owners.tolist():
+            bm.tables[seqs[i].seq_id].append(bm.pool.take().block_id)
+        blocks = bm.pool.blocks
+        set_filled = bm.pool.set_filled
+        for s in seqs:
+            table = bm.tables[s.seq_id]
+            old = s.num_computed
+            new = old + k
+            for i in range(old // bs, len(table)):
+                set_filled(blocks[table[i]], min(bs, new - i * bs))
+            bm.slots[s.seq_id] = new
+            s.num_computed = new
+            s.output_len += k
+        j = np.arange(1, k + 1, dtype=np.int64)
+        taken = np.cumsum(np.bincount(np.concatenate(steps) if b else np.zeros(0, np.int64),
+                                      minlength=k + 1)[1:k + 1])
+        states = mem0.token_states + j * b
+        used = (mem0.token_states + mem0.internal_frag) // 1 + taken * bs
+        return {
+            "num_seqs": np.full(k, b, dtype=np.int64),
+            "context_tokens": int(slots.sum()) + j * b,
+            "kv_token_states": states,
+            "kv_internal_frag": used - states,
+            "kv_free": mem0.free - taken * bs,
+        }

@@ -1,0 +1,163 @@
+"""The SimPy model: an arrival process feeding a replica whose engine process runs the serving
+loop of DESIGN.md with a scheduler from policies/ and a simulated executor.
+
+    arrivals ──> scheduler.waiting ──> engine: plan -> execute (cost model) -> on_step_done
+
+When nothing can change for the next k iterations (pure decodes, no arrival that could be admitted,
+no finish, no memory pressure), the engine skips ahead k iterations at once; the result is the same
+as stepping them one by one (tests/test_sim_engine.py checks this).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import simpy
+
+from policies.plan import StepComposition
+from policies.request import Request
+from policies.scheduler import Scheduler
+from policies.vllm_scheduler import VllmScheduler
+from sim.executor import SimulatedExecutor
+from sim.metrics import IterationLog
+
+
+@dataclass
+class ArrivalFeed:
+    """The requests of a trace in arrival order, delivered by `arrival_process`."""
+
+    requests: list[Request]
+    next_index: int = 0
+
+    def next_arrival(self) -> float:
+        return self.requests[self.next_index].arrival if self.next_index < len(self.requests) else math.inf
+
+    @property
+    def exhausted(self) -> bool:
+        return self.next_index >= len(self.requests)
+
+
+class Replica:
+    """One model replica: a scheduler, a simulated executor and the iteration log."""
+
+    def __init__(self, env: simpy.Environment, scheduler: Scheduler, executor: SimulatedExecutor,
+                 fast_forward: bool = True, debug: bool = False,
+                 on_progress: Callable[[float, int], None] | None = None) -> None:
+        self.env = env
+        self.scheduler = scheduler
+        self.executor = executor
+        self.fast_forward = fast_forward and isinstance(scheduler, VllmScheduler)
+        self.debug = debug
+        self.log = IterationLog()
+        self.wakeup = env.event()
+        self.on_progress = on_progress
+
+    def deliver(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+        if not self.wakeup.triggered:
+            self.wakeup.succeed()
+
+
+def arrival_process(env: simpy.Environment, feed: ArrivalFeed, replica: Replica):
+    """Each request enters the replica's waiting queue at its arrival time."""
+    while not feed.exhausted:
+        request = feed.requests[feed.next_index]
+        if request.arrival > env.now:
+            yield env.timeout(request.arrival - env.now)
+        feed.next_index += 1
+        replica.deliver(request)
+
+
+def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
+    """The serving loop: schedule, execute, apply; idle until an arrival when there is nothing to do."""
+    sched = replica.scheduler
+    while True:
+        # let every arrival due at this instant land first (they were scheduled before us)
+        yield env.timeout(0)
+        if not sched.has_unfinished():
+            if feed.exhausted:
+                return
+            replica.wakeup = env.event()
+            yield replica.wakeup
+            continue
+        if replica.fast_forward and (yield from _skip_ahead(env, replica, feed)):
+            continue
+        plan = sched.schedule(env.now)
+        if plan.is_empty:
+            if plan.rejected:  # rejections change the queue: look again
+                continue
+            if feed.exhausted and not sched.running:
+                _fail_stuck(sched)
+            replica.wakeup = env.event()
+            yield replica.wakeup
+            continue
+        start = env.now
+        comp = plan.composition()
+        result = replica.executor.execute(plan, comp)
+        yield env.timeout(result.duration)
+        sched.on_step_done(plan, result, env.now)
+        _log_step(replica, start, result.duration, comp, len(plan.preempted))
+        if replica.debug:
+            _check(sched)
+        if replica.on_progress is not None:
+            replica.on_progress(env.now, len(sched.done))
+
+
+def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
+    sched: VllmScheduler = replica.scheduler  # type: ignore[assignment]
+    ex = replica.executor
+    if not sched.running:
+        return False
+    k = sched.decode_horizon(lambda: [ex.target(g.seqs[0]) - g.seqs[0].output_len for g in sched.running])
+    if k < 2:
+        return False
+    b = len(sched.running)
+    ctx0 = int(sum(g.seqs[0].num_computed for g in sched.running))
+    contexts = ctx0 + b * np.arange(1, k + 1, dtype=np.int64)
+    durations = ex.cost.decode_step_times(np.full(k, b, dtype=np.int64), contexts)
+    ends = np.cumsum(np.concatenate(([env.now], durations)))[1:]
+    if not sched.waiting:  # an arrival could be admitted at the first iteration starting after it
+        starts_before = np.searchsorted(ends[:-1], feed.next_arrival(), side="left")
+        k = min(k, int(starts_before) + 1)
+        if k < 2:
+            return False
+        ends, durations, contexts = ends[:k], durations[:k], contexts[:k]
+    start = env.now
+    cols = sched.fast_forward(k)
+    delay = float(ends[-1]) - start
+    while start + delay < ends[-1]:  # land on the exact same float as stepping would
+        delay = math.nextafter(delay, math.inf)
+    while start + delay > ends[-1]:
+        delay = math.nextafter(delay, -math.inf)
+    yield env.timeout(delay)
+    starts = np.concatenate(([start], ends[:-1]))
+    replica.log.add_many({
+        "start": starts, "duration": durations, "num_seqs": cols["num_seqs"], "decode_tokens": cols["num_seqs"],
+        "context_tokens": cols["context_tokens"], "waiting": np.full(k, len(sched.waiting)),
+        "running": np.full(k, b), "kv_token_states": cols["kv_token_states"],
+        "kv_internal_frag": cols["kv_internal_frag"], "kv_free": cols["kv_free"],
+        "prefix_hits": np.full(k, sched.bm.prefix_hits),
+    })
+    if replica.on_progress is not None:
+        replica.on_progress(env.now, len(sched.done))
+    return True
+
+
+def _log_step(replica: Replica, start: float, duration: float, c: StepComposition, preempted: int) -> None:
+    sched = replica.scheduler
+    hits = sched.bm.prefix_hits if isinstance(sched, VllmScheduler) else 0
+    replica.log.add(start, duration, c, preempted, len(sched.waiting), len(sched.running), sched.memory(), hits)
+
+
+def _check(sched: Scheduler) -> None:
+    sched.check_conservation()
+    if isinstance(sched, VllmScheduler):
+        sched.bm.check_invariants()
+
+
+def _fail_stuck(sched: Scheduler) -> None:
+    head = sched.waiting[0] if sched.waiting else None
+    raise RuntimeError(f"scheduler {sched.name} made no progress with nothing running; waiting head: {head}")

@@ -1,0 +1,92 @@
+"""The simulated executor: prices a StepPlan with a cost model and decides token outcomes from the
+workload instead of running a model.
+
+Decoding rules (seeded, documented here because they shape memory sharing):
+- One sequence: it samples until its target length (the trace's output length) and finishes.
+- Parallel sampling (n > 1): at the first token the sequence forks into n. Sample 0 keeps the
+  trace's length; every other sample i draws its length as round(L * exp(0.5 * z_i)), z_i ~ N(0, 1),
+  clipped to [1, max_tokens]: samples of one prompt vary around the observed length.
+- Beam search (width k): all beams end at the trace's length (as with ignore_eos). At every step the
+  k new beams pick their parents among the current beams in rank order with probability
+  proportional to 2^-rank (the best beams are extended most often, as in real beam search); a
+  parent picked m times continues once and forks m - 1 children; a parent never picked is pruned.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from policies.plan import SeqOutcome, StepComposition, StepPlan, StepResult
+from policies.scheduler import Scheduler
+from sim.cost_model import CostModel
+
+
+class SimulatedExecutor:
+    def __init__(self, scheduler: Scheduler, cost_model: CostModel, seed: int = 0) -> None:
+        self.scheduler = scheduler
+        self.cost = cost_model
+        self.rng = np.random.default_rng(seed)
+        self.targets: dict[int, int] = {}   # seq id -> output length it finishes at
+
+    def price(self, c: StepComposition) -> float:
+        if c.prefill_tokens == 0 and c.swap_in_blocks == 0 and c.swap_out_blocks == 0 and c.copy_blocks == 0:
+            # pure decode: the vectorised path, so skipping ahead gives bit-identical times
+            return float(self.cost.decode_step_times(np.array([c.num_decode_seqs]),
+                                                     np.array([c.decode_context_tokens]))[0])
+        return self.cost.step_time(c)
+
+    def execute(self, plan: StepPlan, composition: StepComposition | None = None) -> StepResult:
+        result = StepResult(duration=self.price(composition or plan.composition()))
+        seqs = self.scheduler.seqs
+        outcomes = result.outcomes
+        groups_done: set[int] = set()
+        for ss in plan.seqs:
+            if not ss.samples:
+                continue
+            seq = seqs[ss.seq_id]
+            group = seq.group
+            sp = group.request.sampling
+            if sp.n == 1 and sp.beam_width == 1:  # the common case
+                outcomes[ss.seq_id] = SeqOutcome(ss.seq_id, None, True, [], seq.output_len + 1 >= seq.target_len)
+            elif sp.beam_width > 1:
+                if group.group_id not in groups_done:
+                    groups_done.add(group.group_id)
+                    self._beam_step(group, result)
+            else:
+                out = SeqOutcome(ss.seq_id)
+                if seq.output_len == 0 and len(group.seqs) == 1 and not group.finished_seqs:
+                    out.children = [None] * (sp.n - 1)
+                out.finished = seq.output_len + 1 >= self.target(seq)
+                outcomes[ss.seq_id] = out
+        return result
+
+    def sample_lengths(self, base: int, count: int, max_tokens: int) -> list[int]:
+        z = self.rng.standard_normal(count)
+        return np.clip(np.rint(base * np.exp(0.5 * z)), 1, max_tokens).astype(int).tolist()
+
+    def target(self, seq) -> int:
+        """The output length a sequence finishes at: the trace's for a group's first sequence,
+        drawn once (seeded) for each forked parallel sample."""
+        t = self.targets.get(seq.seq_id)
+        if t is None:
+            sp = seq.group.request.sampling
+            forked = sp.n > 1 and seq is not seq.group.seqs[0]
+            t = self.sample_lengths(seq.target_len, 1, sp.max_tokens)[0] if forked else seq.target_len
+            if forked:
+                self.targets[seq.seq_id] = t
+        return t
+
+    def _beam_step(self, group, result: StepResult) -> None:
+        k = group.request.sampling.beam_width
+        beams = group.seqs
+        finished = beams[0].output_len + 1 >= beams[0].target_len
+        if len(beams) == 1 and beams[0].output_len == 0:
+            picks = np.array([k])
+        else:
+            p = 0.5 ** np.arange(len(beams))
+            picks = self.rng.multinomial(k, p / p.sum())
+        for seq, m in zip(beams, picks.tolist()):
+            if finished:
+                result.outcomes[seq.seq_id] = SeqOutcome(seq.seq_id, None, m > 0, [], True)
+            else:
+                result.outcomes[seq.seq_id] = SeqOutcome(seq.seq_id, None, m > 0, [None] * max(m - 1, 0))

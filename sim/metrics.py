@@ -1,0 +1,128 @@
+"""Metrics in one form for simulation and live runs: a row per request, a row per iteration, and
+a summary (throughput, latency percentiles, normalized latency, goodput, KV utilization)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import pandas as pd
+
+from policies.memory import MemoryBreakdown
+from policies.plan import StepComposition
+from policies.request import SequenceGroup
+
+ITERATION_COLUMNS = (
+    "start", "duration", "num_seqs", "prefill_tokens", "decode_tokens", "context_tokens",
+    "num_preempted", "swap_in_blocks", "swap_out_blocks", "waiting", "running",
+    "kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag", "kv_free",
+    "prefix_hits",
+)
+
+
+class IterationLog:
+    """Per-iteration records, kept as growing column chunks so millions of rows stay cheap."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[str, list] = {c: [] for c in ITERATION_COLUMNS}
+        self.rows = 0
+
+    def add(self, start: float, duration: float, c: StepComposition, num_preempted: int,
+            waiting: int, running: int, mem: MemoryBreakdown, prefix_hits: int) -> None:
+        values = (start, duration, c.num_prefill_seqs + c.num_decode_seqs, c.prefill_tokens, c.num_decode_seqs,
+                  c.decode_context_tokens + c.prefill_context_tokens, num_preempted, c.swap_in_blocks,
+                  c.swap_out_blocks, waiting, running, mem.token_states, mem.reserved, mem.internal_frag,
+                  mem.external_frag, mem.free, prefix_hits)
+        for col, v in zip(ITERATION_COLUMNS, values):
+            self.chunks[col].append(v)
+        self.rows += 1
+
+    def add_many(self, columns: dict[str, np.ndarray]) -> None:
+        k = len(columns["start"])
+        for col in ITERATION_COLUMNS:
+            self.chunks[col].append(np.asarray(columns[col]) if col in columns else np.zeros(k, np.int64))
+        self.rows += k
+
+    def frame(self) -> pd.DataFrame:
+        data = {}
+        for col, parts in self.chunks.items():
+            arrays = [np.atleast_1d(np.asarray(p)) for p in parts]
+            data[col] = np.concatenate(arrays) if arrays else np.zeros(0)
+        df = pd.DataFrame(data)
+        df.insert(0, "iteration", np.arange(len(df)))
+        return df
+
+
+def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
+    """One row per request, finished or rejected, ordered by request id."""
+    rows = []
+    for g in groups:
+        r = g.request
+        out = g.output_len
+        done = g.rejected is None
+        ttft = g.first_token_time - r.arrival if done and g.first_token_time is not None else np.nan
+        e2e = g.finish_time - r.arrival if done else np.nan
+        tpot = (g.finish_time - g.first_token_time) / (out - 1) if done and out > 1 else np.nan
+        rows.append((r.request_id, r.arrival, r.prompt_len, out, r.sampling.n, r.sampling.beam_width,
+                     g.first_scheduled, g.first_token_time if done else np.nan, g.finish_time, ttft, tpot, e2e,
+                     e2e / out if done and out else np.nan, g.num_preemptions, g.prefix_hit_tokens,
+                     "finished" if done else "rejected", g.rejected or ""))
+    cols = ["request_id", "arrival", "prompt_len", "output_len", "n", "beam_width", "first_scheduled",
+            "first_token_time", "finish_time", "ttft", "tpot", "e2e_latency", "normalized_latency",
+            "num_preemptions", "prefix_hit_tokens", "status", "reject_reason"]
+    return pd.DataFrame(rows, columns=cols).sort_values("request_id").reset_index(drop=True)
+
+
+def _stats(x: pd.Series) -> dict[str, float]:
+    x = x.dropna()
+    if x.empty:
+        return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    return {"mean": float(x.mean()), "p50": float(x.quantile(0.5)), "p90": float(x.quantile(0.9)),
+            "p99": float(x.quantile(0.99))}
+
+
+def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float | None = None,
+              slo_tpot: float | None = None) -> dict:
+    """The headline numbers. Throughput is over the span from the first arrival to the last
+    finish; goodput counts finished requests meeting both SLOs (when given)."""
+    done = requests[requests.status == "finished"]
+    start = float(requests.arrival.min()) if len(requests) else 0.0
+    end = float(done.finish_time.max()) if len(done) else start
+    span = max(end - start, 1e-12)
+    ok = done
+    if slo_ttft is not None:
+        ok = ok[ok.ttft <= slo_ttft]
+    if slo_tpot is not None:
+        ok = ok[(ok.tpot <= slo_tpot) | ok.tpot.isna()]
+    busy = iterations.duration.sum() if len(iterations) else 0.0
+    kv_total = (iterations[["kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag",
+                            "kv_free"]].sum(axis=1) if len(iterations) else pd.Series(dtype=float))
+    weights = iterations.duration if len(iterations) else None
+
+    def wmean(col: str) -> float:
+        if not len(iterations) or busy == 0:
+            return float("nan")
+        return float(np.average(iterations[col] / kv_total.clip(lower=1), weights=weights))
+
+    return {
+        "num_requests": len(requests),
+        "num_finished": len(done),
+        "num_rejected": int((requests.status == "rejected").sum()),
+        "duration_s": span,
+        "request_throughput": len(done) / span,
+        "output_token_throughput": float(done.output_len.sum()) / span,
+        "total_token_throughput": float(done.output_len.sum() + done.prompt_len.sum()) / span,
+        "ttft": _stats(done.ttft),
+        "tpot": _stats(done.tpot),
+        "e2e_latency": _stats(done.e2e_latency),
+        "normalized_latency": _stats(done.normalized_latency),
+        "mean_normalized_latency": float(done.normalized_latency.mean()) if len(done) else float("nan"),
+        "goodput": len(ok) / span,
+        "slo": {"ttft": slo_ttft, "tpot": slo_tpot},
+        "num_preemptions": int(requests.num_preemptions.sum()),
+        "num_iterations": len(iterations),
+        "mean_batched_seqs": float(np.average(iterations.num_seqs, weights=weights)) if busy else 0.0,
+        "kv_token_state_fraction": wmean("kv_token_states"),
+        "kv_usage": 1.0 - wmean("kv_free") if busy else float("nan"),
+        "prefix_hit_tokens": int(requests.prefix_hit_tokens.sum()),
+    }

@@ -1,0 +1,160 @@
+"""Wiring for one simulation: a trace, a policy and a cost model in; request and iteration tables
+and a summary out."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import simpy
+
+from policies.registry import make_scheduler
+from policies.request import Request, SamplingParams
+from sim.cost_model import CostModel, RooflineCostModel
+from sim.engine import ArrivalFeed, Replica, arrival_process, engine_process
+from sim.executor import SimulatedExecutor
+from sim.metrics import request_frame, summarize
+from sim.specs import get_hardware, get_model, kv_capacity_blocks
+from traces.trace import Trace
+
+
+@dataclass
+class SimConfig:
+    model: str = "opt-13b"
+    hardware: str = "a100-40gb"
+    tp: int = 1
+    policy: str = "vllm"
+    block_size: int = 16
+    preemption: str = "recompute"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    chunked_prefill: bool = False
+    prefix_caching: bool = False
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks: int | None = None      # override the derived KV capacity
+    swap_space_gib: float = 4.0            # CPU swap space, as vLLM's default
+    n: int | None = None                   # override the trace's parallel samples
+    beam_width: int | None = None          # override the trace's beam width
+    seed: int = 0
+    slo_ttft: float | None = None
+    slo_tpot: float | None = None
+    fast_forward: bool = True
+    debug: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class SimResult:
+    requests: pd.DataFrame
+    iterations: pd.DataFrame
+    summary: dict[str, Any]
+    config: SimConfig
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def requests_from_trace(trace: Trace, max_model_len: int, n: int | None = None,
+                        beam_width: int | None = None) -> list[Request]:
+    """Trace rows as requests that decode exactly the trace's output length (ignore EOS).
+    max_tokens is what the context leaves after the prompt (what Orca-Max reserves)."""
+    reqs = []
+    for i in range(len(trace)):
+        p = int(trace.prompt_len[i])
+        out = int(trace.output_len[i])
+        sp = SamplingParams(max_tokens=max(max_model_len - p, out, 1), ignore_eos=True,
+                            n=int(n if n is not None else trace.n[i]),
+                            beam_width=int(beam_width if beam_width is not None else trace.beam_width[i]))
+        hashes = trace.prefix_hashes[i] if trace.prefix_hashes is not None else None
+        ids = trace.prompt_token_ids[i] if trace.prompt_token_ids is not None else None
+        reqs.append(Request(i, float(trace.arrival[i]), p, sp, out, None if ids is None else list(ids),
+                            None if hashes is None else tuple(hashes), trace.hash_block_size or 16))
+    return reqs
+
+
+def build_cost_model(cfg: SimConfig) -> CostModel:
+    return RooflineCostModel(get_model(cfg.model), get_hardware(cfg.hardware), tp=cfg.tp)
+
+
+def num_blocks_for(cfg: SimConfig) -> tuple[int, int]:
+    """(GPU KV blocks, CPU swap blocks) for the configuration."""
+    model, hw = get_model(cfg.model), get_hardware(cfg.hardware)
+    gpu = cfg.num_gpu_blocks or kv_capacity_blocks(model, hw, block_size=cfg.block_size, tp=cfg.tp,
+                                                   gpu_memory_utilization=cfg.gpu_memory_utilization)
+    per_block = model.kv_bytes_per_token * cfg.block_size / cfg.tp
+    cpu = int(cfg.swap_space_gib * 2**30 * cfg.tp / (per_block * cfg.tp))
+    return gpu, cpu
+
+
+def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = None,
+                   progress: bool = False) -> SimResult:
+    """Simulate the trace under the configuration; every request appears in the result."""
+    t0 = time.perf_counter()
+    model = get_model(cfg.model)
+    gpu_blocks, cpu_blocks = num_blocks_for(cfg)
+    kw: dict[str, Any] = {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens}
+    if cfg.policy == "vllm":
+        kw.update(preemption=cfg.preemption, chunked_prefill=cfg.chunked_prefill,
+                  prefix_caching=cfg.prefix_caching, num_cpu_blocks=cpu_blocks)
+    elif cfg.chunked_prefill or cfg.prefix_caching or cfg.preemption != "recompute":
+        raise ValueError(f"--chunked-prefill, --prefix-caching and --preemption apply to the vllm policy only, "
+                         f"not {cfg.policy!r}")
+    sched = make_scheduler(cfg.policy, gpu_blocks, cfg.block_size, **kw)
+    sched.max_model_len = model.max_position
+    cost = cost_model or build_cost_model(cfg)
+    executor = SimulatedExecutor(sched, cost, seed=cfg.seed)
+    env = simpy.Environment()
+    feed = ArrivalFeed(requests_from_trace(trace, model.max_position, cfg.n, cfg.beam_width))
+    bar = _progress_bar(len(feed.requests)) if progress else None
+    replica = Replica(env, sched, executor, cfg.fast_forward, cfg.debug,
+                      on_progress=(lambda now, done: _tick(bar, now, done)) if bar else None)
+    env.process(arrival_process(env, feed, replica))
+    env.process(engine_process(env, replica, feed))
+    env.run()
+    if bar is not None:
+        bar.close()
+    _final_checks(sched, len(feed.requests))
+    requests = request_frame(sched.done)
+    iterations = replica.log.frame()
+    summary = summarize(requests, iterations, cfg.slo_ttft, cfg.slo_tpot)
+    summary["num_gpu_blocks"] = gpu_blocks
+    summary["num_cpu_blocks"] = cpu_blocks
+    summary["kv_capacity_tokens"] = gpu_blocks * cfg.block_size
+    summary["wall_time_s"] = time.perf_counter() - t0
+    summary["trace"] = trace.name
+    summary["config"] = cfg.to_dict()
+    return SimResult(requests, iterations, summary, cfg)
+
+
+def _final_checks(sched, num_requests: int) -> None:
+    """Conservation at the end of every run: all requests accounted for, no block leaked."""
+    sched.check_conservation()
+    if sched.has_unfinished() or len(sched.done) != num_requests:
+        raise AssertionError(f"{num_requests} requests in, {len(sched.done)} out")
+    bm = getattr(sched, "bm", None)
+    if bm is not None:
+        bm.assert_empty()
+    if hasattr(sched, "check_invariants"):
+        sched.check_invariants()
+
+
+def _progress_bar(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a core dependency
+        return None
+    return tqdm(total=total, unit="req", desc="simulating", mininterval=0.5, leave=False)
+
+
+def _tick(bar, now: float, done: int) -> None:
+    if done != bar.n:
+        bar.update(done - bar.n)
+        bar.set_postfix_str(f"t={now:,.1f}s", refresh=False)
+
+
+def seeds(seed: int) -> np.random.SeedSequence:
+    return np.random.SeedSequence(seed)
