@@ -372,9 +372,21 @@ class PagedBlockManager:
         return list(mapping.items())
 
     def can_swap_in(self, group: SequenceGroup) -> bool:
-        seen = {b for s in group.seqs for b in self.cpu_tables[s.seq_id]}
-        # each sequence may also need one block for its next token
-        return self.pool.num_free - len(seen) - len(group.seqs) >= self.watermark_blocks
+        """Whether the group's blocks fit back on the GPU together with the blocks its next step
+        needs (its uncomputed tokens: one for a decode, the rest of a prompt after a preemption in
+        the middle of a chunked prefill, plus a copy of a shared partial last block), keeping the
+        watermark free."""
+        bs = self.block_size
+        seen: set[int] = set()
+        need = 0
+        for s in group.seqs:
+            table = self.cpu_tables[s.seq_id]
+            seen.update(table)
+            slots = self.cpu_slots[s.seq_id]
+            need += max(self.blocks_for(s.num_tokens) - len(table), 0)
+            if s.num_tokens > slots and slots % bs and self.cpu.ref[table[-1]] > 1:
+                need += 1
+        return self.pool.num_free - len(seen) - need >= self.watermark_blocks
 
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
         """Bring a swapped group back. Returns (cpu, gpu) pairs."""

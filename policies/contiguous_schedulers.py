@@ -81,12 +81,14 @@ class _ReservingScheduler(Scheduler):
         return budget if budget is not None else 0
 
     def _too_wide(self, group: SequenceGroup, plan: StepPlan, now: float) -> bool:
-        """Reject a group wider than max_num_seqs (it could never be admitted)."""
+        """Reject (True) the queue's head if it is wider than a whole iteration can hold: its
+        sequences decode together, one token each."""
         width = group.request.sampling.width
-        if width <= self.max_num_seqs:
+        if width <= self.max_num_seqs and width <= self.max_num_batched_tokens:
             return False
         self.waiting.popleft()
-        self._reject(group, f"needs {width} sequences at once but max_num_seqs={self.max_num_seqs}", plan, now)
+        self._reject(group, f"needs {width} sequences at once but max_num_seqs={self.max_num_seqs} and "
+                            f"max_num_batched_tokens={self.max_num_batched_tokens}", plan, now)
         return True
 
     def _new_plan(self) -> StepPlan:

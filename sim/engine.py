@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import simpy
 
+from policies.metrics import IterationLog
 from policies.plan import StepComposition
 from policies.request import Request
 from policies.scheduler import Scheduler
 from policies.vllm_scheduler import VllmScheduler
 from sim.executor import SimulatedExecutor
-from sim.metrics import IterationLog
 
 
 @dataclass

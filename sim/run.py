@@ -12,12 +12,12 @@ import numpy as np
 import pandas as pd
 import simpy
 
+from policies.metrics import request_frame, summarize
 from policies.registry import make_scheduler
 from policies.request import Request, SamplingParams
 from sim.cost_model import CostModel, RooflineCostModel
 from sim.engine import ArrivalFeed, Replica, arrival_process, engine_process
 from sim.executor import SimulatedExecutor
-from sim.metrics import request_frame, summarize
 from sim.specs import get_hardware, get_model, kv_capacity_blocks
 from traces.trace import Trace
 

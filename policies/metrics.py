@@ -1,9 +1,12 @@
-"""Metrics in one form for simulation and live runs: a row per request, a row per iteration, and
-a summary (throughput, latency percentiles, normalized latency, goodput, KV utilization)."""
+"""Metrics in one form for simulation and live runs (both executors import this, so it lives with
+the shared contract in policies/): a row per request, a row per iteration, and a summary
+(throughput, latency percentiles, normalized latency, goodput, KV utilization)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -94,15 +97,14 @@ def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float 
         ok = ok[ok.ttft <= slo_ttft]
     if slo_tpot is not None:
         ok = ok[(ok.tpot <= slo_tpot) | ok.tpot.isna()]
-    busy = iterations.duration.sum() if len(iterations) else 0.0
-    kv_total = (iterations[["kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag",
-                            "kv_free"]].sum(axis=1) if len(iterations) else pd.Series(dtype=float))
-    weights = iterations.duration if len(iterations) else None
+    busy = float(iterations.duration.sum()) if len(iterations) else 0.0
+    weights = iterations.duration if busy else None
+    kv = iterations[["kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag", "kv_free"]]
+    allocated = kv.iloc[:, :4].sum(axis=1)
+    total = allocated + kv.kv_free
 
-    def wmean(col: str) -> float:
-        if not len(iterations) or busy == 0:
-            return float("nan")
-        return float(np.average(iterations[col] / kv_total.clip(lower=1), weights=weights))
+    def time_avg(x: pd.Series) -> float:
+        return float(np.average(x, weights=weights)) if busy else float("nan")
 
     return {
         "num_requests": len(requests),
@@ -121,8 +123,27 @@ def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float 
         "slo": {"ttft": slo_ttft, "tpot": slo_tpot},
         "num_preemptions": int(requests.num_preemptions.sum()),
         "num_iterations": len(iterations),
-        "mean_batched_seqs": float(np.average(iterations.num_seqs, weights=weights)) if busy else 0.0,
-        "kv_token_state_fraction": wmean("kv_token_states"),
-        "kv_usage": 1.0 - wmean("kv_free") if busy else float("nan"),
+        "mean_batched_seqs": time_avg(iterations.num_seqs) if busy else 0.0,
+        # the vLLM paper's Figure 2 measure: the share of allocated KV slots holding token states
+        "kv_token_state_fraction": time_avg(kv.kv_token_states / allocated.clip(lower=1)),
+        "kv_usage": time_avg(allocated / total.clip(lower=1)),
         "prefix_hit_tokens": int(requests.prefix_hit_tokens.sum()),
     }
+
+
+def write_run(out_dir: str | Path, requests: pd.DataFrame, iterations: pd.DataFrame, summary: dict) -> Path:
+    """Write requests.csv, iterations.parquet and summary.json into out_dir (created)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    requests.to_csv(out / "requests.csv", index=False)
+    iterations.to_parquet(out / "iterations.parquet", index=False)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable) + "\n")
+    return out
+
+
+def _jsonable(x: object) -> object:
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, Path):
+        return str(x)
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")

@@ -1,0 +1,56 @@
+"""Plain-text tables of run summaries, for the terminal."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+ROWS: tuple[tuple[str, str, str], ...] = (
+    # (label, path into the summary, format)
+    ("requests finished", "num_finished", "{:,.0f}"),
+    ("requests rejected", "num_rejected", "{:,.0f}"),
+    ("request throughput (req/s)", "request_throughput", "{:.3f}"),
+    ("output throughput (tok/s)", "output_token_throughput", "{:,.1f}"),
+    ("mean normalized latency (s/tok)", "mean_normalized_latency", "{:.4f}"),
+    ("TTFT mean / p90 (s)", "ttft.mean|ttft.p90", "{:.3f}"),
+    ("TPOT mean / p90 (s)", "tpot.mean|tpot.p90", "{:.4f}"),
+    ("e2e latency mean / p90 (s)", "e2e_latency.mean|e2e_latency.p90", "{:.2f}"),
+    ("goodput (req/s)", "goodput", "{:.3f}"),
+    ("preemptions", "num_preemptions", "{:,.0f}"),
+    ("mean batched sequences", "mean_batched_seqs", "{:.1f}"),
+    ("allocated KV holding token states", "kv_token_state_fraction", "{:.1%}"),
+    ("KV allocated (of capacity)", "kv_usage", "{:.1%}"),
+    ("KV capacity (tokens)", "kv_capacity_tokens", "{:,.0f}"),
+    ("simulated time (s)", "duration_s", "{:,.1f}"),
+    ("wall time (s)", "wall_time_s", "{:.2f}"),
+)
+
+
+def _get(summary: dict[str, Any], path: str) -> Any:
+    cur: Any = summary
+    for part in path.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur
+
+
+def _cell(summary: dict[str, Any], paths: str, fmt: str) -> str:
+    out = []
+    for p in paths.split("|"):
+        v = _get(summary, p)
+        out.append("-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v))
+    return " / ".join(out)
+
+
+def summary_table(summaries: dict[str, dict[str, Any]]) -> str:
+    """Summaries side by side, one column per run."""
+    names = list(summaries)
+    label_w = max(len(r[0]) for r in ROWS)
+    cells = [[_cell(summaries[n], path, fmt) for n in names] for _, path, fmt in ROWS]
+    widths = [max(len(n), *(len(row[i]) for row in cells)) for i, n in enumerate(names)]
+    lines = ["  ".join([" " * label_w] + [n.rjust(w) for n, w in zip(names, widths)])]
+    lines.append("  ".join(["-" * label_w] + ["-" * w for w in widths]))
+    for (label, _, _), row in zip(ROWS, cells):
+        lines.append("  ".join([label.ljust(label_w)] + [c.rjust(w) for c, w in zip(row, widths)]))
+    return "\n".join(lines)

@@ -1,0 +1,5 @@
+import sys
+
+from pagesim.cli import main
+
+sys.exit(main())
