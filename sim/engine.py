@@ -32,6 +32,13 @@ class ArrivalFeed:
     requests: list[Request]
     next_index: int = 0
 
+    def __post_init__(self) -> None:
+        self.arrivals = np.array([r.arrival for r in self.requests], dtype=float)
+
+    def arrived_by(self, times: np.ndarray) -> np.ndarray:
+        """How many requests have arrived at each time (an arrival at exactly t counts)."""
+        return np.searchsorted(self.arrivals, times, side="right")
+
     def next_arrival(self) -> float:
         return self.requests[self.next_index].arrival if self.next_index < len(self.requests) else math.inf
 
@@ -126,6 +133,7 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
             return False
         ends, durations, contexts = ends[:k], durations[:k], contexts[:k]
     start = env.now
+    waiting = len(sched.waiting) + feed.arrived_by(ends) - feed.next_index
     cols = sched.fast_forward(k)
     delay = float(ends[-1]) - start
     while start + delay < ends[-1]:  # land on the exact same float as stepping would
@@ -136,7 +144,7 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
     starts = np.concatenate(([start], ends[:-1]))
     replica.log.add_many({
         "start": starts, "duration": durations, "num_seqs": cols["num_seqs"], "decode_tokens": cols["num_seqs"],
-        "context_tokens": cols["context_tokens"], "waiting": np.full(k, len(sched.waiting)),
+        "context_tokens": cols["context_tokens"], "waiting": waiting,
         "running": np.full(k, b), "kv_token_states": cols["kv_token_states"],
         "kv_internal_frag": cols["kv_internal_frag"], "kv_free": cols["kv_free"],
         "prefix_hits": np.full(k, sched.bm.prefix_hits),
