@@ -216,10 +216,13 @@ class PagedBlockManager:
             else:
                 ph = seq.group.request.prefix_hashes
                 hbs = seq.group.request.hash_block_size
-                if ph is None or end > seq.prompt_len or (end - 1) // hbs >= len(ph) \
-                        or (j * bs) // hbs != (end - 1) // hbs:
+                # the chained hash of the hash block holding the block's last token names every
+                # token up to there, so (it, end offset) names the block's content even when block
+                # and hash-block boundaries do not line up
+                k = (end - 1) // hbs
+                if ph is None or end > seq.prompt_len or k >= len(ph):
                     return None
-                content = ("h", ph[(j * bs) // hbs], j * bs % hbs)
+                content = ("h", ph[k], end - k * hbs)
             hashes.append(hash((parent, content)))
         return hashes[i]
 

@@ -24,33 +24,41 @@ ITERATION_COLUMNS = (
 
 
 class IterationLog:
-    """Per-iteration records, kept as growing column chunks so millions of rows stay cheap."""
+    """Per-iteration records: single rows are buffered as tuples and packed into column arrays
+    when a block of rows arrives or the frame is built, so millions of rows stay cheap."""
 
     def __init__(self) -> None:
-        self.chunks: dict[str, list] = {c: [] for c in ITERATION_COLUMNS}
+        self.chunks: dict[str, list[np.ndarray]] = {c: [] for c in ITERATION_COLUMNS}
+        self._pending: list[tuple] = []
         self.rows = 0
 
     def add(self, start: float, duration: float, c: StepComposition, num_preempted: int,
             waiting: int, running: int, mem: MemoryBreakdown, prefix_hits: int) -> None:
-        values = (start, duration, c.num_prefill_seqs + c.num_decode_seqs, c.prefill_tokens, c.num_decode_seqs,
-                  c.decode_context_tokens + c.prefill_context_tokens, num_preempted, c.swap_in_blocks,
-                  c.swap_out_blocks, waiting, running, mem.token_states, mem.reserved, mem.internal_frag,
-                  mem.external_frag, mem.free, prefix_hits)
-        for col, v in zip(ITERATION_COLUMNS, values):
-            self.chunks[col].append(v)
+        self._pending.append((start, duration, c.num_prefill_seqs + c.num_decode_seqs, c.prefill_tokens,
+                              c.num_decode_seqs, c.decode_context_tokens + c.prefill_context_tokens,
+                              num_preempted, c.swap_in_blocks, c.swap_out_blocks, waiting, running,
+                              mem.token_states, mem.reserved, mem.internal_frag, mem.external_frag, mem.free,
+                              prefix_hits))
         self.rows += 1
 
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        cols = list(zip(*self._pending))
+        for name, values in zip(ITERATION_COLUMNS, cols):
+            self.chunks[name].append(np.array(values, dtype=float if name in ("start", "duration") else np.int64))
+        self._pending = []
+
     def add_many(self, columns: dict[str, np.ndarray]) -> None:
+        self._flush()
         k = len(columns["start"])
         for col in ITERATION_COLUMNS:
             self.chunks[col].append(np.asarray(columns[col]) if col in columns else np.zeros(k, np.int64))
         self.rows += k
 
     def frame(self) -> pd.DataFrame:
-        data = {}
-        for col, parts in self.chunks.items():
-            arrays = [np.atleast_1d(np.asarray(p)) for p in parts]
-            data[col] = np.concatenate(arrays) if arrays else np.zeros(0)
+        self._flush()
+        data = {col: (np.concatenate(parts) if parts else np.zeros(0)) for col, parts in self.chunks.items()}
         df = pd.DataFrame(data)
         df.insert(0, "iteration", np.arange(len(df)))
         return df

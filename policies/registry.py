@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,10 @@ from policies.vllm_scheduler import VllmScheduler
 
 
 def _vllm(num_blocks: int, block_size: int = 16, **kw: Any) -> Scheduler:
+    known = set(inspect.signature(VllmScheduler).parameters) - {"num_gpu_blocks", "block_size"}
+    for k in kw:
+        if k not in known:
+            raise ValueError(f"unknown parameter {k!r} for policy 'vllm'; known: {', '.join(sorted(known))}")
     return VllmScheduler(num_gpu_blocks=num_blocks, block_size=block_size, **kw)
 
 
@@ -55,4 +60,6 @@ def make_scheduler(name: str, num_blocks: int, block_size: int = 16, **kw: Any) 
         raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}")
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
     return POLICIES[name](num_blocks, block_size, **kw)

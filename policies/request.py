@@ -78,8 +78,9 @@ class Request:
 
     @property
     def max_output(self) -> int:
-        """The most tokens any of its sequences will generate."""
-        if self.output_len is not None and (self.sampling.ignore_eos or self.output_len < self.sampling.max_tokens):
+        """The most tokens any of its sequences will generate: the true output length when known,
+        never more than `max_tokens` (which bounds every output, ignore_eos or not)."""
+        if self.output_len is not None and self.output_len < self.sampling.max_tokens:
             return self.output_len
         return self.sampling.max_tokens
 

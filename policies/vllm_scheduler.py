@@ -79,7 +79,9 @@ class VllmScheduler(Scheduler):
             seqs = group.seqs
             if len(seqs) == 1:  # the common case, kept lean
                 seq = seqs[0]
-                n = self._chunk(seq, budget[0])
+                n = seq.prompt_len + seq.output_len - seq.num_computed
+                if n > budget[0]:
+                    n = budget[0] if self.chunked_prefill else 0
                 if n == 0:
                     i += 1
                     continue
@@ -92,9 +94,12 @@ class VllmScheduler(Scheduler):
                         break
                 if copies is None:
                     break
-                plan.copies.extend(copies)
+                if copies:
+                    plan.copies.extend(copies)
                 budget[0] -= n
-                self._emit(plan, seq, n)
+                start = seq.num_computed
+                plan.seqs.append(ScheduledSeq(seq.seq_id, group.group_id, start, n, bm.tables[seq.seq_id],
+                                              start + n == seq.prompt_len + seq.output_len))
                 i += 1
                 continue
             chunks = [self._chunk(s, budget[0]) for s in seqs]
@@ -283,10 +288,11 @@ class VllmScheduler(Scheduler):
         b = len(seqs)
         first = (-slots) % bs + 1
         # every (step, position-in-batch) that opens a block, taken in iteration order
-        steps = [np.arange(f, k + 1, bs) for f in first]
-        counts = np.fromiter((len(s) for s in steps), dtype=np.int64, count=b)
-        order = np.lexsort((np.repeat(np.arange(b), counts), np.concatenate(steps) if b else np.array([])))
-        owners = np.repeat(np.arange(b), counts)[order]
+        counts = np.where(first <= k, (k - first) // bs + 1, 0)
+        owner = np.repeat(np.arange(b), counts)
+        within = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
+        steps = first[owner] + bs * within
+        owners = owner[np.lexsort((owner, steps))]
         mem0 = bm.memory()
         for i in owners.tolist():
             bm.tables[seqs[i].seq_id].append(bm.pool.take().block_id)
@@ -302,8 +308,7 @@ class VllmScheduler(Scheduler):
             s.num_computed = new
             s.output_len += k
         j = np.arange(1, k + 1, dtype=np.int64)
-        taken = np.cumsum(np.bincount(np.concatenate(steps) if b else np.zeros(0, np.int64),
-                                      minlength=k + 1)[1:k + 1])
+        taken = np.cumsum(np.bincount(steps, minlength=k + 1)[1:k + 1])
         states = mem0.token_states + j * b
         used = (mem0.token_states + mem0.internal_frag) // 1 + taken * bs
         return {

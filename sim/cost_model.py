@@ -151,7 +151,10 @@ class RooflineCostModel(CostModel):
     # --- the pricing maths, shared by step_time and decode_step_times --------------------------------
 
     def _roof(self, flops: ArrayLike, nbytes: ArrayLike, peak: float, bw: float) -> ArrayLike:
-        return np.maximum(flops / peak, nbytes / bw)
+        a, b = flops / peak, nbytes / bw
+        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+            return np.maximum(a, b)
+        return max(a, b)  # plain floats: the same IEEE maths without numpy's per-call cost
 
     def _groups(self, pf_seqs: ArrayLike, pf_tokens: ArrayLike, pf_pairs: ArrayLike, pf_ctx: ArrayLike,
                 dec_seqs: ArrayLike, dec_ctx: ArrayLike, swap_blocks: ArrayLike, copy_blocks: ArrayLike,
@@ -181,14 +184,14 @@ class RooflineCostModel(CostModel):
         copy = copy_blocks * 2 * block_bytes / self._bw
         busy = (tokens > 0) | (swap_blocks > 0)
         return {
-            "overhead": np.where(busy, self.overhead_s, 0.0),
-            "linear": np.where(tokens > 0, linear, 0.0),
-            "prefill_attn": np.where(pf_tokens > 0, prefill_attn, 0.0),
-            "decode_attn": np.where(dec_seqs > 0, decode_attn, 0.0),
-            "lm_head": np.where(sampled > 0, lm_head, 0.0),
-            "allreduce": np.where(tokens > 0, allreduce, 0.0),
+            "overhead": _where(busy, self.overhead_s, 0.0),
+            "linear": _where(tokens > 0, linear, 0.0),
+            "prefill_attn": _where(pf_tokens > 0, prefill_attn, 0.0),
+            "decode_attn": _where(dec_seqs > 0, decode_attn, 0.0),
+            "lm_head": _where(sampled > 0, lm_head, 0.0),
+            "allreduce": _where(tokens > 0, allreduce, 0.0),
             "swap": swap,
-            "copy": np.where(busy, copy, 0.0),
+            "copy": _where(busy, copy, 0.0),
         }
 
     @staticmethod
@@ -201,7 +204,7 @@ class RooflineCostModel(CostModel):
     # --- public API ---------------------------------------------------------------------------------
 
     def _composition_groups(self, c: StepComposition) -> dict[str, ArrayLike]:
-        f = np.float64
+        f = float
         return self._groups(f(c.num_prefill_seqs), f(c.prefill_tokens), f(c.prefill_attn_pairs),
                             f(c.prefill_context_tokens), f(c.num_decode_seqs), f(c.decode_context_tokens),
                             f(c.swap_in_blocks + c.swap_out_blocks), f(c.copy_blocks), c.block_size)
@@ -224,6 +227,12 @@ class RooflineCostModel(CostModel):
 
     def swap_time(self, num_blocks: int, block_size: int) -> float:
         return num_blocks * block_size * self._kv_bytes / self._pcie_bw
+
+
+def _where(cond: ArrayLike, a: ArrayLike, b: ArrayLike) -> ArrayLike:
+    if isinstance(cond, np.ndarray):
+        return np.where(cond, a, b)
+    return a if cond else b
 
 
 _REGISTRY = {"roofline": RooflineCostModel, "linear": ConstantCostModel}

@@ -1,0 +1,65 @@
+"""Simulator speed: sharegpt-like requests at saturation, vllm policy, OPT-13B on one A100-40GB.
+
+Each case runs in its own process so that its peak memory (max RSS) is its own. Targets on a
+2-core machine: 10,000 requests in <= 3 s wall and <= 1 GB peak; 100,000 in <= 30 s (linear).
+
+    python -m benchmarks.bench_sim [--sizes 10000 100000] [--rate 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+CASE = """
+import json, resource, time
+from traces import resolve_trace
+from sim.run import SimConfig, run_simulation
+trace = resolve_trace("sharegpt-like", num_requests={n}, rate={rate}, seed=0)
+t0 = time.perf_counter()
+res = run_simulation(SimConfig(policy="vllm", model="opt-13b", hardware="a100-40gb", fast_forward={ff}), trace)
+wall = time.perf_counter() - t0
+s = res.summary
+print(json.dumps({{"wall": wall, "sim": s["duration_s"], "iters": s["num_iterations"],
+                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                   "finished": s["num_finished"], "preemptions": s["num_preemptions"]}}))
+"""
+
+TARGET_WALL = {10_000: 3.0, 100_000: 30.0}
+
+
+def run_case(n: int, rate: float, ff: bool = True) -> dict:
+    out = subprocess.run([sys.executable, "-c", CASE.format(n=n, rate=rate, ff=ff)], check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
+    ap.add_argument("--rate", type=float, default=100.0, help="arrival rate, far above capacity (saturation)")
+    ap.add_argument("--no-step-baseline", action="store_true", help="skip the one-iteration-at-a-time run")
+    args = ap.parse_args(argv)
+    print("Simulator speed (vllm, OPT-13B / A100-40GB, sharegpt-like at saturation)")
+    print(f"{'requests':>9} {'mode':>10} {'wall s':>8} {'target s':>8} {'ratio':>6} {'peak MB':>8} "
+          f"{'iterations':>10} {'sim s':>8} {'sim/wall':>9}")
+    rows = []
+    for n in args.sizes:
+        modes = [True] if args.no_step_baseline or n > 10_000 else [True, False]
+        for ff in modes:
+            r = run_case(n, args.rate, ff)
+            target = TARGET_WALL.get(n, 3.0 * n / 10_000)
+            rows.append((n, ff, r))
+            print(f"{n:>9,} {'skip-ahead' if ff else 'step':>10} {r['wall']:>8.2f} {target:>8.1f} "
+                  f"{r['wall'] / target:>6.2f} {r['rss_mb']:>8.0f} {r['iters']:>10,} {r['sim']:>8.0f} "
+                  f"{r['sim'] / r['wall']:>9.0f}")
+    ff_rows = [(n, r) for n, ff, r in rows if ff]
+    if len(ff_rows) >= 2:
+        (n0, r0), (n1, r1) = ff_rows[0], ff_rows[-1]
+        print(f"growth: {n1 / n0:.0f}x requests -> {r1['wall'] / r0['wall']:.1f}x wall time")
+
+
+if __name__ == "__main__":
+    main()
