@@ -72,6 +72,43 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo")
     demo.set_defaults(func=cmd_demo)
 
+    live = sub.add_parser("live", help="replay a trace live on a real model (needs the backend extra)",
+                          description="Serve a trace on a real model with the same policies; writes the same "
+                                      "requests.csv, iterations.parquet and summary.json as simulate.")
+    add_workload_args(live)
+    add_policy_args(live)
+    m = live.add_argument_group("model")
+    m.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m (real weights), a HF directory, a config.json, or a preset (random weights)")
+    m.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    m.add_argument("--num-gpu-blocks", type=int, default=512, help="KV cache size in blocks (default 512)")
+    m.add_argument("--num-cpu-blocks", type=int, default=512, help="CPU swap space in blocks (default 512)")
+    m.add_argument("--no-realtime", action="store_true", help="queue every request at once instead of replaying arrivals")
+    lo = live.add_argument_group("output")
+    lo.add_argument("--slo-ttft", type=float)
+    lo.add_argument("--slo-tpot", type=float)
+    lo.add_argument("--out", required=True, help="output directory")
+    lo.add_argument("--quiet", action="store_true")
+    live.set_defaults(func=cmd_live)
+
+    gen = sub.add_parser("generate", help="generate completions for prompts on a real model")
+    gen.add_argument("--model", default="smollm2-135m")
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    mode = gen.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
+    mode.add_argument("--temperature", type=float, help="sample at this temperature")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0)
+    width = gen.add_mutually_exclusive_group()
+    width.add_argument("--n", type=int, default=1, help="parallel samples per prompt")
+    width.add_argument("--beam-width", type=int, default=1)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.set_defaults(func=cmd_generate)
+
     add_trace_parser(sub)
     return parser
 
@@ -117,6 +154,99 @@ def cmd_demo(args: argparse.Namespace) -> int:
         summaries[policy] = result.summary
     print(summary_table(summaries))
     print(f"\nper-request and per-iteration tables in {args.out}/<policy>/; try `pagesim simulate --help`")
+    return 0
+
+
+def _backend():
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        raise ValueError("live execution needs the backend extra: pip install -e '.[backend]' "
+                         "(or `make setup`)") from exc
+    from backend import live
+    return live
+
+
+def cmd_live(args: argparse.Namespace) -> int:
+    live = _backend()
+    from backend.model_runner import ModelRunner
+    from policies.metrics import request_frame, summarize
+    from policies.registry import make_scheduler
+    from sim.run import requests_from_trace
+
+    trace = _load_workload(args)
+    model = live.load_model(args.model, seed=args.seed)
+    cfg = model.config
+    runner = ModelRunner(cfg, model.weights, args.device, num_gpu_blocks=args.num_gpu_blocks,
+                         num_cpu_blocks=args.num_cpu_blocks, block_size=args.block_size)
+    kw = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    if args.policy == "vllm":
+        kw.update(preemption=args.preemption, chunked_prefill=args.chunked_prefill,
+                  prefix_caching=args.prefix_caching, num_cpu_blocks=args.num_cpu_blocks)
+    else:
+        kw["alloc_unit"] = args.block_size  # contiguous chunks must map onto the cache's blocks
+    sched = make_scheduler(args.policy, runner.num_gpu_blocks, args.block_size, **kw)
+    sched.max_model_len = cfg.max_position
+    requests = requests_from_trace(trace, cfg.max_position, args.n, args.beam_width)
+    for r in requests:
+        r.prompt_token_ids = live.synthetic_prompt_ids(r, cfg.vocab_size, args.seed)
+        r.hash_block_size = r.hash_block_size or args.block_size
+    executor = live.LiveExecutor(sched, runner, [cfg.eos_token_id], seed=args.seed)
+    run = live.serve(sched, executor, requests, realtime=not args.no_realtime)
+    req_df = request_frame(run.groups)
+    it_df = run.log.frame()
+    summary = summarize(req_df, it_df, args.slo_ttft, args.slo_tpot)
+    summary.update(mode="live", model=args.model, device=args.device, wall_time_s=run.wall_time,
+                   kv_capacity_tokens=runner.num_gpu_blocks * args.block_size, trace=trace.name,
+                   config={k: v for k, v in vars(args).items() if k != "func"})
+    out = write_run(args.out, req_df, it_df, summary)
+    print(summary_table({f"{args.policy} (live)": summary}))
+    print(f"\nwrote {out}/requests.csv, iterations.parquet, summary.json")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import json
+
+    live = _backend()
+    from backend.model_runner import ModelRunner
+    from policies.registry import make_scheduler
+    from policies.request import Request, SamplingParams
+
+    model = live.load_model(args.model, seed=args.seed)
+    if model.tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer; generate needs one (use smollm2-135m)")
+    tok, cfg = model.tokenizer, model.config
+    sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, n=args.n,
+                        beam_width=args.beam_width, temperature=args.temperature or 0.0, top_p=args.top_p,
+                        top_k=args.top_k, seed=args.seed)
+    requests = []
+    for i, text in enumerate(args.prompt):
+        ids = tok.encode(text)
+        if not ids or not text:
+            raise ValueError(f"prompt {i + 1} is empty")
+        if len(ids) + args.max_tokens > cfg.max_position:
+            raise ValueError(f"prompt {i + 1}: {len(ids)} tokens + --max-tokens {args.max_tokens} exceeds the "
+                             f"model's context of {cfg.max_position}")
+        requests.append(Request(i, 0.0, len(ids), sp, prompt_token_ids=ids))
+    blocks = sum(-(-(r.prompt_len + args.max_tokens) // 16) + 1 for r in requests) * max(args.n, args.beam_width) + 8
+    runner = ModelRunner(cfg, model.weights, args.device, num_gpu_blocks=blocks, block_size=16)
+    sched = make_scheduler("vllm", blocks, 16, max_num_batched_tokens=max(4096, cfg.max_position))
+    executor = live.LiveExecutor(sched, runner, [cfg.eos_token_id], seed=args.seed)
+    run = live.serve(sched, executor, requests, realtime=False)
+    for g in sorted(run.groups, key=lambda g: g.group_id):
+        p = g.request.prompt_len
+        if g.group_id in run.beam_results:
+            outs = [toks for toks, _ in run.beam_results[g.group_id]]
+        else:
+            outs = [s.token_ids[p:] for s in sorted(g.finished_seqs, key=lambda s: s.seq_id)]
+        if args.json:
+            print(json.dumps({"prompt": args.prompt[g.group_id], "prompt_token_ids": g.request.prompt_token_ids,
+                              "completions": [{"token_ids": o, "text": tok.decode(o)} for o in outs]}))
+        else:
+            for j, o in enumerate(outs):
+                label = f"[{g.group_id}]" + (f"[{j}]" if len(outs) > 1 else "")
+                print(f"{label} {args.prompt[g.group_id]}{tok.decode(o)}")
     return 0
 
 
