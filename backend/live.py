@@ -158,10 +158,11 @@ class LiveExecutor:
             picks: dict[int, list[int]] = {}
             for c in cands:
                 picks.setdefault(c.parent, []).append(c.token)
+            done = searcher.done  # then no more forks: picked beams finish, the rest are dropped
             for i, seq in enumerate(beam_seqs):
                 toks = picks.get(i, [])
                 result.outcomes[seq.seq_id] = SeqOutcome(seq.seq_id, toks[0] if toks else None, bool(toks),
-                                                         toks[1:], searcher.done)
+                                                         [] if done else toks[1:], done)
             if searcher.done:
                 self.beam_results[gid] = searcher.best(sp.beam_width)
                 del self.beams[gid]
