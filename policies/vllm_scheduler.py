@@ -239,9 +239,12 @@ class VllmScheduler(Scheduler):
         if self.waiting and not self._head_stays_blocked(len(running)):
             return 0
         for g in running:
-            if len(g.seqs) != 1 or g.seqs[0].num_tokens - g.seqs[0].num_computed != 1:
+            if len(g.seqs) != 1:
                 return 0
-        k = min(remaining()) - 1
+            s = g.seqs[0]
+            if s.prompt_len + s.output_len - s.num_computed != 1:
+                return 0
+        k = min(remaining())  # the k-th iteration may finish sequences: fast_forward handles that
         if k < 1:
             return 0
         need = self._blocks_needed_by_step(k)
@@ -277,9 +280,10 @@ class VllmScheduler(Scheduler):
         reps = -(-k // bs)
         return np.tile(per_phase, reps)[:k]
 
-    def fast_forward(self, k: int) -> dict[str, np.ndarray]:
+    def fast_forward(self, k: int, finishing: list[bool], now: float) -> dict[str, np.ndarray]:
         """Apply k plain decode iterations at once, exactly as k calls of schedule() and
-        on_step_done() would (blocks taken in the same order), without sampled tokens.
+        on_step_done() would (blocks taken in the same order), without sampled tokens. Running
+        group i finishes in the k-th iteration if finishing[i] (at time `now`, the k-th's end).
         Returns per-iteration arrays: batch size, context tokens, and memory by category."""
         bm = self.bm
         bs = self.block_size
@@ -297,24 +301,42 @@ class VllmScheduler(Scheduler):
         for i in owners.tolist():
             bm.tables[seqs[i].seq_id].append(bm.pool.take().block_id)
         blocks = bm.pool.blocks
-        set_filled = bm.pool.set_filled
-        for s in seqs:
-            table = bm.tables[s.seq_id]
-            old = s.num_computed
-            new = old + k
-            for i in range(old // bs, len(table)):
-                set_filled(blocks[table[i]], min(bs, new - i * bs))
-            bm.slots[s.seq_id] = new
+        tables, bm_slots = bm.tables, bm.slots
+        for s in seqs:  # single-sequence groups own their partly filled blocks: fill them in place
+            sid = s.seq_id
+            table = tables[sid]
+            new = s.num_computed + k
+            last = len(table) - 1
+            for i in range(s.num_computed // bs, last):
+                blocks[table[i]].filled = bs
+            blocks[table[last]].filled = new - last * bs
+            bm_slots[sid] = new
             s.num_computed = new
             s.output_len += k
+        bm.pool.used_filled += k * b
         j = np.arange(1, k + 1, dtype=np.int64)
         taken = np.cumsum(np.bincount(steps, minlength=k + 1)[1:k + 1])
         states = mem0.token_states + j * b
         used = (mem0.token_states + mem0.internal_frag) // 1 + taken * bs
-        return {
+        cols = {
             "num_seqs": np.full(k, b, dtype=np.int64),
             "context_tokens": int(slots.sum()) + j * b,
             "kv_token_states": states,
             "kv_internal_frag": used - states,
             "kv_free": mem0.free - taken * bs,
+            "running": np.full(k, b, dtype=np.int64),
         }
+        if any(finishing):
+            for g, done in zip(list(self.running), finishing):
+                if done:  # as on_step_done: finish in batch order, free the blocks
+                    self._finish_seq(g.seqs[0], keep_record=True)
+                    g.status = SeqStatus.FINISHED
+                    g.finish_time = now
+                    self.running.remove(g)
+                    self.done.append(g)
+            mem = bm.memory()
+            cols["kv_token_states"][-1] = mem.token_states
+            cols["kv_internal_frag"][-1] = mem.internal_frag
+            cols["kv_free"][-1] = mem.free
+            cols["running"][-1] = len(self.running)
+        return cols

@@ -118,7 +118,9 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
     ex = replica.executor
     if not sched.running:
         return False
-    k = sched.decode_horizon(lambda: [ex.target(g.seqs[0]) - g.seqs[0].output_len for g in sched.running])
+    remaining: list[int] = []
+    k = sched.decode_horizon(lambda: remaining.extend(ex.target(g.seqs[0]) - g.seqs[0].output_len
+                                                      for g in sched.running) or remaining)
     if k < 2:
         return False
     b = len(sched.running)
@@ -134,7 +136,7 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
         ends, durations, contexts = ends[:k], durations[:k], contexts[:k]
     start = env.now
     waiting = len(sched.waiting) + feed.arrived_by(ends) - feed.next_index
-    cols = sched.fast_forward(k)
+    cols = sched.fast_forward(k, [r == k for r in remaining], float(ends[-1]))
     delay = float(ends[-1]) - start
     while start + delay < ends[-1]:  # land on the exact same float as stepping would
         delay = math.nextafter(delay, math.inf)
@@ -145,7 +147,7 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
     replica.log.add_many({
         "start": starts, "duration": durations, "num_seqs": cols["num_seqs"], "decode_tokens": cols["num_seqs"],
         "context_tokens": cols["context_tokens"], "waiting": waiting,
-        "running": np.full(k, b), "kv_token_states": cols["kv_token_states"],
+        "running": cols["running"], "kv_token_states": cols["kv_token_states"],
         "kv_internal_frag": cols["kv_internal_frag"], "kv_free": cols["kv_free"],
         "prefix_hits": np.full(k, sched.bm.prefix_hits),
     })
