@@ -104,7 +104,7 @@ class SeqOutcome:
     seq_id: int
     token: int | None = None
     keep: bool = True
-    children: list[int | None] = field(default_factory=list)
+    children: list[int | None] | tuple[int | None, ...] = ()  # a tuple default: no list per outcome
     finished: bool = False
     logprob: float = 0.0
 

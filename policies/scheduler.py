@@ -128,46 +128,64 @@ class Scheduler(ABC):
 
     def on_step_done(self, plan: StepPlan, result: StepResult, now: float) -> list[SequenceGroup]:
         """Apply an executed plan: advance computed counts, append sampled tokens, fork and drop
-        sequences, finish groups. Returns the groups that finished in this step."""
-        touched: dict[int, SequenceGroup] = {}
-        sampled: list[tuple[Sequence, SeqOutcome]] = []
+        sequences, finish groups. Returns the groups that finished in this step.
+
+        Pruned sequences (keep=False, no children) are dropped before any fork, so that their
+        memory serves this step's forks (the contiguous baselines' spare chunks); a dropped parent
+        with children continues as its first child (no copy)."""
+        seqs = self.seqs
+        outcomes = result.outcomes
+        sampled: list[Sequence] = []       # parallel lists, not tuples: fewer objects for the GC
+        sampled_outs: list[SeqOutcome] = []
+        pruned = False
         for ss in plan.seqs:
-            seq = self.seqs[ss.seq_id]
+            seq = seqs[ss.seq_id]
             seq.num_computed += ss.num_new_tokens
             if not ss.samples:
                 continue
-            group = seq.group
-            touched[group.group_id] = group
-            if group.first_token_time is None:
-                group.first_token_time = now
-            out = result.outcomes.get(ss.seq_id)
+            out = outcomes.get(ss.seq_id)
             if out is None:
                 raise ValueError(f"executor returned no outcome for sampling sequence {ss.seq_id}")
-            if out.keep or out.children:
-                sampled.append((seq, out))
-            else:  # pruned beams first: their memory serves this step's forks (contiguous spares)
-                self._finish_seq(seq, keep_record=False)
-        for seq, out in sampled:
             group = seq.group
+            if group.first_token_time is None:
+                group.first_token_time = now
+            sampled.append(seq)
+            sampled_outs.append(out)
+            if not out.keep and not out.children:
+                pruned = True
+        ended: dict[int, SequenceGroup] = {}   # groups that lost a sequence in this step
+        if pruned:
+            for seq, out in zip(sampled, sampled_outs):
+                if not out.keep and not out.children:
+                    ended[seq.group.group_id] = seq.group
+                    self._finish_seq(seq, keep_record=False)
+        for seq, out in zip(sampled, sampled_outs):
             token, children = out.token, out.children
-            if not out.keep:  # a dropped parent with children continues as its first child (no copy)
+            if not out.keep:
+                if not children:
+                    continue
                 token, children = children[0], children[1:]
-            for tok in children:
-                child = Sequence(next(self._seq_ids), group, seq.prompt_len, seq.target_len,
-                                 None if seq.token_ids is None else list(seq.token_ids), seq.output_len)
-                child.num_computed = seq.num_computed
-                child.status = SeqStatus.RUNNING
-                child.cum_logprob = seq.cum_logprob
-                self._fork_seq(seq, child)
-                child.append(tok)
-                group.seqs.append(child)
-                self.seqs[child.seq_id] = child
-            seq.append(token)
+            if children:
+                group = seq.group
+                for tok in children:
+                    child = Sequence(next(self._seq_ids), group, seq.prompt_len, seq.target_len,
+                                     None if seq.token_ids is None else list(seq.token_ids), seq.output_len)
+                    child.num_computed = seq.num_computed
+                    child.status = SeqStatus.RUNNING
+                    child.cum_logprob = seq.cum_logprob
+                    self._fork_seq(seq, child)
+                    child.append(tok)
+                    group.seqs.append(child)
+                    seqs[child.seq_id] = child
+            seq.output_len += 1  # Sequence.append, inlined on the hot path
+            if seq.token_ids is not None:
+                seq.token_ids.append(-1 if token is None else token)
             seq.cum_logprob = out.logprob
             if out.finished:
+                ended[seq.group.group_id] = seq.group
                 self._finish_seq(seq, keep_record=True)
         finished = []
-        for group in touched.values():
+        for group in ended.values():
             if not group.seqs:
                 group.status = SeqStatus.FINISHED
                 group.finish_time = now
