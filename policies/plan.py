@@ -56,6 +56,10 @@ class ScheduledSeq:
 class StepPlan:
     """The scheduler's decision for one iteration.
 
+    A plan is valid until the next `schedule()`: block tables are the block manager's own lists
+    (copying them every iteration would double the bookkeeping cost), so an executor that keeps a
+    plan must copy what it needs.
+
     Invariants: every block id in `seqs[i].block_table` is allocated to that sequence and covers
     positions [0, start + num_new_tokens); `copies` must run before the forward pass (copy-on-write
     sources into fresh destinations); `swap_out` runs before `swap_in`; preempted groups are not in

@@ -63,9 +63,12 @@ class VllmScheduler(Scheduler):
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         n = seq.num_tokens - seq.num_computed
-        return min(n, budget) if self.chunked_prefill else (n if n <= budget else 0)
+        if n <= budget:
+            return n
+        return budget if self._chunkable(seq) else 0
 
     def _emit(self, plan: StepPlan, seq: Sequence, n: int) -> None:
+        # the plan carries the block manager's own table lists: valid until the next schedule()
         plan.seqs.append(ScheduledSeq(seq.seq_id, seq.group.group_id, seq.num_computed, n,
                                       self.bm.tables[seq.seq_id], seq.num_computed + n == seq.num_tokens))
 
@@ -81,7 +84,7 @@ class VllmScheduler(Scheduler):
                 seq = seqs[0]
                 n = seq.prompt_len + seq.output_len - seq.num_computed
                 if n > budget[0]:
-                    n = budget[0] if self.chunked_prefill else 0
+                    n = budget[0] if self._chunkable(seq) else 0
                 if n == 0:
                     i += 1
                     continue
@@ -164,40 +167,54 @@ class VllmScheduler(Scheduler):
     def _schedule_swapped(self, plan: StepPlan, budget: list[int], now: float) -> None:
         while self.swapped:
             group = self.swapped[0]
-            need = sum(s.num_tokens - s.num_computed for s in group.seqs)
-            if need > budget[0] or self.num_running_seqs + len(group.seqs) > self.max_num_seqs:
+            chunks = [self._chunk(s, budget[0] // len(group.seqs)) for s in group.seqs]
+            if 0 in chunks or self._demand() + len(group.seqs) > self.max_num_seqs:
                 return
             if not self.bm.can_swap_in(group):
                 return
             self.swapped.popleft()
             plan.swap_in.extend(self.bm.swap_in(group))
             self._insert_running(group)
-            for s in group.seqs:
-                n = s.num_tokens - s.num_computed
+            for s, n in zip(group.seqs, chunks):
                 plan.copies.extend(self.bm.append_slots(s, n))
                 self._emit(plan, s, n)
-            budget[0] -= need
+            budget[0] -= sum(chunks)
+
+    def _demand(self) -> int:
+        return sum(self.seq_demand(g) for g in self.running)
+
+    def _chunkable(self, seq: Sequence) -> bool:
+        """Chunked prefill is on, or the work can never fit one iteration (a recompute of a
+        sequence that grew past the budget), which is then computed in pieces anyway."""
+        return self.chunked_prefill or seq.num_tokens - seq.num_computed > self.max_num_batched_tokens
 
     def _schedule_waiting(self, plan: StepPlan, budget: list[int], now: float) -> None:
         bm = self.bm
+        demand = self._demand()
         while self.waiting and budget[0] > 0:
             group = self.waiting[0]
-            status = bm.can_allocate(group, None if not self.chunked_prefill else budget[0])
+            req = group.request
+            width = req.sampling.width
+            status = bm.can_allocate(group, budget[0] if self._chunkable(group.seqs[0]) else None)
+            reason = None
             if status is AllocStatus.NEVER:
+                reason = (f"needs {bm.max_blocks_needed(group)} blocks but the cache holds "
+                          f"{bm.num_gpu_blocks - bm.watermark_blocks} (after the watermark)")
+            elif not self.chunked_prefill and req.prompt_len > self.max_num_batched_tokens:
+                reason = (f"prompt of {req.prompt_len} tokens exceeds max_num_batched_tokens="
+                          f"{self.max_num_batched_tokens} and chunked prefill is off")
+            elif width > self.max_num_seqs or width > self.max_num_batched_tokens:
+                reason = (f"{width} parallel sequences exceed max_num_seqs={self.max_num_seqs} or "
+                          f"max_num_batched_tokens={self.max_num_batched_tokens}")
+            if reason is not None:
                 self.waiting.popleft()
-                self._reject(group, f"needs {bm.max_blocks_needed(group)} blocks but the cache holds "
-                                    f"{bm.num_gpu_blocks - bm.watermark_blocks} (after the watermark)", plan, now)
+                self._reject(group, reason, plan, now)
                 continue
-            longest = max(s.num_tokens for s in group.seqs)
-            if not self.chunked_prefill and longest > self.max_num_batched_tokens:
-                self.waiting.popleft()
-                self._reject(group, f"prompt of {longest} tokens exceeds max_num_batched_tokens="
-                                    f"{self.max_num_batched_tokens} and chunked prefill is off", plan, now)
-                continue
-            if status is AllocStatus.LATER or self.num_running_seqs + len(group.seqs) > self.max_num_seqs:
+            if status is AllocStatus.LATER or demand + width > self.max_num_seqs:
                 return
             if not self._admit(group, plan, budget):
                 return
+            demand += width
             self.waiting.popleft()
             if group.first_scheduled is None:
                 group.first_scheduled = now
@@ -257,16 +274,20 @@ class VllmScheduler(Scheduler):
         head = self.waiting[0]
         if len(head.seqs) != 1 or head.rejected is not None:
             return False
-        bm = self.bm
+        req = head.request
+        width = req.sampling.width
+        if width > self.max_num_seqs or width > self.max_num_batched_tokens:
+            return False  # would be rejected
+        if not self.chunked_prefill and req.prompt_len > self.max_num_batched_tokens:
+            return False
         left = self.max_num_batched_tokens - num_running
-        status = bm.can_allocate(head, left if self.chunked_prefill else None)
+        chunkable = self._chunkable(head.seqs[0])
+        status = self.bm.can_allocate(head, left if chunkable else None)
         if status is AllocStatus.NEVER:
             return False
-        if not self.chunked_prefill and head.seqs[0].num_tokens > self.max_num_batched_tokens:
-            return False
-        if status is AllocStatus.LATER or num_running + 1 > self.max_num_seqs:
+        if status is AllocStatus.LATER or num_running + width > self.max_num_seqs:
             return True
-        return not self.chunked_prefill and head.seqs[0].num_tokens > left
+        return not chunkable and head.seqs[0].num_tokens > left
 
     def _decode_slots(self) -> np.ndarray:
         return np.fromiter((g.seqs[0].num_computed for g in self.running), dtype=np.int64,

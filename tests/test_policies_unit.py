@@ -847,27 +847,18 @@ def test_registry_builds_the_expected_classes():
 
 
 # ============================================================================ known bugs in vllm_scheduler.py
-@pytest.mark.xfail(strict=True, reason="vllm_scheduler: admission counts len(group.seqs) (1 before the fork), "
-                                       "not the group's width, so forks push a plan past max_num_seqs")
 def test_vllm_max_num_seqs_counts_the_width_of_unforked_groups():
     s = vllm(64, max_num_seqs=4)
     run = run_to_completion(s, [req(0, 4, 3, n=2), req(1, 4, 3, n=2), req(2, 4, 3, n=2)])
     assert max(len(p.seqs) for p in run.plans) <= 4
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="vllm_scheduler: a group wider than max_num_batched_tokens (or max_num_seqs) is "
-                          "admitted, forks, and then can never be scheduled: the engine stalls forever")
 def test_vllm_rejects_a_group_wider_than_an_iteration():
     s = vllm(64, block_size=2, max_num_batched_tokens=2, chunked_prefill=True)
     run = run_to_completion(s, [req(0, 2, 4, n=3), req(1, 2, 2)])
     assert 0 in run.rejections() and run.finish_order == [1]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="vllm_scheduler._schedule_swapped needs all uncomputed tokens in one step; a group "
-                          "swapped out mid chunked prefill with more left than max_num_batched_tokens never "
-                          "comes back, and nothing is admitted while it is swapped: the engine stalls")
 def test_vllm_group_swapped_mid_chunked_prefill_comes_back():
     s = vllm(8, max_num_batched_tokens=8, chunked_prefill=True, preemption="swap", num_cpu_blocks=16)
     run = run_to_completion(s, [req(0, 4, 28), req(1, 30, 1)])
@@ -875,9 +866,6 @@ def test_vllm_group_swapped_mid_chunked_prefill_comes_back():
     assert run.finish_order == [0, 1]
 
 
-@pytest.mark.xfail(strict=True, reason="vllm_scheduler: after a recompute preemption, prompt + generated tokens "
-                                       "are checked against max_num_batched_tokens (chunked prefill off), so "
-                                       "a request that was running is rejected as a 'prompt' that is too long")
 def test_vllm_recompute_does_not_reject_a_request_that_was_running():
     s = vllm(6, max_num_batched_tokens=16)
     run = run_to_completion(s, [req(0, 4, 12), req(1, 12, 8)])
@@ -885,14 +873,3 @@ def test_vllm_recompute_does_not_reject_a_request_that_was_running():
     assert not run.rejections() and sorted(run.finish_order) == [0, 1]
 
 
-@pytest.mark.xfail(strict=True, reason="vllm_scheduler._emit puts the block manager's live table list in the "
-                                       "plan: a plan kept (metrics, async executor) changes under later steps")
-def test_vllm_plan_block_tables_do_not_change_after_the_step():
-    s = vllm(8)
-    s.add_request(req(0, 4, 8))
-    p0 = s.schedule(0.0)
-    assert p0.seqs[0].block_table == [0]
-    sid = p0.seqs[0].seq_id
-    s.on_step_done(p0, StepResult(1.0, {sid: SeqOutcome(sid)}), 1.0)
-    s.schedule(1.0)                                          # the 5th token opens block 1
-    assert p0.seqs[0].block_table == [0]
