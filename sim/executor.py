@@ -4,8 +4,10 @@ workload instead of running a model.
 Decoding rules (seeded, documented here because they shape memory sharing):
 - One sequence: it samples until its target length (the trace's output length) and finishes.
 - Parallel sampling (n > 1): at the first token the sequence forks into n. Sample 0 keeps the
-  trace's length; every other sample i draws its length as round(L * exp(0.5 * z_i)), z_i ~ N(0, 1),
-  clipped to [1, max_tokens]: samples of one prompt vary around the observed length.
+  trace's length L; every other sample i draws its length as round(L * exp(0.5 * z_i)),
+  z_i ~ N(0, 1), clipped to [min(2, L), L]: samples of one prompt vary below the observed length,
+  which is the longest (so oracle reservations and rejection bounds hold), and a forked sample,
+  born holding one token, samples at least once more.
 - Beam search (width k): all beams end at the trace's length (as with ignore_eos). At every step the
   k new beams pick their parents among the current beams in rank order with probability
   proportional to 2^-rank (the best beams are extended most often, as in real beam search); a
@@ -58,9 +60,9 @@ class SimulatedExecutor:
                 outcomes[ss.seq_id] = out
         return result
 
-    def sample_lengths(self, base: int, count: int, max_tokens: int) -> list[int]:
+    def sample_lengths(self, base: int, count: int) -> list[int]:
         z = self.rng.standard_normal(count)
-        return np.clip(np.rint(base * np.exp(0.5 * z)), 1, max_tokens).astype(int).tolist()
+        return np.clip(np.rint(base * np.exp(0.5 * z)), min(2, base), base).astype(int).tolist()
 
     def target(self, seq) -> int:
         """The output length a sequence finishes at: the trace's for a group's first sequence,
@@ -69,7 +71,7 @@ class SimulatedExecutor:
         if t is None:
             sp = seq.group.request.sampling
             forked = sp.n > 1 and seq is not seq.group.seqs[0]
-            t = self.sample_lengths(seq.target_len, 1, sp.max_tokens)[0] if forked else seq.target_len
+            t = self.sample_lengths(seq.target_len, 1)[0] if forked else seq.target_len
             if forked:
                 self.targets[seq.seq_id] = t
         return t
