@@ -109,6 +109,30 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=cmd_generate)
 
+    sw = sub.add_parser("sweep", help="simulate several policies over several request rates and plot",
+                        description="Throughput-latency curves: writes sweep.csv, latency_vs_rate.png and "
+                                    "memory_breakdown.png to --out.")
+    sw.add_argument("--trace", default="sharegpt-like")
+    sw.add_argument("--trace-format", choices=KNOWN_FORMATS)
+    sw.add_argument("--num-requests", type=int, default=1000)
+    sw.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 2.5],
+                    help="request rates, req/s (default 0.5 1 1.5 2 2.5)")
+    sw.add_argument("--policies", nargs="+", default=["vllm", "orca-oracle", "orca-pow2", "orca-max"],
+                    choices=list(POLICIES))
+    sw.add_argument("--model", default="opt-13b")
+    sw.add_argument("--hardware", default="a100-40gb")
+    sw.add_argument("--tp", type=int, default=1)
+    sw.add_argument("--block-size", type=int, default=16)
+    sw.add_argument("--max-num-seqs", type=int, default=256)
+    sw.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    sw.add_argument("--n", type=int)
+    sw.add_argument("--beam-width", type=int)
+    sw.add_argument("--seed", type=int, default=0)
+    sw.add_argument("--latency-limit", type=float, default=1.0,
+                    help="normalized latency (s/token) for the max-sustainable-rate line (default 1.0)")
+    sw.add_argument("--out", required=True)
+    sw.set_defaults(func=cmd_sweep)
+
     add_trace_parser(sub)
     return parser
 
@@ -154,6 +178,40 @@ def cmd_demo(args: argparse.Namespace) -> int:
         summaries[policy] = result.summary
     print(summary_table(summaries))
     print(f"\nper-request and per-iteration tables in {args.out}/<policy>/; try `pagesim simulate --help`")
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from analysis.plots import latency_vs_rate, memory_breakdown
+    from analysis.sweep import max_sustainable_rate, sweep
+    from sim.run import SimConfig
+    from traces import resolve_trace
+
+    trace = resolve_trace(args.trace, num_requests=args.num_requests, format=args.trace_format, seed=args.seed,
+                          rate=args.rates[0])  # each rate re-draws (or rescales) the arrivals
+    base = SimConfig(model=args.model, hardware=args.hardware, tp=args.tp, block_size=args.block_size,
+                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                     n=args.n, beam_width=args.beam_width, seed=args.seed)
+    print(f"sweep: {len(trace)} requests of {trace.name}, {args.model} on {args.hardware}")
+    print(f"{'policy':<12} {'rate':>6} {'req/s':>7} {'norm lat':>9} {'p90 TTFT':>9} {'preempt':>8} {'wall s':>7}")
+
+    def show(r: dict) -> None:
+        print(f"{r['policy']:<12} {r['rate']:>6.2f} {r['throughput']:>7.3f} {r['mean_normalized_latency']:>9.4f} "
+              f"{r['ttft_p90']:>9.2f} {r['preemptions']:>8} {r['wall_s']:>7.2f}", flush=True)
+
+    table, memory = sweep(trace, base, args.policies, args.rates, on_result=show)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / "sweep.csv", index=False)
+    title = f"{trace.name}, {args.model} / {args.hardware}"
+    latency_vs_rate(table, out / "latency_vs_rate.png", title)
+    memory_breakdown(memory, out / "memory_breakdown.png", f"KV memory at {max(args.rates)} req/s")
+    best = max_sustainable_rate(table, args.latency_limit)
+    print(f"\nhighest swept rate with mean normalized latency <= {args.latency_limit} s/token: "
+          + ", ".join(f"{p} {r:g}" for p, r in best.items()))
+    print(f"wrote {out}/sweep.csv, latency_vs_rate.png, memory_breakdown.png")
     return 0
 
 

@@ -1,0 +1,60 @@
+"""Figures for sweeps and runs (matplotlib, written to PNG)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import pandas as pd
+
+CATEGORY_COLORS = {"kv_token_states": "#4c72b0", "kv_reserved": "#dd8452", "kv_internal_frag": "#c44e52",
+                   "kv_external_frag": "#8172b3"}
+CATEGORY_LABELS = {"kv_token_states": "token states", "kv_reserved": "reserved",
+                   "kv_internal_frag": "internal fragmentation", "kv_external_frag": "external fragmentation"}
+
+
+def latency_vs_rate(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
+    """Mean normalized latency (s/token) against request rate, one line per policy."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy, g in table.groupby("policy", sort=False):
+        ax.plot(g.rate, g.mean_normalized_latency, marker="o", label=policy)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("mean normalized latency (s/token)")
+    finite = table.mean_normalized_latency[table.mean_normalized_latency.notna()]
+    if len(finite):
+        ax.set_ylim(0, min(float(finite.max()), 10 * float(finite.min()) + 0.5))
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def memory_breakdown(memory: dict[str, dict[str, float]], path: str | Path, title: str = "") -> Path:
+    """Stacked bars: allocated KV slots by category per policy, as shares (the paper's Figure 2)."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    policies = list(memory)
+    bottoms = [0.0] * len(policies)
+    for cat, color in CATEGORY_COLORS.items():
+        vals = []
+        for p in policies:
+            total = sum(memory[p].values()) or 1.0
+            vals.append(100 * memory[p].get(cat, 0.0) / total)
+        ax.bar(policies, vals, bottom=bottoms, color=color, label=CATEGORY_LABELS[cat])
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    for i, p in enumerate(policies):
+        total = sum(memory[p].values()) or 1.0
+        ax.text(i, 2, f"{100 * memory[p].get('kv_token_states', 0) / total:.1f}%", ha="center", color="white")
+    ax.set_ylabel("% of allocated KV slots")
+    ax.set_ylim(0, 100)
+    ax.set_title(title)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,50 @@
+"""Sweeps: one trace, several policies, several request rates -> a table and throughput-latency
+curves (the shape of the vLLM paper's Figure 12: mean normalized latency against request rate)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import pandas as pd
+
+from sim.run import SimConfig, run_simulation
+from traces import apply_arrivals
+from traces.trace import Trace
+
+
+def sweep(trace: Trace, base: SimConfig, policies: Sequence[str], rates: Sequence[float],
+          on_result: Callable[[dict], None] | None = None) -> tuple[pd.DataFrame, dict]:
+    """Simulate every (policy, rate). The same lengths are used at every rate; arrivals are
+    Poisson at the rate with the config's seed. Returns (one row per run, the memory breakdown of
+    each policy's run at the highest rate)."""
+    rows, memory = [], {}
+    for rate in rates:
+        timed = apply_arrivals(trace, rate=rate, seed=base.seed)  # Poisson, or a timestamped trace rescaled
+        for policy in policies:
+            cfg = dataclasses.replace(base, policy=policy)
+            res = run_simulation(cfg, timed)
+            s = res.summary
+            row = {"policy": policy, "rate": rate, "throughput": s["request_throughput"],
+                   "mean_normalized_latency": s["mean_normalized_latency"], "ttft_p90": s["ttft"]["p90"],
+                   "tpot_p90": s["tpot"]["p90"], "e2e_p90": s["e2e_latency"]["p90"],
+                   "goodput": s["goodput"], "preemptions": s["num_preemptions"],
+                   "rejected": s["num_rejected"], "kv_token_state_fraction": s["kv_token_state_fraction"],
+                   "mean_batched_seqs": s["mean_batched_seqs"], "wall_s": s["wall_time_s"]}
+            rows.append(row)
+            if rate == max(rates):
+                it = res.iterations
+                kv = it[["kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag"]]
+                memory[policy] = (kv.mul(it.duration, axis=0).sum() / max(it.duration.sum(), 1e-12)).to_dict()
+            if on_result is not None:
+                on_result(row)
+    return pd.DataFrame(rows), memory
+
+
+def max_sustainable_rate(table: pd.DataFrame, latency_limit: float) -> dict[str, float]:
+    """Per policy, the highest swept rate whose mean normalized latency stays under the limit."""
+    out = {}
+    for policy, g in table.groupby("policy", sort=False):
+        ok = g[g.mean_normalized_latency <= latency_limit]
+        out[policy] = float(ok.rate.max()) if len(ok) else float("nan")
+    return out
