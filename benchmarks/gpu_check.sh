@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# GPU check for the live backend, run from the repository root on a CUDA machine with torch and
+# triton preinstalled and no network (about 3 minutes on an H200; hard limits keep it under 8):
+#   1. install the project over the preinstalled torch/triton (no dependencies, no build isolation),
+#   2. run the backend tests that are not marked slow, with CUDA (Triton kernels compiled natively),
+#   3. run the attention benchmark (Triton paged decode vs SDPA, Llama-3-8B shapes; the CPU table too).
+# Everything is written under $OUT (default: out/gpu_check): env.txt, pip.txt, pytest.txt, junit.xml,
+# bench_attention.txt, bench_attention.json. Exit status: the first failing step's, else 0.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu_check}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+status=0
+
+{
+  date -u
+  nvidia-smi || true
+  "$PY" -c "import sys, torch, triton; print(sys.version); print('torch', torch.__version__, 'triton', triton.__version__); print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NO CUDA')"
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+if ! timeout 120 "$PY" -m pip install --no-deps --no-build-isolation --no-index -q -e . >"$OUT/pip.txt" 2>&1; then
+  echo "pip install -e . failed (see pip.txt); using PYTHONPATH instead" | tee -a "$OUT/pip.txt"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+timeout 300 "$PY" -m pytest tests/backend -m "not slow" -q -p no:cacheprovider -rs \
+  --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.txt"
+rc=${PIPESTATUS[0]}
+[ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc
+
+timeout 180 "$PY" -m benchmarks.bench_attention --reps 5 --json "$OUT/bench_attention.json" 2>&1 \
+  | tee "$OUT/bench_attention.txt"
+rc=${PIPESTATUS[0]}
+[ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc
+
+echo "gpu_check: exit $status"
+exit "$status"
