@@ -28,7 +28,7 @@ def test_known_param_counts():
 
 
 def test_unknown_name_lists_known():
-    with pytest.raises(ValueError, match="known:.*llama-3-8b.*opt-13b"):
+    with pytest.raises(ValueError, match=r"known:.*llama-3-8b.*opt-13b"):
         ModelConfig.from_name("gpt-5")
 
 
