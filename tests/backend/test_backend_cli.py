@@ -1,0 +1,51 @@
+"""`pagesim generate` and `pagesim live` end to end, and their bad-input errors."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("torch")
+
+from pagesim.cli import main as cli_main
+
+
+def test_unknown_model_lists_known(capsys):
+    assert cli_main(["generate", "--model", "gpt-9", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "gpt-9" in err and "smollm2-135m" in err
+
+
+def test_generate_json_greedy(smollm2_path, capsys):
+    code = cli_main(["generate", "--prompt", "The capital of France is", "--prompt", "1, 2, 3,",
+                     "--max-tokens", "4", "--json"])
+    assert code == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [x["prompt"] for x in lines] == ["The capital of France is", "1, 2, 3,"]
+    for x in lines:
+        (c,) = x["completions"]
+        assert 1 <= len(c["token_ids"]) <= 4 and isinstance(c["text"], str)
+        assert x["prompt_token_ids"]
+    assert "Paris" in lines[0]["completions"][0]["text"]
+
+
+def test_generate_rejects_empty_and_too_long_prompts(smollm2_path, capsys):
+    assert cli_main(["generate", "--prompt", "", "--max-tokens", "2"]) == 2
+    assert "empty" in capsys.readouterr().err
+    assert cli_main(["generate", "--prompt", "word " * 9000, "--max-tokens", "2"]) == 2
+    assert "context" in capsys.readouterr().err
+
+
+def test_live_replays_a_trace_and_writes_the_sim_tables(smollm2_path, tmp_path):
+    out = tmp_path / "live"
+    code = cli_main(["live", "--trace", "fixed", "--num-requests", "3", "--rate", "20", "--no-realtime",
+                     "--model", "smollm2-135m", "--num-gpu-blocks", "128", "--out", str(out), "--quiet"])
+    assert code == 0
+    req = pd.read_csv(out / "requests.csv")
+    assert len(req) == 3 and (req.status == "finished").all()
+    it = pd.read_parquet(out / "iterations.parquet")
+    assert it.duration.gt(0).all() and it.decode_tokens.sum() > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mode"] == "live" and summary["num_finished"] == 3
