@@ -2,7 +2,7 @@
 
 Each sequence reserves one contiguous chunk of token slots for its prompt plus its output, sized by
 the variant: `max` (prompt + max output tokens), `pow2` (prompt + the next power of two of the true
-output length), `oracle` (prompt + the true output length). Chunks are placed by a buddy allocator
+output length, capped at max output tokens), `oracle` (prompt + the true output length). Chunks are placed by a buddy allocator
 in units of `block_size` slots (1 = token granularity), so external fragmentation is real.
 """
 
@@ -45,7 +45,9 @@ class ContiguousAllocator:
         else:
             if req.output_len is None:
                 raise ValueError(f"request {req.request_id}: orca-{self.variant} needs the true output length")
-            out = req.max_output if self.variant == "oracle" else next_pow2(req.max_output)
+            # pow2 never reserves more than the request may generate (its max_tokens)
+            out = req.max_output if self.variant == "oracle" else min(next_pow2(req.max_output),
+                                                                    req.sampling.max_tokens)
         return req.prompt_len + out
 
     def _units(self, slots: int) -> int:
