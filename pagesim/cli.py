@@ -250,7 +250,19 @@ def cmd_live(args: argparse.Namespace) -> int:
         r.prompt_token_ids = live.synthetic_prompt_ids(r, cfg.vocab_size, args.seed)
         r.hash_block_size = r.hash_block_size or args.block_size
     executor = live.LiveExecutor(sched, runner, [cfg.eos_token_id], seed=args.seed)
-    run = live.serve(sched, executor, requests, realtime=not args.no_realtime)
+    bar = None
+    if not args.quiet:
+        from tqdm import tqdm
+        bar = tqdm(total=len(requests), unit="req", desc="serving", mininterval=0.5, leave=False)
+
+    def progress(now: float, done: int) -> None:
+        if bar is not None and done != bar.n:
+            bar.update(done - bar.n)
+            bar.set_postfix_str(f"t={now:,.1f}s", refresh=False)
+
+    run = live.serve(sched, executor, requests, realtime=not args.no_realtime, on_progress=progress)
+    if bar is not None:
+        bar.close()
     req_df = request_frame(run.groups)
     it_df = run.log.frame()
     summary = summarize(req_df, it_df, args.slo_ttft, args.slo_tpot)
