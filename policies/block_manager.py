@@ -305,12 +305,18 @@ class PagedBlockManager:
             copies.append((old.block_id, new.block_id))
             self.pool.release(old)
             table[-1] = new.block_id
+        take = self.pool.take
         for _ in range(need):
-            table.append(self.pool.take().block_id)
+            table.append(take().block_id)
+        # blocks first.. now hold positions [first * bs, new_total): all full but the last. They
+        # held [first * bs, cur) before (a partly filled own or copied block, then fresh ones),
+        # so the token states grow by new_total - cur
         first = cur // bs
-        set_filled = self.pool.set_filled
-        for i in range(first, len(table)):
-            set_filled(blocks[table[i]], min(bs, new_total - i * bs))
+        last = len(table) - 1
+        for i in range(first, last):
+            blocks[table[i]].filled = bs
+        blocks[table[last]].filled = new_total - last * bs
+        self.pool.used_filled += new_total - cur
         self.slots[sid] = new_total
         if self.enable_prefix_caching:
             self._register_full_blocks(seq, first, new_total // bs)

@@ -116,7 +116,14 @@ class SeqOutcome:
 @dataclass
 class StepResult:
     """An executor's report of one iteration: its duration (simulated or measured wall time) and
-    the outcome of each sequence that sampled."""
+    the outcome of each sequence that sampled.
+
+    With `others_continue`, only the outcomes that matter are reported (sequences that finish,
+    fork or are dropped): every other sampling sequence continued with one unknown token, as
+    `SeqOutcome(seq_id)` would say. The simulated executor reports this way, as building an
+    outcome per sequence per step was a large part of its cost; without the flag (the live
+    executor) a sampling sequence without an outcome is an error."""
 
     duration: float
     outcomes: dict[int, SeqOutcome] = field(default_factory=dict)
+    others_continue: bool = False

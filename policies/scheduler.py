@@ -89,10 +89,16 @@ class Scheduler(ABC):
         """Sequences the group runs at once from now on, at most: its width (n or beam width) until it
         has forked, then its live sequences. Admission must count this, not len(group.seqs), or
         forks push a batch past max_num_seqs."""
-        width = group.request.sampling.width
-        if width > 1 and len(group.seqs) + len(group.finished_seqs) <= 1:
+        live = len(group.seqs)
+        if live > 1:  # forked already
+            return live
+        sp = group.request.sampling
+        if sp.n == 1 and sp.beam_width == 1:  # the common case, without the width property
+            return live
+        width = sp.width
+        if width > 1 and live + len(group.finished_seqs) <= 1:
             return width
-        return len(group.seqs)
+        return live
 
     def _insert_running(self, group: SequenceGroup) -> None:
         group.status = SeqStatus.RUNNING
@@ -135,6 +141,7 @@ class Scheduler(ABC):
         with children continues as its first child (no copy)."""
         seqs = self.seqs
         outcomes = result.outcomes
+        others_continue = result.others_continue
         sampled: list[Sequence] = []       # parallel lists, not tuples: fewer objects for the GC
         sampled_outs: list[SeqOutcome] = []
         pruned = False
@@ -143,12 +150,20 @@ class Scheduler(ABC):
             seq.num_computed += ss.num_new_tokens
             if not ss.samples:
                 continue
-            out = outcomes.get(ss.seq_id)
-            if out is None:
-                raise ValueError(f"executor returned no outcome for sampling sequence {ss.seq_id}")
             group = seq.group
             if group.first_token_time is None:
                 group.first_token_time = now
+            out = outcomes.get(ss.seq_id)
+            if out is None:
+                if not others_continue:
+                    raise ValueError(f"executor returned no outcome for sampling sequence {ss.seq_id}")
+                # a plain continuation (SeqOutcome(seq_id)) touches only this sequence, so it is
+                # applied here rather than after the drops and forks below
+                seq.output_len += 1
+                if seq.token_ids is not None:
+                    seq.token_ids.append(-1)
+                seq.cum_logprob = 0.0
+                continue
             sampled.append(seq)
             sampled_outs.append(out)
             if not out.keep and not out.children:

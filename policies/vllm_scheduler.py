@@ -39,6 +39,7 @@ class VllmScheduler(Scheduler):
         self.preemption = preemption
         self.chunked_prefill = chunked_prefill
         self.bm = PagedBlockManager(num_gpu_blocks, block_size, num_cpu_blocks, watermark, prefix_caching)
+        self.horizon_slots: list[int] | None = None  # see decode_horizon
 
     # ---------------------------------------------------------------- memory hooks
     def _free_seq(self, seq: Sequence) -> None:
@@ -52,6 +53,7 @@ class VllmScheduler(Scheduler):
 
     # ---------------------------------------------------------------- scheduling
     def schedule(self, now: float) -> StepPlan:
+        self.horizon_slots = None  # the running set is about to change
         plan = StepPlan(block_size=self.block_size)
         budget = [self.max_num_batched_tokens]
         preempted = self._schedule_running(plan, budget)
@@ -76,33 +78,49 @@ class VllmScheduler(Scheduler):
         """Give running groups their tokens, preempting from the tail when blocks run out."""
         preempted = False
         bm = self.bm
+        pool, blocks, tables, bm_slots = bm.pool, bm.pool.blocks, bm.tables, bm.slots
+        bs = self.block_size
+        in_place = not bm.enable_prefix_caching  # else a filled block may need registering
+        emit = plan.seqs.append
+        running = self.running  # _preempt removes from this very list
         i = 0
-        while i < len(self.running):
-            group = self.running[i]
+        while i < len(running):
+            group = running[i]
             seqs = group.seqs
             if len(seqs) == 1:  # the common case, kept lean
                 seq = seqs[0]
-                n = seq.prompt_len + seq.output_len - seq.num_computed
+                start = seq.num_computed
+                known = seq.prompt_len + seq.output_len
+                n = known - start
                 if n > budget[0]:
                     n = budget[0] if self._chunkable(seq) else 0
                 if n == 0:
                     i += 1
                     continue
-                while True:
-                    copies = bm.append_slots(seq, n)
-                    if copies is not None:
+                sid = seq.seq_id
+                table = tables[sid]
+                cur = bm_slots[sid]
+                end = start + n
+                if in_place and cur % bs and cur < end <= len(table) * bs and blocks[table[-1]].ref_count == 1:
+                    # a decode into the sequence's own partly filled block: append_slots' first
+                    # case, inlined as it is most of the work of a step
+                    pool.used_filled += end - cur
+                    blocks[table[-1]].filled += end - cur
+                    bm_slots[sid] = end
+                else:
+                    while True:
+                        copies = bm.append_slots(seq, n)
+                        if copies is not None:
+                            break
+                        preempted = True
+                        if self._preempt(running[-1], plan) is group:
+                            break
+                    if copies is None:
                         break
-                    preempted = True
-                    if self._preempt(self.running[-1], plan) is group:
-                        break
-                if copies is None:
-                    break
-                if copies:
-                    plan.copies.extend(copies)
+                    if copies:
+                        plan.copies.extend(copies)
                 budget[0] -= n
-                start = seq.num_computed
-                plan.seqs.append(ScheduledSeq(seq.seq_id, group.group_id, start, n, bm.tables[seq.seq_id],
-                                              start + n == seq.prompt_len + seq.output_len))
+                emit(ScheduledSeq(sid, group.group_id, start, n, table, end == known))
                 i += 1
                 continue
             chunks = [self._chunk(s, budget[0]) for s in seqs]
@@ -181,7 +199,8 @@ class VllmScheduler(Scheduler):
             budget[0] -= sum(chunks)
 
     def _demand(self) -> int:
-        return sum(self.seq_demand(g) for g in self.running)
+        demand = self.seq_demand
+        return sum([demand(g) for g in self.running])
 
     def _chunkable(self, seq: Sequence) -> bool:
         """Chunked prefill is on, or the work can never fit one iteration (a recompute of a
@@ -247,26 +266,39 @@ class VllmScheduler(Scheduler):
         no admission, swap-in, rejection, preemption or finish can happen in them.
 
         `remaining()[i]` is how many more tokens running group i will sample before it finishes
-        (known to a simulator; asked only when everything else allows skipping). Returns 0 when the next iteration must be scheduled normally.
+        (known to a simulator; asked only when everything else allows skipping, as it is the
+        dearest question). Returns 0 or 1 when the next iteration must be scheduled normally.
         The caller must still stop the window at the next arrival if nothing is waiting.
+        A window of k >= 2 leaves the running sequences' computed counts in `horizon_slots` for
+        `fast_forward` (and the caller), valid until the scheduler next changes.
         """
+        self.horizon_slots = None
         running = self.running
         if not running or self.swapped or len(running) > self.max_num_batched_tokens:
             return 0
         if self.waiting and not self._head_stays_blocked(len(running)):
             return 0
+        bs = self.block_size
+        opening = [0] * bs  # opening[r]: sequences whose token at decode step r + 1 opens a block
+        slots = []
         for g in running:
             if len(g.seqs) != 1:
                 return 0
             s = g.seqs[0]
-            if s.prompt_len + s.output_len - s.num_computed != 1:
+            c = s.num_computed
+            if s.prompt_len + s.output_len - c != 1:
                 return 0
+            opening[-c % bs] += 1
+            slots.append(c)
+        h = _block_horizon(opening, len(slots), self.bm.num_free_blocks)
+        if h < 2:  # blocks run out at once: a preemption is coming, skip nothing
+            return 0
         k = min(remaining())  # the k-th iteration may finish sequences: fast_forward handles that
         if k < 1:
             return 0
-        need = self._blocks_needed_by_step(k)
-        cum = np.cumsum(need)
-        return int(np.searchsorted(cum, self.bm.num_free_blocks, side="right"))
+        if k >= 2:
+            self.horizon_slots = slots
+        return min(k, h)
 
     def _head_stays_blocked(self, num_running: int) -> bool:
         """True if the waiting head is refused now for a reason that persists while running
@@ -289,18 +321,6 @@ class VllmScheduler(Scheduler):
             return True
         return not chunkable and head.seqs[0].num_tokens > left
 
-    def _decode_slots(self) -> np.ndarray:
-        return np.fromiter((g.seqs[0].num_computed for g in self.running), dtype=np.int64,
-                           count=len(self.running))
-
-    def _blocks_needed_by_step(self, k: int) -> np.ndarray:
-        """need[j-1] = sequences that must take a new block in decode step j (1..k)."""
-        bs = self.block_size
-        first = (-self._decode_slots()) % bs + 1  # first step whose token opens a new block
-        per_phase = np.bincount(first, minlength=bs + 1)[1:]  # sequences opening at steps 1..bs
-        reps = -(-k // bs)
-        return np.tile(per_phase, reps)[:k]
-
     def fast_forward(self, k: int, finishing: list[bool], now: float) -> dict[str, np.ndarray]:
         """Apply k plain decode iterations at once, exactly as k calls of schedule() and
         on_step_done() would (blocks taken in the same order), without sampled tokens. Running
@@ -308,40 +328,48 @@ class VllmScheduler(Scheduler):
         Returns per-iteration arrays: batch size, context tokens, and memory by category."""
         bm = self.bm
         bs = self.block_size
-        seqs = [g.seqs[0] for g in self.running]
-        slots = self._decode_slots()
-        b = len(seqs)
-        first = (-slots) % bs + 1
-        # every (step, position-in-batch) that opens a block, taken in iteration order
-        counts = np.where(first <= k, (k - first) // bs + 1, 0)
-        owner = np.repeat(np.arange(b), counts)
-        within = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
-        steps = first[owner] + bs * within
-        owners = owner[np.lexsort((owner, steps))]
+        slots = self.horizon_slots
+        if slots is None:
+            slots = [g.seqs[0].num_computed for g in self.running]
+        self.horizon_slots = None
+        b = len(slots)
+        tables = bm.tables
+        # by_phase[r]: the tables, in batch order, of the sequences that open a block at decode
+        # steps r + 1, r + 1 + bs, ...
+        by_phase: list[list[list[int]]] = [[] for _ in range(bs)]
+        seqs = []  # (sequence, its table, its computed tokens) in batch order
+        for g, c in zip(self.running, slots):
+            s = g.seqs[0]
+            table = tables[s.seq_id]
+            by_phase[-c % bs].append(table)
+            seqs.append((s, table, c))
         mem0 = bm.memory()
-        for i in owners.tolist():
-            bm.tables[seqs[i].seq_id].append(bm.pool.take().block_id)
+        take = bm.pool.take
+        for p0 in range(0, k, bs):  # blocks taken in iteration order, in batch order within one
+            for phase in by_phase[:k - p0]:
+                for table in phase:
+                    table.append(take().block_id)
+        opened = [len(phase) for phase in by_phase]
         blocks = bm.pool.blocks
-        tables, bm_slots = bm.tables, bm.slots
-        for s in seqs:  # single-sequence groups own their partly filled blocks: fill them in place
-            sid = s.seq_id
-            table = tables[sid]
-            new = s.num_computed + k
+        bm_slots = bm.slots
+        for s, table, c in seqs:  # single-sequence groups own their partly filled blocks: fill in place
+            new = c + k
             last = len(table) - 1
-            for i in range(s.num_computed // bs, last):
+            for i in range(c // bs, last):
                 blocks[table[i]].filled = bs
             blocks[table[last]].filled = new - last * bs
-            bm_slots[sid] = new
+            bm_slots[s.seq_id] = new
             s.num_computed = new
             s.output_len += k
         bm.pool.used_filled += k * b
         j = np.arange(1, k + 1, dtype=np.int64)
-        taken = np.cumsum(np.bincount(steps, minlength=k + 1)[1:k + 1])
+        # blocks taken by the end of each step (list repetition: np.resize costs more for small k)
+        taken = np.cumsum((opened * -(-k // bs))[:k], dtype=np.int64)
         states = mem0.token_states + j * b
         used = (mem0.token_states + mem0.internal_frag) // 1 + taken * bs
         cols = {
             "num_seqs": np.full(k, b, dtype=np.int64),
-            "context_tokens": int(slots.sum()) + j * b,
+            "context_tokens": sum(slots) + j * b,
             "kv_token_states": states,
             "kv_internal_frag": used - states,
             "kv_free": mem0.free - taken * bs,
@@ -361,3 +389,17 @@ class VllmScheduler(Scheduler):
             cols["kv_free"][-1] = mem.free
             cols["running"][-1] = len(self.running)
         return cols
+
+
+def _block_horizon(opening: list[int], num_seqs: int, free: int) -> int:
+    """How many decode steps can take their new blocks from `free` blocks, when opening[r]
+    sequences open a block at steps r + 1, r + 1 + bs, ... (bs = len(opening)): every bs steps
+    each of the `num_seqs` sequences opens exactly one, so whole periods are counted at once."""
+    periods, left = divmod(free, num_seqs)
+    h = periods * len(opening)
+    for n in opening:  # sum(opening) == num_seqs > left, so this stops within the period
+        left -= n
+        if left < 0:
+            break
+        h += 1
+    return h

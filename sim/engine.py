@@ -82,8 +82,10 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
     """The serving loop: schedule, execute, apply; idle until an arrival when there is nothing to do."""
     sched = replica.scheduler
     while True:
-        # let every arrival due at this instant land first (they were scheduled before us)
-        yield env.timeout(0)
+        # let every arrival due at this instant land first (they were scheduled before us); the
+        # arrival process is the only other actor, so with none due the yield can be spared
+        if feed.next_arrival() <= env.now:
+            yield env.timeout(0)
         if not sched.has_unfinished():
             if feed.exhausted:
                 return
@@ -119,21 +121,18 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
     if not sched.running:
         return False
     remaining: list[int] = []
-    k = sched.decode_horizon(lambda: remaining.extend(ex.target(g.seqs[0]) - g.seqs[0].output_len
-                                                      for g in sched.running) or remaining)
+    k = sched.decode_horizon(lambda: ex.remaining(sched.running, remaining))
     if k < 2:
         return False
     b = len(sched.running)
-    ctx0 = int(sum(g.seqs[0].num_computed for g in sched.running))
-    contexts = ctx0 + b * np.arange(1, k + 1, dtype=np.int64)
-    durations = ex.cost.decode_step_times(np.full(k, b, dtype=np.int64), contexts)
+    durations = ex.decode_step_times(b, sum(sched.horizon_slots), k)
     ends = np.cumsum(np.concatenate(([env.now], durations)))[1:]
     if not sched.waiting:  # an arrival could be admitted at the first iteration starting after it
         starts_before = np.searchsorted(ends[:-1], feed.next_arrival(), side="left")
         k = min(k, int(starts_before) + 1)
         if k < 2:
             return False
-        ends, durations, contexts = ends[:k], durations[:k], contexts[:k]
+        ends, durations = ends[:k], durations[:k]
     start = env.now
     waiting = len(sched.waiting) + feed.arrived_by(ends) - feed.next_index
     cols = sched.fast_forward(k, [r == k for r in remaining], float(ends[-1]))

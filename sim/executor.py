@@ -35,8 +35,21 @@ class SimulatedExecutor:
         # decode_step_times (tests/test_cost_model.py), so skipping ahead reproduces these times
         return self.cost.step_time(c)
 
+    def decode_step_times(self, num_seqs: int, context0: int, k: int) -> np.ndarray:
+        """Durations of k pure-decode steps of `num_seqs` sequences whose contexts sum to
+        context0 + num_seqs * j at step j = 1..k. A few steps are priced one by one: the vectorised
+        path costs as much as ~8 scalar prices (numpy's per-call cost), and both are identical."""
+        if k < 8:
+            price = self.cost.step_time
+            return np.array([price(StepComposition(num_decode_seqs=num_seqs,
+                                                   decode_context_tokens=context0 + num_seqs * j))
+                             for j in range(1, k + 1)], dtype=np.float64)
+        contexts = context0 + num_seqs * np.arange(1, k + 1, dtype=np.int64)
+        return self.cost.decode_step_times(np.full(k, num_seqs, dtype=np.int64), contexts)
+
     def execute(self, plan: StepPlan, composition: StepComposition | None = None) -> StepResult:
-        result = StepResult(duration=self.price(composition or plan.composition()))
+        # a single sample that just continues goes unreported (StepResult.others_continue)
+        result = StepResult(duration=self.price(composition or plan.composition()), others_continue=True)
         seqs = self.scheduler.seqs
         outcomes = result.outcomes
         groups_done: set[int] = set()
@@ -47,7 +60,8 @@ class SimulatedExecutor:
             group = seq.group
             sp = group.request.sampling
             if sp.n == 1 and sp.beam_width == 1:  # the common case
-                outcomes[ss.seq_id] = SeqOutcome(ss.seq_id, None, True, [], seq.output_len + 1 >= seq.target_len)
+                if seq.output_len + 1 >= seq.target_len:
+                    outcomes[ss.seq_id] = SeqOutcome(ss.seq_id, None, True, [], True)
             elif sp.beam_width > 1:
                 if group.group_id not in groups_done:
                     groups_done.add(group.group_id)
@@ -75,6 +89,18 @@ class SimulatedExecutor:
             if forked:
                 self.targets[seq.seq_id] = t
         return t
+
+    def remaining(self, groups, out: list[int]) -> list[int]:
+        """Append to `out` (and return it) how many more tokens each group's first sequence samples
+        before it finishes, as `target` decides."""
+        targets = self.targets
+        for g in groups:
+            seq = g.seqs[0]
+            t = targets.get(seq.seq_id)
+            if t is None:  # not a forked sample whose length was drawn already
+                t = seq.target_len if g.request.sampling.n == 1 else self.target(seq)
+            out.append(t - seq.output_len)
+        return out
 
     def _beam_step(self, group, result: StepResult) -> None:
         k = group.request.sampling.beam_width
