@@ -30,7 +30,7 @@ demo: $(SIM_OK)
 	$(BIN)/pagesim demo
 
 test: $(FULL_OK)
-	$(BIN)/python -m pytest tests -q -p no:cacheprovider
+	$(BIN)/python -m pytest tests -p no:cacheprovider -rs
 
 bench: $(FULL_OK)
 	$(BIN)/python -m benchmarks.run_all
