@@ -89,3 +89,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+class WeightReader:
+    """Hands out HF-named weights for loading; `finish()` raises if any were never taken, so a
+    checkpoint that does not match the architecture fails loudly instead of loading partly."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        self.weights = weights
+        self.used: set[str] = set()
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.weights:
+            raise KeyError(f"missing weight {name!r}")
+        self.used.add(name)
+        return self.weights[name]
+
+    def finish(self) -> None:
+        extra = set(self.weights) - self.used
+        if extra:
+            raise KeyError(f"unexpected weights: {sorted(extra)[:5]}")

@@ -10,7 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.config import ModelConfig
-from backend.models.layers import ForwardContext, PagedAttention, RMSNorm, RotaryEmbedding, apply_rotary
+from backend.models.layers import (
+    ForwardContext,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    WeightReader,
+    apply_rotary,
+)
 
 
 class LlamaAttention(nn.Module):
@@ -77,14 +84,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights in (fusing q/k/v and gate/up). Missing or unexpected names raise."""
-        used: set[str] = set()
-
-        def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise KeyError(f"missing weight {name!r}")
-            used.add(name)
-            return weights[name]
-
+        take = WeightReader(weights)
         self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
         self.norm.weight.copy_(take("model.norm.weight"))
         if self.lm_head is not None:
@@ -99,6 +99,4 @@ class LlamaForCausalLM(nn.Module):
             m = layer.mlp
             m.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
             m.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
-        extra = set(weights) - used
-        if extra:
-            raise KeyError(f"unexpected weights: {sorted(extra)[:5]}")
+        take.finish()

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.config import ModelConfig
-from backend.models.layers import ForwardContext, PagedAttention
+from backend.models.layers import ForwardContext, PagedAttention, WeightReader
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at row 2
 
@@ -67,14 +67,7 @@ class OPTForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights in (fusing q/k/v). Missing or unexpected names raise."""
-        used: set[str] = set()
-
-        def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise KeyError(f"missing weight {name!r}")
-            used.add(name)
-            return weights[name]
-
+        take = WeightReader(weights)
         d = "model.decoder."
         self.embed_tokens.weight.copy_(take(d + "embed_tokens.weight"))
         self.embed_positions.weight.copy_(take(d + "embed_positions.weight"))
@@ -90,6 +83,4 @@ class OPTForCausalLM(nn.Module):
                 getattr(a.out_proj, kind).copy_(take(p + f"self_attn.out_proj.{kind}"))
                 for mod in ("self_attn_layer_norm", "final_layer_norm", "fc1", "fc2"):
                     getattr(getattr(layer, mod), kind).copy_(take(p + f"{mod}.{kind}"))
-        extra = set(weights) - used
-        if extra:
-            raise KeyError(f"unexpected weights: {sorted(extra)[:5]}")
+        take.finish()
