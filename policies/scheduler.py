@@ -65,14 +65,8 @@ class Scheduler(ABC):
         self.num_added += 1
         total = request.prompt_len + request.max_output
         if self.max_model_len is not None and total > self.max_model_len:
-            group.rejected = (f"prompt {request.prompt_len} + output {request.max_output} tokens exceeds "
-                              f"the model's context of {self.max_model_len}")
-            group.status = SeqStatus.FINISHED
-            group.finish_time = request.arrival
-            for s in group.seqs:
-                s.status = SeqStatus.FINISHED
-                self.seqs.pop(s.seq_id, None)
-            self.done.append(group)
+            self._reject(group, f"prompt {request.prompt_len} + output {request.max_output} tokens exceeds "
+                                f"the model's context of {self.max_model_len}", None, request.arrival)
             return group
         self.waiting.append(group)
         return group
@@ -106,7 +100,8 @@ class Scheduler(ABC):
             s.status = SeqStatus.RUNNING
         bisect.insort(self.running, group, key=_order_key)
 
-    def _reject(self, group: SequenceGroup, reason: str, plan: StepPlan, now: float) -> None:
+    def _reject(self, group: SequenceGroup, reason: str, plan: StepPlan | None, now: float) -> None:
+        """End a group that will never run (recorded in the plan, if it was being scheduled)."""
         group.rejected = reason
         group.status = SeqStatus.FINISHED
         group.finish_time = now
@@ -114,7 +109,15 @@ class Scheduler(ABC):
             s.status = SeqStatus.FINISHED
             self.seqs.pop(s.seq_id, None)
         self.done.append(group)
-        plan.rejected.append((group.group_id, reason))
+        if plan is not None:
+            plan.rejected.append((group.group_id, reason))
+
+    def _finish_group(self, group: SequenceGroup, now: float) -> None:
+        """A running group whose last sequence finished leaves the batch."""
+        group.status = SeqStatus.FINISHED
+        group.finish_time = now
+        self.running.remove(group)
+        self.done.append(group)
 
     @abstractmethod
     def schedule(self, now: float) -> StepPlan:
@@ -202,10 +205,7 @@ class Scheduler(ABC):
         finished = []
         for group in ended.values():
             if not group.seqs:
-                group.status = SeqStatus.FINISHED
-                group.finish_time = now
-                self.running.remove(group)
-                self.done.append(group)
+                self._finish_group(group, now)
                 finished.append(group)
         return finished
 

@@ -366,7 +366,7 @@ class VllmScheduler(Scheduler):
         # blocks taken by the end of each step (list repetition: np.resize costs more for small k)
         taken = np.cumsum((opened * -(-k // bs))[:k], dtype=np.int64)
         states = mem0.token_states + j * b
-        used = (mem0.token_states + mem0.internal_frag) // 1 + taken * bs
+        used = mem0.token_states + mem0.internal_frag + taken * bs  # slots in allocated blocks
         cols = {
             "num_seqs": np.full(k, b, dtype=np.int64),
             "context_tokens": sum(slots) + j * b,
@@ -379,10 +379,7 @@ class VllmScheduler(Scheduler):
             for g, done in zip(list(self.running), finishing):
                 if done:  # as on_step_done: finish in batch order, free the blocks
                     self._finish_seq(g.seqs[0], keep_record=True)
-                    g.status = SeqStatus.FINISHED
-                    g.finish_time = now
-                    self.running.remove(g)
-                    self.done.append(g)
+                    self._finish_group(g, now)
             mem = bm.memory()
             cols["kv_token_states"][-1] = mem.token_states
             cols["kv_internal_frag"][-1] = mem.internal_frag
