@@ -39,6 +39,16 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-caching", action="store_true")
 
 
+def add_output_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Where a run writes (the same three files, simulated or live) and its goodput SLOs."""
+    g = p.add_argument_group("output")
+    g.add_argument("--slo-ttft", type=float, help="TTFT SLO in seconds, for goodput")
+    g.add_argument("--slo-tpot", type=float, help="TPOT SLO in seconds, for goodput")
+    g.add_argument("--out", required=True, help="output directory")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    return g
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagesim",
@@ -57,13 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     h.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     h.add_argument("--num-gpu-blocks", type=int, help="override the derived KV capacity (blocks)")
-    o = sim.add_argument_group("output")
-    o.add_argument("--slo-ttft", type=float, help="TTFT SLO in seconds, for goodput")
-    o.add_argument("--slo-tpot", type=float, help="TPOT SLO in seconds, for goodput")
-    o.add_argument("--out", required=True, help="output directory")
+    o = add_output_args(sim)
     o.add_argument("--no-skip-ahead", action="store_true", help="step every iteration (slower, same results)")
     o.add_argument("--debug", action="store_true", help="check block and request conservation every iteration")
-    o.add_argument("--quiet", action="store_true", help="no progress bar")
     sim.set_defaults(func=cmd_simulate)
 
     demo = sub.add_parser("demo", help="a quick tour: vllm vs orca-oracle on a sharegpt-like trace")
@@ -84,11 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--num-gpu-blocks", type=int, default=512, help="KV cache size in blocks (default 512)")
     m.add_argument("--num-cpu-blocks", type=int, default=512, help="CPU swap space in blocks (default 512)")
     m.add_argument("--no-realtime", action="store_true", help="queue every request at once instead of replaying arrivals")
-    lo = live.add_argument_group("output")
-    lo.add_argument("--slo-ttft", type=float)
-    lo.add_argument("--slo-tpot", type=float)
-    lo.add_argument("--out", required=True, help="output directory")
-    lo.add_argument("--quiet", action="store_true")
+    add_output_args(live)
     live.set_defaults(func=cmd_live)
 
     gen = sub.add_parser("generate", help="generate completions for prompts on a real model")

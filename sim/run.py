@@ -86,8 +86,8 @@ def num_blocks_for(cfg: SimConfig) -> tuple[int, int]:
     model, hw = get_model(cfg.model), get_hardware(cfg.hardware)
     gpu = cfg.num_gpu_blocks or kv_capacity_blocks(model, hw, block_size=cfg.block_size, tp=cfg.tp,
                                                    gpu_memory_utilization=cfg.gpu_memory_utilization)
-    per_block = model.kv_bytes_per_token * cfg.block_size / cfg.tp
-    cpu = int(cfg.swap_space_gib * 2**30 * cfg.tp / (per_block * cfg.tp))
+    # swap_space_gib is per GPU, as vLLM's swap_space; each of the tp GPUs holds 1/tp of a block
+    cpu = int(cfg.swap_space_gib * 2**30 * cfg.tp / (model.kv_bytes_per_token * cfg.block_size))
     return gpu, cpu
 
 
