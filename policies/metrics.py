@@ -24,12 +24,17 @@ ITERATION_COLUMNS = (
 
 
 class IterationLog:
-    """Per-iteration records: single rows are buffered as tuples and packed into column arrays
-    when a block of rows arrives or the frame is built, so millions of rows stay cheap."""
+    """Per-iteration records in one growing float64 table (cap x columns; the integer columns are
+    exact up to 2^53 and cast back when the frame is built). Single rows are buffered as tuples
+    and written in blocks, so millions of rows stay cheap; columns missing from `add_many` stay 0."""
 
-    def __init__(self) -> None:
-        self.chunks: dict[str, list[np.ndarray]] = {c: [] for c in ITERATION_COLUMNS}
+    _FLOAT_COLUMNS = ("start", "duration")
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._table = np.zeros((capacity, len(ITERATION_COLUMNS)))
+        self._index = {c: i for i, c in enumerate(ITERATION_COLUMNS)}
         self._pending: list[tuple] = []
+        self._written = 0
         self.rows = 0
 
     def add(self, start: float, duration: float, c: StepComposition, num_preempted: int,
@@ -41,27 +46,38 @@ class IterationLog:
                               prefix_hits))
         self.rows += 1
 
+    def _reserve(self, n: int) -> int:
+        """Room for n more rows; returns the first free row."""
+        pos = self._written
+        if pos + n > len(self._table):
+            grown = np.zeros((max(2 * len(self._table), pos + n), len(ITERATION_COLUMNS)))
+            grown[:pos] = self._table[:pos]
+            self._table = grown
+        self._written = pos + n
+        return pos
+
     def _flush(self) -> None:
-        if not self._pending:
-            return
-        cols = list(zip(*self._pending))
-        for name, values in zip(ITERATION_COLUMNS, cols):
-            self.chunks[name].append(np.array(values, dtype=float if name in ("start", "duration") else np.int64))
-        self._pending = []
+        if self._pending:
+            pos = self._reserve(len(self._pending))
+            self._table[pos:self._written] = self._pending
+            self._pending = []
 
     def add_many(self, columns: dict[str, np.ndarray]) -> None:
         self._flush()
         k = len(columns["start"])
-        for col in ITERATION_COLUMNS:
-            self.chunks[col].append(np.asarray(columns[col]) if col in columns else np.zeros(k, np.int64))
+        pos = self._reserve(k)
+        table, index = self._table, self._index
+        for col, values in columns.items():
+            table[pos:pos + k, index[col]] = values
         self.rows += k
 
     def frame(self) -> pd.DataFrame:
         self._flush()
-        data = {col: (np.concatenate(parts) if parts else np.zeros(0)) for col, parts in self.chunks.items()}
-        df = pd.DataFrame(data)
-        df.insert(0, "iteration", np.arange(len(df)))
-        return df
+        rows = self._table[:self._written]
+        data = {"iteration": np.arange(self._written)}
+        for col, i in self._index.items():
+            data[col] = rows[:, i].copy() if col in self._FLOAT_COLUMNS else rows[:, i].astype(np.int64)
+        return pd.DataFrame(data)
 
 
 def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
