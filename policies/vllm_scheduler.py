@@ -361,6 +361,9 @@ class VllmScheduler(Scheduler):
             bm_slots[s.seq_id] = new
             s.num_computed = new
             s.output_len += k
+            s.cum_logprob = 0.0
+            if s.token_ids is not None:  # as on_step_done: simulated tokens have no content
+                s.token_ids.extend([-1] * k)
         bm.pool.used_filled += k * b
         j = np.arange(1, k + 1, dtype=np.int64)
         # blocks taken by the end of each step (list repetition: np.resize costs more for small k)

@@ -61,6 +61,9 @@ class Replica:
         self.log = IterationLog()
         self.wakeup = env.event()
         self.on_progress = on_progress
+        self.stepped = 0          # iterations scheduled one at a time
+        self.windows = 0          # skip-ahead windows, and the iterations they covered
+        self.skipped = 0
 
     def deliver(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -108,6 +111,7 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
         result = replica.executor.execute(plan, comp)
         yield env.timeout(result.duration)
         sched.on_step_done(plan, result, env.now)
+        replica.stepped += 1
         _log_step(replica, start, result.duration, comp, len(plan.preempted))
         if replica.debug:
             _check(sched)
@@ -150,6 +154,8 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
         "kv_internal_frag": cols["kv_internal_frag"], "kv_free": cols["kv_free"],
         "prefix_hits": np.full(k, sched.bm.prefix_hits),
     })
+    replica.windows += 1
+    replica.skipped += k
     if replica.on_progress is not None:
         replica.on_progress(env.now, len(sched.done))
     return True

@@ -135,6 +135,8 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
     summary["num_cpu_blocks"] = cpu_blocks
     summary["kv_capacity_tokens"] = gpu_blocks * cfg.block_size
     summary["wall_time_s"] = time.perf_counter() - t0
+    summary["engine"] = {"stepped_iterations": replica.stepped, "skip_windows": replica.windows,
+                         "skipped_iterations": replica.skipped}
     summary["trace"] = trace.name
     summary["config"] = cfg.to_dict()
     return SimResult(requests, iterations, summary, cfg)

@@ -73,12 +73,29 @@ def test_skip_ahead_equals_stepping_with_prefix_caching():
     assert a.summary["prefix_hit_tokens"] > 0
 
 
+def test_skip_ahead_equals_stepping_with_prompt_token_ids():
+    # prompts given as token ids (content-hashed prefix caching) under preemption: skipped
+    # iterations must leave the same token lists as stepped ones
+    rng = np.random.default_rng(0)
+    prefixes = [rng.integers(0, 1000, 64).tolist() for _ in range(3)]
+    prompts = [prefixes[i % 3] + rng.integers(0, 1000, int(rng.integers(1, 40))).tolist() for i in range(120)]
+    tr = trace_of(np.sort(rng.uniform(0, 5, 120)), [len(p) for p in prompts], rng.integers(5, 200, 120),
+                  prompt_token_ids=prompts)
+    a, b = _both(SimConfig(num_gpu_blocks=120, prefix_caching=True), tr)
+    pd.testing.assert_frame_equal(a.requests, b.requests)
+    pd.testing.assert_frame_equal(a.iterations, b.iterations)
+    assert a.summary["num_preemptions"] > 0 and a.summary["prefix_hit_tokens"] > 0
+
+
 def test_skip_ahead_actually_skips():
     tr = resolve_trace("sharegpt-like", num_requests=200, rate=2.0, seed=0)
-    cfg = SimConfig()
-    res = run_simulation(cfg, tr)
-    # skipping ahead is what makes it fast: far fewer engine wake-ups than iterations
-    assert res.summary["num_iterations"] > 5 * 200
+    a, b = _both(SimConfig(), tr)
+    ea, eb = a.summary["engine"], b.summary["engine"]
+    n = a.summary["num_iterations"]
+    assert eb == {"stepped_iterations": n, "skip_windows": 0, "skipped_iterations": 0}
+    assert ea["stepped_iterations"] + ea["skipped_iterations"] == n
+    # skipping ahead is what makes it fast: most iterations are covered by windows
+    assert ea["skipped_iterations"] > 5 * ea["stepped_iterations"]
 
 
 def test_request_larger_than_cache_is_rejected_and_others_finish():
