@@ -17,7 +17,7 @@ import numpy as np
 
 from policies.block_manager import AllocStatus, PagedBlockManager
 from policies.memory import MemoryBreakdown
-from policies.plan import ScheduledSeq, StepPlan
+from policies.plan import ScheduledSeq, StepComposition, StepPlan
 from policies.request import SeqStatus, Sequence, SequenceGroup
 from policies.scheduler import Scheduler
 
@@ -40,6 +40,7 @@ class VllmScheduler(Scheduler):
         self.chunked_prefill = chunked_prefill
         self.bm = PagedBlockManager(num_gpu_blocks, block_size, num_cpu_blocks, watermark, prefix_caching)
         self.horizon_slots: list[int] | None = None  # see decode_horizon
+        self.horizon_exhausts = False
 
     # ---------------------------------------------------------------- memory hooks
     def _free_seq(self, seq: Sequence) -> None:
@@ -54,6 +55,7 @@ class VllmScheduler(Scheduler):
     # ---------------------------------------------------------------- scheduling
     def schedule(self, now: float) -> StepPlan:
         self.horizon_slots = None  # the running set is about to change
+        self.horizon_exhausts = False
         plan = StepPlan(block_size=self.block_size)
         budget = [self.max_num_batched_tokens]
         preempted = self._schedule_running(plan, budget)
@@ -263,21 +265,27 @@ class VllmScheduler(Scheduler):
     # ---------------------------------------------------------------- skipping ahead
     def decode_horizon(self, remaining: Callable[[], list[int]]) -> int:
         """How many coming iterations are certain to be plain decodes of exactly the running set:
-        no admission, swap-in, rejection, preemption or finish can happen in them.
+        no admission, swap-in, rejection, preemption or finish can happen in them (a finish in the
+        last one is allowed: fast_forward applies it).
 
         `remaining()[i]` is how many more tokens running group i will sample before it finishes
         (known to a simulator; asked only when everything else allows skipping, as it is the
-        dearest question). Returns 0 or 1 when the next iteration must be scheduled normally.
-        The caller must still stop the window at the next arrival if nothing is waiting.
-        A window of k >= 2 leaves the running sequences' computed counts in `horizon_slots` for
-        `fast_forward` (and the caller), valid until the scheduler next changes.
+        dearest question). The caller must still stop the window at the next arrival if nothing
+        is waiting. Also sets `horizon_exhausts`: True when the iteration after those k is a plain
+        decode in which free blocks run out, so that it preempts (`exhaustion_step` applies it);
+        preemption stops every admission, so that iteration is certain too.
+        Whenever k >= 2 or horizon_exhausts, `horizon_slots` holds the running sequences'
+        computed counts for `fast_forward` (and the caller), valid until the scheduler next changes.
         """
         self.horizon_slots = None
+        self.horizon_exhausts = False
         running = self.running
         if not running or self.swapped or len(running) > self.max_num_batched_tokens:
             return 0
-        if self.waiting and not self._head_stays_blocked(len(running)):
-            return 0
+        head_blocked = not self.waiting or self._head_stays_blocked(len(running))
+        free = self.bm.num_free_blocks
+        if not head_blocked and free >= len(running):
+            return 0  # an admission comes next, and no group can run out of blocks first
         bs = self.block_size
         opening = [0] * bs  # opening[r]: sequences whose token at decode step r + 1 opens a block
         slots = []
@@ -286,19 +294,23 @@ class VllmScheduler(Scheduler):
                 return 0
             s = g.seqs[0]
             c = s.num_computed
-            if s.prompt_len + s.output_len - c != 1:
+            # exactly one token to compute, and it is not a prompt's last (that samples the first)
+            if s.prompt_len + s.output_len - c != 1 or not s.output_len:
                 return 0
             opening[-c % bs] += 1
             slots.append(c)
-        h = _block_horizon(opening, len(slots), self.bm.num_free_blocks)
-        if h < 2:  # blocks run out at once: a preemption is coming, skip nothing
+        h = _block_horizon(opening, len(slots), free)
+        if not head_blocked and h > 0:
             return 0
         k = min(remaining())  # the k-th iteration may finish sequences: fast_forward handles that
         if k < 1:
             return 0
-        if k >= 2:
+        if h < k:  # blocks run out at iteration h + 1, before any group finishes
+            k = h
+            self.horizon_exhausts = True
+        if k >= 2 or self.horizon_exhausts:
             self.horizon_slots = slots
-        return min(k, h)
+        return k
 
     def _head_stays_blocked(self, num_running: int) -> bool:
         """True if the waiting head is refused now for a reason that persists while running
@@ -379,16 +391,64 @@ class VllmScheduler(Scheduler):
             "running": np.full(k, b, dtype=np.int64),
         }
         if any(finishing):
-            for g, done in zip(list(self.running), finishing):
-                if done:  # as on_step_done: finish in batch order, free the blocks
-                    self._finish_seq(g.seqs[0], keep_record=True)
-                    self._finish_group(g, now)
+            self.finish_plain(finishing, now)
             mem = bm.memory()
             cols["kv_token_states"][-1] = mem.token_states
             cols["kv_internal_frag"][-1] = mem.internal_frag
             cols["kv_free"][-1] = mem.free
             cols["running"][-1] = len(self.running)
         return cols
+
+
+    def finish_plain(self, finishing: list[bool], now: float) -> None:
+        """Finish running group i (a single sequence) where finishing[i], as on_step_done does
+        after a plain decode step: in batch order, freeing the blocks."""
+        for g, done in zip(list(self.running), finishing):
+            if done:
+                self._finish_seq(g.seqs[0], keep_record=True)
+                self._finish_group(g, now)
+
+    def exhaustion_step(self) -> tuple[StepComposition, int]:
+        """Apply the plain-decode iteration that decode_horizon flagged with `horizon_exhausts`,
+        as schedule() and on_step_done() would: running groups (single sequences, one token each)
+        take their tokens in batch order; the first that finds no free block preempts the most
+        recently arrived groups until one frees up (or it is itself preempted). Nothing is
+        admitted. Returns the iteration's composition and how many groups were preempted; finish
+        the groups whose last token this was with finish_plain()."""
+        self.horizon_slots = None
+        self.horizon_exhausts = False
+        bm = self.bm
+        pool, blocks, tables, bm_slots = bm.pool, bm.pool.blocks, bm.tables, bm.slots
+        bs = self.block_size
+        plan = StepPlan(block_size=bs)
+        running = self.running  # _preempt removes from its tail
+        context = 0
+        i = 0
+        while i < len(running):
+            g = running[i]
+            s = g.seqs[0]
+            c = s.num_computed
+            table = tables[s.seq_id]
+            if c % bs == 0:  # the token opens a block
+                while not pool.free and self._preempt(running[-1], plan) is not g:
+                    pass
+                if g.status != SeqStatus.RUNNING:
+                    break
+                table.append(pool.take().block_id)
+            blocks[table[-1]].filled += 1
+            c += 1
+            bm_slots[s.seq_id] = c
+            s.num_computed = c
+            s.output_len += 1
+            s.cum_logprob = 0.0
+            if s.token_ids is not None:
+                s.token_ids.append(-1)
+            context += c
+            i += 1
+        pool.used_filled += i
+        comp = StepComposition(num_decode_seqs=i, decode_context_tokens=context,
+                               swap_out_blocks=len(plan.swap_out), block_size=bs)
+        return comp, len(plan.preempted)
 
 
 def _block_horizon(opening: list[int], num_seqs: int, free: int) -> int:

@@ -216,7 +216,23 @@ class RooflineCostModel(CostModel):
     def step_time(self, c: StepComposition) -> float:
         if c.is_empty:
             return 0.0
+        if not (c.num_prefill_seqs or c.swap_in_blocks or c.swap_out_blocks or c.copy_blocks):
+            return self._decode_time(float(c.num_decode_seqs), float(c.decode_context_tokens))
         return float(self._total(self._composition_groups(c)))
+
+    def _decode_time(self, seqs: float, ctx: float) -> float:
+        """step_time of a pure decode, most of a simulation's pricing: the same IEEE operations as
+        _groups + _total with the zero groups left out (adding 0.0 to a positive time is exact)."""
+        linear = max(2 * self._linear_params * seqs / self._flops,
+                     (self._linear_params * self.model.dtype_bytes + self._linear_act_bytes * seqs) / self._bw)
+        attn = max(self._attn_flops_per_pair * ctx / self._attn_flops,
+                   (self._kv_bytes * ctx + self._qkvo_bytes * seqs) / self._attn_bw)
+        lm_head = max(2 * self._lm_params * seqs / self._flops,
+                      (self._lm_params * self.model.dtype_bytes + self._logit_bytes * seqs) / self._bw)
+        total = self.overhead_s + linear + attn + lm_head
+        if self.tp > 1:
+            total += 2 * self.model.num_layers * (self.allreduce_latency_s + self._allreduce_bytes * seqs / self._ic_bw)
+        return total
 
     def decode_step_times(self, num_seqs: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
         seqs = np.asarray(num_seqs, dtype=np.float64)

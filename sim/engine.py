@@ -64,6 +64,7 @@ class Replica:
         self.stepped = 0          # iterations scheduled one at a time
         self.windows = 0          # skip-ahead windows, and the iterations they covered
         self.skipped = 0
+        self.exhaustions = 0      # preempting iterations applied inside windows
 
     def deliver(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -99,7 +100,7 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
             continue
         plan = sched.schedule(env.now)
         if plan.is_empty:
-            if plan.rejected:  # rejections change the queue: look again
+            if plan.rejected or plan.preempted:  # the queues changed: look again
                 continue
             if feed.exhausted and not sched.running:
                 _fail_stuck(sched)
@@ -120,40 +121,59 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
 
 
 def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
+    """Apply the coming iterations that are certain (see VllmScheduler.decode_horizon) at once:
+    k plain decodes, then, if blocks run out in the next, that preempting decode too."""
     sched: VllmScheduler = replica.scheduler  # type: ignore[assignment]
     ex = replica.executor
     if not sched.running:
         return False
     remaining: list[int] = []
     k = sched.decode_horizon(lambda: ex.remaining(sched.running, remaining))
-    if k < 2:
+    exhausts = sched.horizon_exhausts
+    if k < 2 and not exhausts:
         return False
+    start = env.now
     b = len(sched.running)
     durations = ex.decode_step_times(b, sum(sched.horizon_slots), k)
-    ends = np.cumsum(np.concatenate(([env.now], durations)))[1:]
-    if not sched.waiting:  # an arrival could be admitted at the first iteration starting after it
-        starts_before = np.searchsorted(ends[:-1], feed.next_arrival(), side="left")
-        k = min(k, int(starts_before) + 1)
-        if k < 2:
-            return False
-        ends, durations = ends[:k], durations[:k]
-    start = env.now
-    waiting = len(sched.waiting) + feed.arrived_by(ends) - feed.next_index
-    cols = sched.fast_forward(k, [r == k for r in remaining], float(ends[-1]))
-    delay = float(ends[-1]) - start
-    while start + delay < ends[-1]:  # land on the exact same float as stepping would
+    ends = np.cumsum(np.concatenate(([start], durations)))[1:]
+    if not sched.waiting and k:  # an arrival could be admitted at the first iteration starting after it
+        safe = int(np.searchsorted(ends[:-1], feed.next_arrival(), side="left")) + 1
+        if safe < k:
+            k, exhausts = safe, False
+            if k < 2:
+                return False
+            ends, durations = ends[:k], durations[:k]
+    if k:
+        waiting = len(sched.waiting) + feed.arrived_by(ends) - feed.next_index
+        cols = sched.fast_forward(k, [r == k for r in remaining], float(ends[-1]))
+        replica.log.add_many({
+            "start": np.concatenate(([start], ends[:-1])), "duration": durations,
+            "num_seqs": cols["num_seqs"], "decode_tokens": cols["num_seqs"],
+            "context_tokens": cols["context_tokens"], "waiting": waiting,
+            "running": cols["running"], "kv_token_states": cols["kv_token_states"],
+            "kv_internal_frag": cols["kv_internal_frag"], "kv_free": cols["kv_free"],
+            "prefix_hits": np.full(k, sched.bm.prefix_hits),
+        })
+    end = float(ends[-1]) if k else start
+    if exhausts:  # stepping would schedule this one: it preempts, so nothing else can happen in it
+        comp, preempted = sched.exhaustion_step()
+        duration = ex.price(comp)
+        if comp.num_decode_seqs:  # else the plan was empty: no iteration, no time (as engine_process)
+            step_start, end = end, end + duration
+            sched.finish_plain([r == k + 1 for r in remaining], end)
+            waiting = len(sched.waiting) + int(feed.arrived_by(np.array([end]))[0]) - feed.next_index
+            replica.log.add(step_start, duration, comp, preempted, waiting, len(sched.running), sched.memory(),
+                            sched.bm.prefix_hits)
+            k += 1
+            replica.exhaustions += 1
+    delay = end - start
+    while start + delay < end:  # land on the exact same float as stepping would
         delay = math.nextafter(delay, math.inf)
-    while start + delay > ends[-1]:
+    while start + delay > end:
         delay = math.nextafter(delay, -math.inf)
     yield env.timeout(delay)
-    starts = np.concatenate(([start], ends[:-1]))
-    replica.log.add_many({
-        "start": starts, "duration": durations, "num_seqs": cols["num_seqs"], "decode_tokens": cols["num_seqs"],
-        "context_tokens": cols["context_tokens"], "waiting": waiting,
-        "running": cols["running"], "kv_token_states": cols["kv_token_states"],
-        "kv_internal_frag": cols["kv_internal_frag"], "kv_free": cols["kv_free"],
-        "prefix_hits": np.full(k, sched.bm.prefix_hits),
-    })
+    if replica.debug:
+        _check(sched)
     replica.windows += 1
     replica.skipped += k
     if replica.on_progress is not None:

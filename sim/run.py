@@ -136,7 +136,7 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
     summary["kv_capacity_tokens"] = gpu_blocks * cfg.block_size
     summary["wall_time_s"] = time.perf_counter() - t0
     summary["engine"] = {"stepped_iterations": replica.stepped, "skip_windows": replica.windows,
-                         "skipped_iterations": replica.skipped}
+                         "skipped_iterations": replica.skipped, "preempting_in_windows": replica.exhaustions}
     summary["trace"] = trace.name
     summary["config"] = cfg.to_dict()
     return SimResult(requests, iterations, summary, cfg)

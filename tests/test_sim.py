@@ -59,17 +59,27 @@ def _both(cfg: SimConfig, tr: Trace):
 def test_skip_ahead_equals_stepping(kw, rate):
     tr = resolve_trace("sharegpt-like", num_requests=150, rate=rate, seed=3)
     a, b = _both(SimConfig(num_gpu_blocks=300, **kw), tr)
-    pd.testing.assert_frame_equal(a.requests, b.requests)
-    pd.testing.assert_frame_equal(a.iterations, b.iterations)
-    if rate == 50.0 and not kw:
+    pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
+    pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
+    if rate == 50.0 and kw.get("max_num_seqs") is None:
         assert a.summary["num_preemptions"] > 0  # the tiny cache does force preemption
+        assert a.summary["engine"]["preempting_in_windows"] > 0  # and windows run through it
+
+
+@pytest.mark.parametrize("block_size,seed", [(1, 0), (8, 1), (32, 2)])
+def test_skip_ahead_equals_stepping_across_block_sizes(block_size, seed):
+    tr = resolve_trace("sharegpt-like", num_requests=100, rate=50.0, seed=seed)
+    a, b = _both(SimConfig(num_gpu_blocks=4800 // block_size, block_size=block_size), tr)
+    pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
+    pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
+    assert a.summary["engine"]["preempting_in_windows"] > 0
 
 
 def test_skip_ahead_equals_stepping_with_prefix_caching():
     tr = resolve_trace("shared-prefix", num_requests=120, rate=4.0, seed=1)
     a, b = _both(SimConfig(num_gpu_blocks=400, prefix_caching=True), tr)
-    pd.testing.assert_frame_equal(a.requests, b.requests)
-    pd.testing.assert_frame_equal(a.iterations, b.iterations)
+    pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
+    pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
     assert a.summary["prefix_hit_tokens"] > 0
 
 
@@ -82,8 +92,8 @@ def test_skip_ahead_equals_stepping_with_prompt_token_ids():
     tr = trace_of(np.sort(rng.uniform(0, 5, 120)), [len(p) for p in prompts], rng.integers(5, 200, 120),
                   prompt_token_ids=prompts)
     a, b = _both(SimConfig(num_gpu_blocks=120, prefix_caching=True), tr)
-    pd.testing.assert_frame_equal(a.requests, b.requests)
-    pd.testing.assert_frame_equal(a.iterations, b.iterations)
+    pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
+    pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
     assert a.summary["num_preemptions"] > 0 and a.summary["prefix_hit_tokens"] > 0
 
 
@@ -92,7 +102,7 @@ def test_skip_ahead_actually_skips():
     a, b = _both(SimConfig(), tr)
     ea, eb = a.summary["engine"], b.summary["engine"]
     n = a.summary["num_iterations"]
-    assert eb == {"stepped_iterations": n, "skip_windows": 0, "skipped_iterations": 0}
+    assert eb == {"stepped_iterations": n, "skip_windows": 0, "skipped_iterations": 0, "preempting_in_windows": 0}
     assert ea["stepped_iterations"] + ea["skipped_iterations"] == n
     # skipping ahead is what makes it fast: most iterations are covered by windows
     assert ea["skipped_iterations"] > 5 * ea["stepped_iterations"]
@@ -148,7 +158,7 @@ def test_same_seed_same_numbers():
     tr = resolve_trace("sharegpt-like", num_requests=100, rate=4.0, seed=9)
     a = run_simulation(SimConfig(n=2, seed=4), tr)
     b = run_simulation(SimConfig(n=2, seed=4), tr)
-    pd.testing.assert_frame_equal(a.requests, b.requests)
+    pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
 
 
 def test_cli_simulate_writes_outputs(tmp_path, capsys):
