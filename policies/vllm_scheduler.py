@@ -12,6 +12,7 @@ nothing new is admitted while any group is swapped out).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,6 +23,22 @@ from policies.request import SeqStatus, Sequence, SequenceGroup
 from policies.scheduler import Scheduler
 
 PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(slots=True)
+class DecodeHorizon:
+    """What `VllmScheduler.decode_horizon` found certain about the coming iterations; valid until
+    the scheduler next changes other than through fast_forward / exhaustion_step.
+
+    The next `steps` iterations are plain decodes of exactly the running set (a finish is allowed
+    in the last); if `exhausts`, the one after them is a plain decode in which free blocks run out,
+    so it preempts and admits nothing."""
+
+    steps: int
+    exhausts: bool
+    remaining: list[int]             # per running group: tokens it samples before it finishes
+    context_tokens: int              # sum of the running sequences' computed tokens now
+    by_phase: list[list[Sequence]]   # [r]: sequences, in batch order, opening a block at steps r+1, r+1+bs, ...
 
 
 class VllmScheduler(Scheduler):
@@ -39,8 +56,7 @@ class VllmScheduler(Scheduler):
         self.preemption = preemption
         self.chunked_prefill = chunked_prefill
         self.bm = PagedBlockManager(num_gpu_blocks, block_size, num_cpu_blocks, watermark, prefix_caching)
-        self.horizon_slots: list[int] | None = None  # see decode_horizon
-        self.horizon_exhausts = False
+        self._horizon: DecodeHorizon | None = None  # the last decode_horizon, while still valid
 
     # ---------------------------------------------------------------- memory hooks
     def _free_seq(self, seq: Sequence) -> None:
@@ -54,8 +70,7 @@ class VllmScheduler(Scheduler):
 
     # ---------------------------------------------------------------- scheduling
     def schedule(self, now: float) -> StepPlan:
-        self.horizon_slots = None  # the running set is about to change
-        self.horizon_exhausts = False
+        self._horizon = None  # the running set is about to change
         plan = StepPlan(block_size=self.block_size)
         budget = [self.max_num_batched_tokens]
         preempted = self._schedule_running(plan, budget)
@@ -263,54 +278,52 @@ class VllmScheduler(Scheduler):
         return True
 
     # ---------------------------------------------------------------- skipping ahead
-    def decode_horizon(self, remaining: Callable[[], list[int]]) -> int:
-        """How many coming iterations are certain to be plain decodes of exactly the running set:
-        no admission, swap-in, rejection, preemption or finish can happen in them (a finish in the
-        last one is allowed: fast_forward applies it).
+    def decode_horizon(self, remaining: Callable[[], list[int]]) -> DecodeHorizon | None:
+        """What is certain about the coming iterations, or None when the next one must be
+        scheduled normally: k plain decodes of exactly the running set (no admission, swap-in,
+        rejection, preemption, or finish before the k-th), then, when free blocks run out in the
+        next, that preempting decode (which admits nothing, whatever is waiting).
 
         `remaining()[i]` is how many more tokens running group i will sample before it finishes
         (known to a simulator; asked only when everything else allows skipping, as it is the
         dearest question). The caller must still stop the window at the next arrival if nothing
-        is waiting. Also sets `horizon_exhausts`: True when the iteration after those k is a plain
-        decode in which free blocks run out, so that it preempts (`exhaustion_step` applies it);
-        preemption stops every admission, so that iteration is certain too.
-        Whenever k >= 2 or horizon_exhausts, `horizon_slots` holds the running sequences'
-        computed counts for `fast_forward` (and the caller), valid until the scheduler next changes.
+        is waiting.
         """
-        self.horizon_slots = None
-        self.horizon_exhausts = False
+        self._horizon = None
         running = self.running
         if not running or self.swapped or len(running) > self.max_num_batched_tokens:
-            return 0
+            return None
         head_blocked = not self.waiting or self._head_stays_blocked(len(running))
         free = self.bm.num_free_blocks
         if not head_blocked and free >= len(running):
-            return 0  # an admission comes next, and no group can run out of blocks first
+            return None  # an admission comes next, and no group can run out of blocks first
         bs = self.block_size
-        opening = [0] * bs  # opening[r]: sequences whose token at decode step r + 1 opens a block
-        slots = []
+        by_phase: list[list[Sequence]] = [[] for _ in range(bs)]
+        context = 0
         for g in running:
             if len(g.seqs) != 1:
-                return 0
+                return None
             s = g.seqs[0]
             c = s.num_computed
             # exactly one token to compute, and it is not a prompt's last (that samples the first)
             if s.prompt_len + s.output_len - c != 1 or not s.output_len:
-                return 0
-            opening[-c % bs] += 1
-            slots.append(c)
-        h = _block_horizon(opening, len(slots), free)
+                return None
+            by_phase[-c % bs].append(s)
+            context += c
+        h = _block_horizon([len(p) for p in by_phase], len(running), free)
         if not head_blocked and h > 0:
-            return 0
-        k = min(remaining())  # the k-th iteration may finish sequences: fast_forward handles that
+            return None
+        rem = remaining()
+        k = min(rem)  # the k-th iteration may finish sequences: fast_forward handles that
         if k < 1:
-            return 0
-        if h < k:  # blocks run out at iteration h + 1, before any group finishes
+            return None
+        exhausts = h < k  # blocks run out at iteration h + 1, before any group finishes
+        if exhausts:
             k = h
-            self.horizon_exhausts = True
-        if k >= 2 or self.horizon_exhausts:
-            self.horizon_slots = slots
-        return k
+        elif k < 2:
+            return None
+        self._horizon = DecodeHorizon(k, exhausts, rem, context, by_phase)
+        return self._horizon
 
     def _head_stays_blocked(self, num_running: int) -> bool:
         """True if the waiting head is refused now for a reason that persists while running
@@ -333,44 +346,40 @@ class VllmScheduler(Scheduler):
             return True
         return not chunkable and head.seqs[0].num_tokens > left
 
-    def fast_forward(self, k: int, finishing: list[bool], now: float) -> dict[str, np.ndarray]:
-        """Apply k plain decode iterations at once, exactly as k calls of schedule() and
-        on_step_done() would (blocks taken in the same order), without sampled tokens. Running
-        group i finishes in the k-th iteration if finishing[i] (at time `now`, the k-th's end).
+    def fast_forward(self, horizon: DecodeHorizon, k: int, now: float) -> dict[str, np.ndarray]:
+        """Apply k <= horizon.steps plain decode iterations at once, exactly as k calls of
+        schedule() and on_step_done() would (blocks taken in the same order), without sampled
+        tokens. Groups whose remaining count is k finish in the k-th (at time `now`, its end).
         Returns per-iteration arrays: batch size, context tokens, and memory by category."""
+        if horizon is not self._horizon or not 0 < k <= horizon.steps:
+            raise AssertionError("fast_forward needs the current decode_horizon and 0 < k <= its steps")
         bm = self.bm
         bs = self.block_size
-        slots = self.horizon_slots
-        if slots is None:
-            slots = [g.seqs[0].num_computed for g in self.running]
-        self.horizon_slots = None
-        b = len(slots)
+        b = len(self.running)
         tables = bm.tables
-        # by_phase[r]: the tables, in batch order, of the sequences that open a block at decode
-        # steps r + 1, r + 1 + bs, ...
-        by_phase: list[list[list[int]]] = [[] for _ in range(bs)]
-        seqs = []  # (sequence, its table, its computed tokens) in batch order
-        for g, c in zip(self.running, slots):
-            s = g.seqs[0]
-            table = tables[s.seq_id]
-            by_phase[-c % bs].append(table)
-            seqs.append((s, table, c))
+        by_phase = horizon.by_phase
         mem0 = bm.memory()
         take = bm.pool.take
         for p0 in range(0, k, bs):  # blocks taken in iteration order, in batch order within one
             for phase in by_phase[:k - p0]:
-                for table in phase:
-                    table.append(take().block_id)
-        opened = [len(phase) for phase in by_phase]
+                for s in phase:
+                    tables[s.seq_id].append(take().block_id)
         blocks = bm.pool.blocks
         bm_slots = bm.slots
-        for s, table, c in seqs:  # single-sequence groups own their partly filled blocks: fill in place
+        for g in self.running:  # single-sequence groups own their partly filled blocks: fill in place
+            s = g.seqs[0]
+            sid = s.seq_id
+            c = s.num_computed
             new = c + k
-            last = len(table) - 1
-            for i in range(c // bs, last):
-                blocks[table[i]].filled = bs
-            blocks[table[last]].filled = new - last * bs
-            bm_slots[s.seq_id] = new
+            table = tables[sid]
+            if -c % bs < k:  # it opened blocks: the ones before the last are full
+                last = len(table) - 1
+                for i in range(c // bs, last):
+                    blocks[table[i]].filled = bs
+                blocks[table[last]].filled = new - last * bs
+            else:
+                blocks[table[-1]].filled += k
+            bm_slots[sid] = new
             s.num_computed = new
             s.output_len += k
             s.cum_logprob = 0.0
@@ -379,19 +388,21 @@ class VllmScheduler(Scheduler):
         bm.pool.used_filled += k * b
         j = np.arange(1, k + 1, dtype=np.int64)
         # blocks taken by the end of each step (list repetition: np.resize costs more for small k)
-        taken = np.cumsum((opened * -(-k // bs))[:k], dtype=np.int64)
+        taken = np.cumsum(([len(p) for p in by_phase] * -(-k // bs))[:k], dtype=np.int64)
         states = mem0.token_states + j * b
         used = mem0.token_states + mem0.internal_frag + taken * bs  # slots in allocated blocks
         cols = {
             "num_seqs": np.full(k, b, dtype=np.int64),
-            "context_tokens": sum(slots) + j * b,
+            "context_tokens": horizon.context_tokens + j * b,
             "kv_token_states": states,
             "kv_internal_frag": used - states,
             "kv_free": mem0.free - taken * bs,
             "running": np.full(k, b, dtype=np.int64),
         }
-        if any(finishing):
-            self.finish_plain(finishing, now)
+        if k < horizon.steps or not horizon.exhausts:
+            self._horizon = None  # what comes after k is no longer known
+        if k == min(horizon.remaining):
+            self.finish_plain(horizon.remaining, k, now)
             mem = bm.memory()
             cols["kv_token_states"][-1] = mem.token_states
             cols["kv_internal_frag"][-1] = mem.internal_frag
@@ -399,24 +410,28 @@ class VllmScheduler(Scheduler):
             cols["running"][-1] = len(self.running)
         return cols
 
-
-    def finish_plain(self, finishing: list[bool], now: float) -> None:
-        """Finish running group i (a single sequence) where finishing[i], as on_step_done does
-        after a plain decode step: in batch order, freeing the blocks."""
-        for g, done in zip(list(self.running), finishing):
-            if done:
-                self._finish_seq(g.seqs[0], keep_record=True)
-                self._finish_group(g, now)
+    def finish_plain(self, remaining: list[int], step: int, now: float) -> None:
+        """After `step` plain decode steps counted from a horizon, finish the running groups
+        (single sequences) whose remaining count was `step`, as on_step_done does: in batch order,
+        freeing the blocks. Groups preempted meanwhile are off the tail of the running list."""
+        if min(remaining) != step:
+            return
+        running = self.running
+        for g in [running[i] for i, r in enumerate(remaining[:len(running)]) if r == step]:
+            self._finish_seq(g.seqs[0], keep_record=True)
+            self._finish_group(g, now)
 
     def exhaustion_step(self) -> tuple[StepComposition, int]:
-        """Apply the plain-decode iteration that decode_horizon flagged with `horizon_exhausts`,
-        as schedule() and on_step_done() would: running groups (single sequences, one token each)
+        """Apply the plain-decode iteration that follows a horizon that `exhausts` (once its steps
+        are applied), as schedule() and on_step_done() would: running groups (single sequences, one token each)
         take their tokens in batch order; the first that finds no free block preempts the most
         recently arrived groups until one frees up (or it is itself preempted). Nothing is
         admitted. Returns the iteration's composition and how many groups were preempted; finish
         the groups whose last token this was with finish_plain()."""
-        self.horizon_slots = None
-        self.horizon_exhausts = False
+        h = self._horizon
+        if h is None or not h.exhausts:
+            raise AssertionError("exhaustion_step needs a decode_horizon that exhausts, applied up to it")
+        self._horizon = None
         bm = self.bm
         pool, blocks, tables, bm_slots = bm.pool, bm.pool.blocks, bm.tables, bm.slots
         bs = self.block_size

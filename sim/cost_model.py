@@ -220,26 +220,28 @@ class RooflineCostModel(CostModel):
             return self._decode_time(float(c.num_decode_seqs), float(c.decode_context_tokens))
         return float(self._total(self._composition_groups(c)))
 
-    def _decode_time(self, seqs: float, ctx: float) -> float:
-        """step_time of a pure decode, most of a simulation's pricing: the same IEEE operations as
-        _groups + _total with the zero groups left out (adding 0.0 to a positive time is exact)."""
-        linear = max(2 * self._linear_params * seqs / self._flops,
-                     (self._linear_params * self.model.dtype_bytes + self._linear_act_bytes * seqs) / self._bw)
-        attn = max(self._attn_flops_per_pair * ctx / self._attn_flops,
-                   (self._kv_bytes * ctx + self._qkvo_bytes * seqs) / self._attn_bw)
-        lm_head = max(2 * self._lm_params * seqs / self._flops,
-                      (self._lm_params * self.model.dtype_bytes + self._logit_bytes * seqs) / self._bw)
+    def _decode_time(self, seqs: ArrayLike, ctx: ArrayLike) -> ArrayLike:
+        """step_time of pure decodes (floats or arrays), most of a simulation's pricing: the same
+        IEEE operations as _groups + _total with the zero groups left out (adding 0.0 to a
+        positive time is exact), so the result is bit-identical to the general path."""
+        peak = max if isinstance(seqs, float) else np.maximum
+        linear = peak(2 * self._linear_params * seqs / self._flops,
+                      (self._linear_params * self.model.dtype_bytes + self._linear_act_bytes * seqs) / self._bw)
+        attn = peak(self._attn_flops_per_pair * ctx / self._attn_flops,
+                    (self._kv_bytes * ctx + self._qkvo_bytes * seqs) / self._attn_bw)
+        lm_head = peak(2 * self._lm_params * seqs / self._flops,
+                       (self._lm_params * self.model.dtype_bytes + self._logit_bytes * seqs) / self._bw)
         total = self.overhead_s + linear + attn + lm_head
         if self.tp > 1:
-            total += 2 * self.model.num_layers * (self.allreduce_latency_s + self._allreduce_bytes * seqs / self._ic_bw)
+            total = total + 2 * self.model.num_layers * (
+                self.allreduce_latency_s + self._allreduce_bytes * seqs / self._ic_bw)
         return total
 
     def decode_step_times(self, num_seqs: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
         seqs = np.asarray(num_seqs, dtype=np.float64)
         ctx = np.asarray(context_tokens, dtype=np.float64)
-        zero = np.zeros(np.broadcast(seqs, ctx).shape)
-        groups = self._groups(zero, zero, zero, zero, seqs, ctx, zero, zero, block_size=1)
-        return np.asarray(self._total(groups), dtype=np.float64)
+        seqs, ctx = np.broadcast_arrays(seqs, ctx)
+        return np.where(seqs > 0, self._decode_time(seqs, ctx), 0.0)
 
     def swap_time(self, num_blocks: int, block_size: int) -> float:
         return num_blocks * block_size * self._kv_bytes / self._pcie_bw

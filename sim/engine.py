@@ -127,14 +127,13 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
     ex = replica.executor
     if not sched.running:
         return False
-    remaining: list[int] = []
-    k = sched.decode_horizon(lambda: ex.remaining(sched.running, remaining))
-    exhausts = sched.horizon_exhausts
-    if k < 2 and not exhausts:
+    horizon = sched.decode_horizon(lambda: ex.remaining(sched.running))
+    if horizon is None:
         return False
+    k, exhausts = horizon.steps, horizon.exhausts
     start = env.now
     b = len(sched.running)
-    durations = ex.decode_step_times(b, sum(sched.horizon_slots), k)
+    durations = ex.decode_step_times(b, horizon.context_tokens, k)
     ends = np.cumsum(np.concatenate(([start], durations)))[1:]
     if not sched.waiting and k:  # an arrival could be admitted at the first iteration starting after it
         safe = int(np.searchsorted(ends[:-1], feed.next_arrival(), side="left")) + 1
@@ -145,7 +144,7 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
             ends, durations = ends[:k], durations[:k]
     if k:
         waiting = len(sched.waiting) + feed.arrived_by(ends) - feed.next_index
-        cols = sched.fast_forward(k, [r == k for r in remaining], float(ends[-1]))
+        cols = sched.fast_forward(horizon, k, float(ends[-1]))
         replica.log.add_many({
             "start": np.concatenate(([start], ends[:-1])), "duration": durations,
             "num_seqs": cols["num_seqs"], "decode_tokens": cols["num_seqs"],
@@ -160,7 +159,7 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
         duration = ex.price(comp)
         if comp.num_decode_seqs:  # else the plan was empty: no iteration, no time (as engine_process)
             step_start, end = end, end + duration
-            sched.finish_plain([r == k + 1 for r in remaining], end)
+            sched.finish_plain(horizon.remaining, k + 1, end)
             waiting = len(sched.waiting) + int(feed.arrived_by(np.array([end]))[0]) - feed.next_index
             replica.log.add(step_start, duration, comp, preempted, waiting, len(sched.running), sched.memory(),
                             sched.bm.prefix_hits)

@@ -90,17 +90,12 @@ class SimulatedExecutor:
                 self.targets[seq.seq_id] = t
         return t
 
-    def remaining(self, groups, out: list[int]) -> list[int]:
-        """Append to `out` (and return it) how many more tokens each group's first sequence samples
-        before it finishes, as `target` decides."""
+    def remaining(self, groups) -> list[int]:
+        """How many more tokens each group's first sequence samples before it finishes, as
+        `target` decides: the trace's length, or a forked sample's drawn one (drawn at its first
+        step, before any window can contain it)."""
         targets = self.targets
-        for g in groups:
-            seq = g.seqs[0]
-            t = targets.get(seq.seq_id)
-            if t is None:  # not a forked sample whose length was drawn already
-                t = seq.target_len if g.request.sampling.n == 1 else self.target(seq)
-            out.append(t - seq.output_len)
-        return out
+        return [targets.get((s := g.seqs[0]).seq_id, s.target_len) - s.output_len for g in groups]
 
     def _beam_step(self, group, result: StepResult) -> None:
         k = group.request.sampling.beam_width
