@@ -57,6 +57,9 @@ class VllmScheduler(Scheduler):
         self.chunked_prefill = chunked_prefill
         self.bm = PagedBlockManager(num_gpu_blocks, block_size, num_cpu_blocks, watermark, prefix_caching)
         self._horizon: DecodeHorizon | None = None  # the last decode_horizon, while still valid
+        # what an exhaustion step leaves for the next decode_horizon: (by_phase, remaining,
+        # context tokens) of the survivors, so that it need not walk the batch again
+        self._carry: tuple[list[list[Sequence]], list[int], int] | None = None
 
     # ---------------------------------------------------------------- memory hooks
     def _free_seq(self, seq: Sequence) -> None:
@@ -70,7 +73,7 @@ class VllmScheduler(Scheduler):
 
     # ---------------------------------------------------------------- scheduling
     def schedule(self, now: float) -> StepPlan:
-        self._horizon = None  # the running set is about to change
+        self._horizon = self._carry = None  # the running set is about to change
         plan = StepPlan(block_size=self.block_size)
         budget = [self.max_num_batched_tokens]
         preempted = self._schedule_running(plan, budget)
@@ -290,6 +293,7 @@ class VllmScheduler(Scheduler):
         is waiting.
         """
         self._horizon = None
+        carry, self._carry = self._carry, None
         running = self.running
         if not running or self.swapped or len(running) > self.max_num_batched_tokens:
             return None
@@ -297,23 +301,27 @@ class VllmScheduler(Scheduler):
         free = self.bm.num_free_blocks
         if not head_blocked and free >= len(running):
             return None  # an admission comes next, and no group can run out of blocks first
-        bs = self.block_size
-        by_phase: list[list[Sequence]] = [[] for _ in range(bs)]
-        context = 0
-        for g in running:
-            if len(g.seqs) != 1:
-                return None
-            s = g.seqs[0]
-            c = s.num_computed
-            # exactly one token to compute, and it is not a prompt's last (that samples the first)
-            if s.prompt_len + s.output_len - c != 1 or not s.output_len:
-                return None
-            by_phase[-c % bs].append(s)
-            context += c
+        if carry is not None:
+            by_phase, rem, context = carry
+        else:
+            bs = self.block_size
+            by_phase = [[] for _ in range(bs)]
+            context = 0
+            for g in running:
+                if len(g.seqs) != 1:
+                    return None
+                s = g.seqs[0]
+                c = s.num_computed
+                # exactly one token to compute, and it is not a prompt's last (that samples the first)
+                if s.prompt_len + s.output_len - c != 1 or not s.output_len:
+                    return None
+                by_phase[-c % bs].append(s)
+                context += c
         h = _block_horizon([len(p) for p in by_phase], len(running), free)
         if not head_blocked and h > 0:
             return None
-        rem = remaining()
+        if carry is None:
+            rem = remaining()
         k = min(rem)  # the k-th iteration may finish sequences: fast_forward handles that
         if k < 1:
             return None
@@ -418,6 +426,7 @@ class VllmScheduler(Scheduler):
             return
         running = self.running
         for g in [running[i] for i, r in enumerate(remaining[:len(running)]) if r == step]:
+            self._carry = None
             self._finish_seq(g.seqs[0], keep_record=True)
             self._finish_group(g, now)
 
@@ -461,6 +470,14 @@ class VllmScheduler(Scheduler):
             context += c
             i += 1
         pool.used_filled += i
+        if i:  # the survivors' phases move on by the horizon's steps + 1; the preempted leave
+            steps = h.steps + 1
+            by_phase: list[list[Sequence]] = [[]] * bs
+            for r, seqs in enumerate(h.by_phase):
+                while seqs and seqs[-1].status != SeqStatus.RUNNING:  # the batch's tail: preempted
+                    seqs.pop()
+                by_phase[(r - steps) % bs] = seqs
+            self._carry = (by_phase, [r - steps for r in h.remaining[:i]], context)
         comp = StepComposition(num_decode_seqs=i, decode_context_tokens=context,
                                swap_out_blocks=len(plan.swap_out), block_size=bs)
         return comp, len(plan.preempted)
