@@ -60,6 +60,9 @@ class VllmScheduler(Scheduler):
         # what an exhaustion step leaves for the next decode_horizon: (by_phase, remaining,
         # context tokens) of the survivors, so that it need not walk the batch again
         self._carry: tuple[list[list[Sequence]], list[int], int] | None = None
+        # plain decode steps applied to the blocks and counters but not yet to the running
+        # sequences' own fields (see settle); every running group owes exactly this many
+        self._pending_steps = 0
 
     # ---------------------------------------------------------------- memory hooks
     def _free_seq(self, seq: Sequence) -> None:
@@ -73,6 +76,7 @@ class VllmScheduler(Scheduler):
 
     # ---------------------------------------------------------------- scheduling
     def schedule(self, now: float) -> StepPlan:
+        self.settle()
         self._horizon = self._carry = None  # the running set is about to change
         plan = StepPlan(block_size=self.block_size)
         budget = [self.max_num_batched_tokens]
@@ -294,6 +298,8 @@ class VllmScheduler(Scheduler):
         """
         self._horizon = None
         carry, self._carry = self._carry, None
+        if carry is None:
+            self.settle()  # the walk below reads the sequences
         running = self.running
         if not running or self.swapped or len(running) > self.max_num_batched_tokens:
             return None
@@ -358,7 +364,11 @@ class VllmScheduler(Scheduler):
         """Apply k <= horizon.steps plain decode iterations at once, exactly as k calls of
         schedule() and on_step_done() would (blocks taken in the same order), without sampled
         tokens. Groups whose remaining count is k finish in the k-th (at time `now`, its end).
-        Returns per-iteration arrays: batch size, context tokens, and memory by category."""
+        Returns per-iteration arrays: batch size, context tokens, and memory by category.
+
+        Blocks and the token-state count change at once; the sequences' own counters and their
+        blocks' fill levels are owed (`settle`) until something needs them, so that a run of
+        windows joined by exhaustion steps walks the batch once."""
         if horizon is not self._horizon or not 0 < k <= horizon.steps:
             raise AssertionError("fast_forward needs the current decode_horizon and 0 < k <= its steps")
         bm = self.bm
@@ -372,28 +382,8 @@ class VllmScheduler(Scheduler):
             for phase in by_phase[:k - p0]:
                 for s in phase:
                     tables[s.seq_id].append(take().block_id)
-        blocks = bm.pool.blocks
-        bm_slots = bm.slots
-        for g in self.running:  # single-sequence groups own their partly filled blocks: fill in place
-            s = g.seqs[0]
-            sid = s.seq_id
-            c = s.num_computed
-            new = c + k
-            table = tables[sid]
-            if -c % bs < k:  # it opened blocks: the ones before the last are full
-                last = len(table) - 1
-                for i in range(c // bs, last):
-                    blocks[table[i]].filled = bs
-                blocks[table[last]].filled = new - last * bs
-            else:
-                blocks[table[-1]].filled += k
-            bm_slots[sid] = new
-            s.num_computed = new
-            s.output_len += k
-            s.cum_logprob = 0.0
-            if s.token_ids is not None:  # as on_step_done: simulated tokens have no content
-                s.token_ids.extend([-1] * k)
         bm.pool.used_filled += k * b
+        self._pending_steps += k
         j = np.arange(1, k + 1, dtype=np.int64)
         # blocks taken by the end of each step (list repetition: np.resize costs more for small k)
         taken = np.cumsum(([len(p) for p in by_phase] * -(-k // bs))[:k], dtype=np.int64)
@@ -418,6 +408,37 @@ class VllmScheduler(Scheduler):
             cols["running"][-1] = len(self.running)
         return cols
 
+    def settle(self) -> None:
+        """Pay the running sequences the decode steps they are owed (see fast_forward)."""
+        if self._pending_steps:
+            self._settle([g.seqs[0] for g in self.running])
+            self._pending_steps = 0
+
+    def _settle(self, seqs: list[Sequence]) -> None:
+        # single-sequence groups own their partly filled blocks: fill in place; the blocks they
+        # opened meanwhile are already in their tables, and all but the last are full
+        k = self._pending_steps
+        bm = self.bm
+        bs = self.block_size
+        blocks, tables, bm_slots = bm.pool.blocks, bm.tables, bm.slots
+        for s in seqs:
+            c = s.num_computed
+            new = c + k
+            table = tables[s.seq_id]
+            if -c % bs < k:
+                last = len(table) - 1
+                for i in range(c // bs, last):
+                    blocks[table[i]].filled = bs
+                blocks[table[last]].filled = new - last * bs
+            else:
+                blocks[table[-1]].filled += k
+            bm_slots[s.seq_id] = new
+            s.num_computed = new
+            s.output_len += k
+            s.cum_logprob = 0.0
+            if s.token_ids is not None:  # as on_step_done: simulated tokens have no content
+                s.token_ids.extend([-1] * k)
+
     def finish_plain(self, remaining: list[int], step: int, now: float) -> None:
         """After `step` plain decode steps counted from a horizon, finish the running groups
         (single sequences) whose remaining count was `step`, as on_step_done does: in batch order,
@@ -425,60 +446,58 @@ class VllmScheduler(Scheduler):
         if min(remaining) != step:
             return
         running = self.running
-        for g in [running[i] for i, r in enumerate(remaining[:len(running)]) if r == step]:
+        done = [running[i] for i, r in enumerate(remaining[:len(running)]) if r == step]
+        if done:
+            self.settle()
             self._carry = None
+        for g in done:
             self._finish_seq(g.seqs[0], keep_record=True)
             self._finish_group(g, now)
 
     def exhaustion_step(self) -> tuple[StepComposition, int]:
         """Apply the plain-decode iteration that follows a horizon that `exhausts` (once its steps
-        are applied), as schedule() and on_step_done() would: running groups (single sequences, one token each)
-        take their tokens in batch order; the first that finds no free block preempts the most
-        recently arrived groups until one frees up (or it is itself preempted). Nothing is
-        admitted. Returns the iteration's composition and how many groups were preempted; finish
-        the groups whose last token this was with finish_plain()."""
+        are applied), as schedule() and on_step_done() would: running groups (single sequences,
+        one token each) take their tokens in batch order; the first that finds no free block
+        preempts the most recently arrived groups until one frees up (or it is itself
+        preempted). Nothing is admitted. Only the groups opening a block are visited (the others
+        cannot preempt); the survivors' token is owed like fast_forward's. Returns the iteration's
+        composition and how many groups were preempted; finish the groups whose last token this
+        was with finish_plain()."""
         h = self._horizon
         if h is None or not h.exhausts:
             raise AssertionError("exhaustion_step needs a decode_horizon that exhausts, applied up to it")
         self._horizon = None
         bm = self.bm
-        pool, blocks, tables, bm_slots = bm.pool, bm.pool.blocks, bm.tables, bm.slots
+        pool, tables = bm.pool, bm.tables
         bs = self.block_size
         plan = StepPlan(block_size=bs)
         running = self.running  # _preempt removes from its tail
-        context = 0
-        i = 0
-        while i < len(running):
-            g = running[i]
-            s = g.seqs[0]
-            c = s.num_computed
-            table = tables[s.seq_id]
-            if c % bs == 0:  # the token opens a block
-                while not pool.free and self._preempt(running[-1], plan) is not g:
-                    pass
-                if g.status != SeqStatus.RUNNING:
-                    break
-                table.append(pool.take().block_id)
-            blocks[table[-1]].filled += 1
-            c += 1
-            bm_slots[s.seq_id] = c
-            s.num_computed = c
-            s.output_len += 1
-            s.cum_logprob = 0.0
-            if s.token_ids is not None:
-                s.token_ids.append(-1)
-            context += c
-            i += 1
-        pool.used_filled += i
-        if i:  # the survivors' phases move on by the horizon's steps + 1; the preempted leave
+        context = h.context_tokens + h.steps * len(running)  # the running sequences' computed tokens
+        for s in h.by_phase[h.steps % bs]:  # the groups opening a block, in batch order
+            g = s.group
+            while not pool.free and g.status == SeqStatus.RUNNING:
+                tail = running[-1]
+                self._settle(tail.seqs)
+                context -= tail.seqs[0].num_computed
+                self._preempt(tail, plan)
+            if g.status != SeqStatus.RUNNING:
+                break  # it was the tail: everything after it is preempted too
+            tables[s.seq_id].append(pool.take().block_id)
+        survivors = len(running)
+        pool.used_filled += survivors
+        self._pending_steps += 1
+        context += survivors
+        if survivors:  # the survivors' phases move on by the horizon's steps + 1; the preempted leave
             steps = h.steps + 1
             by_phase: list[list[Sequence]] = [[]] * bs
             for r, seqs in enumerate(h.by_phase):
                 while seqs and seqs[-1].status != SeqStatus.RUNNING:  # the batch's tail: preempted
                     seqs.pop()
                 by_phase[(r - steps) % bs] = seqs
-            self._carry = (by_phase, [r - steps for r in h.remaining[:i]], context)
-        comp = StepComposition(num_decode_seqs=i, decode_context_tokens=context,
+            self._carry = (by_phase, [r - steps for r in h.remaining[:survivors]], context)
+        else:
+            self._pending_steps = 0
+        comp = StepComposition(num_decode_seqs=survivors, decode_context_tokens=context,
                                swap_out_blocks=len(plan.swap_out), block_size=bs)
         return comp, len(plan.preempted)
 
