@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pagesim.cli import main as cli_main
 from sim.cost_model import ConstantCostModel
@@ -73,6 +75,22 @@ def test_skip_ahead_equals_stepping_across_block_sizes(block_size, seed):
     pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
     pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
     assert a.summary["engine"]["preempting_in_windows"] > 0
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(block_size=st.sampled_from([1, 2, 16, 32]), tokens_in_cache=st.integers(1500, 6000),
+       preemption=st.sampled_from(["recompute", "swap"]), rate=st.sampled_from([1.0, 20.0, 200.0]),
+       max_num_seqs=st.sampled_from([4, 64, 256]), chunked=st.booleans(), n=st.sampled_from([1, 1, 2]),
+       seed=st.integers(0, 2**16))
+def test_skip_ahead_equals_stepping_property(block_size, tokens_in_cache, preemption, rate, max_num_seqs,
+                                             chunked, n, seed):
+    tr = resolve_trace("sharegpt-like", num_requests=30, rate=rate, seed=seed)
+    cfg = SimConfig(num_gpu_blocks=tokens_in_cache // block_size, block_size=block_size, preemption=preemption,
+                    max_num_seqs=max_num_seqs, chunked_prefill=chunked,
+                    max_num_batched_tokens=512 if chunked else 4096, n=n, seed=seed, debug=True)
+    a, b = _both(cfg, tr)
+    pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
+    pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
 
 
 def test_skip_ahead_equals_stepping_with_prefix_caching():
