@@ -77,7 +77,7 @@ def test_skip_ahead_equals_stepping_across_block_sizes(block_size, seed):
     assert a.summary["engine"]["preempting_in_windows"] > 0
 
 
-@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(block_size=st.sampled_from([1, 2, 16, 32]), tokens_in_cache=st.integers(1500, 6000),
        preemption=st.sampled_from(["recompute", "swap"]), rate=st.sampled_from([1.0, 20.0, 200.0]),
        max_num_seqs=st.sampled_from([4, 64, 256]), chunked=st.booleans(), n=st.sampled_from([1, 1, 2]),
@@ -87,10 +87,19 @@ def test_skip_ahead_equals_stepping_property(block_size, tokens_in_cache, preemp
     tr = resolve_trace("sharegpt-like", num_requests=30, rate=rate, seed=seed)
     cfg = SimConfig(num_gpu_blocks=tokens_in_cache // block_size, block_size=block_size, preemption=preemption,
                     max_num_seqs=max_num_seqs, chunked_prefill=chunked,
-                    max_num_batched_tokens=512 if chunked else 4096, n=n, seed=seed, debug=True)
+                    max_num_batched_tokens=512 if chunked else 4096, n=n, seed=seed)
     a, b = _both(cfg, tr)
     pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
     pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_debug_checks_hold_after_every_window(preemption):
+    # debug mode checks block conservation after every stepped iteration and every window
+    tr = resolve_trace("sharegpt-like", num_requests=120, rate=50.0, seed=1)
+    res = run_simulation(SimConfig(num_gpu_blocks=300, preemption=preemption, debug=True), tr)
+    assert res.summary["engine"]["preempting_in_windows"] > 0
+    assert res.summary["num_finished"] == 120
 
 
 def test_skip_ahead_equals_stepping_with_prefix_caching():
