@@ -24,17 +24,18 @@ ITERATION_COLUMNS = (
 
 
 class IterationLog:
-    """Per-iteration records in one growing float64 table (cap x columns; the integer columns are
-    exact up to 2^53 and cast back when the frame is built). Single rows are buffered as tuples
-    and written in blocks, so millions of rows stay cheap; columns missing from `add_many` stay 0."""
+    """Per-iteration records, one growing array per column (the layout the frame wants). Single
+    rows take their row number at once and wait as tuples until a batch of them is written, so
+    millions of rows stay cheap; columns missing from `add_many` stay 0."""
 
     _FLOAT_COLUMNS = ("start", "duration")
+    _BATCH = 1024  # single rows written at a time
 
     def __init__(self, capacity: int = 4096) -> None:
-        self._table = np.zeros((capacity, len(ITERATION_COLUMNS)))
-        self._index = {c: i for i, c in enumerate(ITERATION_COLUMNS)}
-        self._pending: list[tuple] = []
-        self._written = 0
+        self._cols = {c: np.zeros(capacity, dtype=float if c in self._FLOAT_COLUMNS else np.int64)
+                      for c in ITERATION_COLUMNS}
+        self._pending: list[tuple] = []        # single rows not yet written
+        self._pending_at: list[int] = []       # and their row numbers
         self.rows = 0
 
     def add(self, start: float, duration: float, c: StepComposition, num_preempted: int,
@@ -44,60 +45,80 @@ class IterationLog:
                               num_preempted, c.swap_in_blocks, c.swap_out_blocks, waiting, running,
                               mem.token_states, mem.reserved, mem.internal_frag, mem.external_frag, mem.free,
                               prefix_hits))
-        self.rows += 1
+        self._pending_at.append(self._reserve(1))
+        if len(self._pending) >= self._BATCH:
+            self._flush()
 
     def _reserve(self, n: int) -> int:
-        """Room for n more rows; returns the first free row."""
-        pos = self._written
-        if pos + n > len(self._table):
-            grown = np.zeros((max(2 * len(self._table), pos + n), len(ITERATION_COLUMNS)))
-            grown[:pos] = self._table[:pos]
-            self._table = grown
-        self._written = pos + n
+        """Row numbers for n more rows (the columns grow to hold them); returns the first."""
+        pos = self.rows
+        self.rows += n
+        cap = len(self._cols["start"])
+        if self.rows > cap:
+            cap = max(2 * cap, self.rows)
+            for c, col in self._cols.items():
+                grown = np.zeros(cap, dtype=col.dtype)
+                grown[:pos] = col[:pos]
+                self._cols[c] = grown
         return pos
 
     def _flush(self) -> None:
         if self._pending:
-            pos = self._reserve(len(self._pending))
-            self._table[pos:self._written] = self._pending
-            self._pending = []
+            at = np.array(self._pending_at)
+            for c, values in zip(ITERATION_COLUMNS, zip(*self._pending)):
+                self._cols[c][at] = values
+            self._pending, self._pending_at = [], []
 
     def add_many(self, columns: dict[str, np.ndarray]) -> None:
-        self._flush()
         k = len(columns["start"])
         pos = self._reserve(k)
-        table, index = self._table, self._index
-        for col, values in columns.items():
-            table[pos:pos + k, index[col]] = values
-        self.rows += k
+        cols = self._cols
+        for c, values in columns.items():
+            cols[c][pos:pos + k] = values
 
     def frame(self) -> pd.DataFrame:
         self._flush()
-        rows = self._table[:self._written]
-        data = {"iteration": np.arange(self._written)}
-        for col, i in self._index.items():
-            data[col] = rows[:, i].copy() if col in self._FLOAT_COLUMNS else rows[:, i].astype(np.int64)
+        n = self.rows
+        data = {"iteration": np.arange(n)}
+        data.update((c, col[:n]) for c, col in self._cols.items())
         return pd.DataFrame(data)
 
 
 def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
     """One row per request, finished or rejected, ordered by request id."""
-    rows = []
-    for g in groups:
-        r = g.request
-        out = g.output_len
-        done = g.rejected is None
-        ttft = g.first_token_time - r.arrival if done and g.first_token_time is not None else np.nan
-        e2e = g.finish_time - r.arrival if done else np.nan
-        tpot = (g.finish_time - g.first_token_time) / (out - 1) if done and out > 1 else np.nan
-        rows.append((r.request_id, r.arrival, r.prompt_len, out, r.sampling.n, r.sampling.beam_width,
-                     g.first_scheduled, g.first_token_time if done else np.nan, g.finish_time, ttft, tpot, e2e,
-                     e2e / out if done and out else np.nan, g.num_preemptions, g.prefix_hit_tokens,
-                     "finished" if done else "rejected", g.rejected or ""))
-    cols = ["request_id", "arrival", "prompt_len", "output_len", "n", "beam_width", "first_scheduled",
-            "first_token_time", "finish_time", "ttft", "tpot", "e2e_latency", "normalized_latency",
-            "num_preemptions", "prefix_hit_tokens", "status", "reject_reason"]
-    return pd.DataFrame(rows, columns=cols).sort_values("request_id").reset_index(drop=True)
+    gs = sorted(groups, key=lambda g: g.request.request_id)
+    reqs = [g.request for g in gs]
+    nan = float("nan")
+    done = np.array([g.rejected is None for g in gs], dtype=bool)
+    arrival = np.array([r.arrival for r in reqs], dtype=float)
+    out = np.array([g.output_len for g in gs], dtype=np.int64)
+    first = np.array([nan if g.first_token_time is None else g.first_token_time for g in gs], dtype=float)
+    finish = np.array([nan if g.finish_time is None else g.finish_time for g in gs], dtype=float)
+    first = np.where(done, first, nan)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        e2e = np.where(done, finish - arrival, nan)
+        tpot = np.where(done & (out > 1), (finish - first) / (out - 1), nan)
+        normalized = np.where(done & (out > 0), e2e / out, nan)
+    return pd.DataFrame({
+        "request_id": np.array([r.request_id for r in reqs], dtype=np.int64),
+        "arrival": arrival,
+        "prompt_len": np.array([r.prompt_len for r in reqs], dtype=np.int64),
+        "output_len": out,
+        "n": np.array([r.sampling.n for r in reqs], dtype=np.int64),
+        "beam_width": np.array([r.sampling.beam_width for r in reqs], dtype=np.int64),
+        "first_scheduled": np.array([nan if g.first_scheduled is None else g.first_scheduled for g in gs],
+                                    dtype=float),
+        "first_token_time": first,
+        "finish_time": finish,
+        "ttft": first - arrival,
+        "tpot": tpot,
+        "e2e_latency": e2e,
+        "normalized_latency": normalized,
+        "num_preemptions": np.array([g.num_preemptions for g in gs], dtype=np.int64),
+        "prefix_hit_tokens": np.array([g.prefix_hit_tokens for g in gs], dtype=np.int64),
+        "status": np.where(done, "finished", "rejected").astype(object),
+        "reject_reason": [g.rejected or "" for g in gs],
+    })
 
 
 def _stats(x: pd.Series) -> dict[str, float]:

@@ -63,17 +63,22 @@ def requests_from_trace(trace: Trace, max_model_len: int, n: int | None = None,
                         beam_width: int | None = None) -> list[Request]:
     """Trace rows as requests that decode exactly the trace's output length (ignore EOS).
     max_tokens is what the context leaves after the prompt (what Orca-Max reserves)."""
+    prompts, outputs = trace.prompt_len.tolist(), trace.output_len.tolist()
+    arrivals = trace.arrival.astype(float).tolist()
+    ns = [n] * len(trace) if n is not None else trace.n.tolist()
+    beams = [beam_width] * len(trace) if beam_width is not None else trace.beam_width.tolist()
+    hashes = trace.prefix_hashes
+    ids = trace.prompt_token_ids
+    hbs = trace.hash_block_size or 16
+    params: dict[tuple[int, int, int], SamplingParams] = {}  # frozen, so equal ones are shared
     reqs = []
-    for i in range(len(trace)):
-        p = int(trace.prompt_len[i])
-        out = int(trace.output_len[i])
-        sp = SamplingParams(max_tokens=max(max_model_len - p, out, 1), ignore_eos=True,
-                            n=int(n if n is not None else trace.n[i]),
-                            beam_width=int(beam_width if beam_width is not None else trace.beam_width[i]))
-        hashes = trace.prefix_hashes[i] if trace.prefix_hashes is not None else None
-        ids = trace.prompt_token_ids[i] if trace.prompt_token_ids is not None else None
-        reqs.append(Request(i, float(trace.arrival[i]), p, sp, out, None if ids is None else list(ids),
-                            None if hashes is None else tuple(hashes), trace.hash_block_size or 16))
+    for i, (p, out, arrival, ni, bi) in enumerate(zip(prompts, outputs, arrivals, ns, beams)):
+        key = (max(max_model_len - p, out, 1), ni, bi)
+        sp = params.get(key)
+        if sp is None:
+            sp = params[key] = SamplingParams(max_tokens=key[0], ignore_eos=True, n=ni, beam_width=bi)
+        reqs.append(Request(i, arrival, p, sp, out, None if ids is None or ids[i] is None else list(ids[i]),
+                            None if hashes is None or hashes[i] is None else tuple(hashes[i]), hbs))
     return reqs
 
 
