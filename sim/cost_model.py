@@ -34,6 +34,10 @@ class CostModel(ABC):
     def swap_time(self, num_blocks: int, block_size: int) -> float:
         """Seconds to move `num_blocks` KV blocks of `block_size` tokens between CPU and GPU."""
 
+    def decode_step_time(self, num_seqs: int, context_tokens: int) -> float:
+        """`step_time` of one pure-decode iteration (subclasses may skip building the composition)."""
+        return self.step_time(StepComposition(num_decode_seqs=num_seqs, decode_context_tokens=context_tokens))
+
     def decode_step_times(self, num_seqs: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
         """Times of pure-decode iterations, elementwise: `num_seqs[i]` sequences whose contexts sum
         to `context_tokens[i]`. Equals `step_time` of the same composition; the simulator uses it to
@@ -219,6 +223,9 @@ class RooflineCostModel(CostModel):
         if not (c.num_prefill_seqs or c.swap_in_blocks or c.swap_out_blocks or c.copy_blocks):
             return self._decode_time(float(c.num_decode_seqs), float(c.decode_context_tokens))
         return float(self._total(self._composition_groups(c)))
+
+    def decode_step_time(self, num_seqs: int, context_tokens: int) -> float:
+        return self._decode_time(float(num_seqs), float(context_tokens)) if num_seqs > 0 else 0.0
 
     def _decode_time(self, seqs: ArrayLike, ctx: ArrayLike) -> ArrayLike:
         """step_time of pure decodes (floats or arrays), most of a simulation's pricing: the same

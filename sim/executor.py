@@ -38,12 +38,10 @@ class SimulatedExecutor:
     def decode_step_times(self, num_seqs: int, context0: int, k: int) -> np.ndarray:
         """Durations of k pure-decode steps of `num_seqs` sequences whose contexts sum to
         context0 + num_seqs * j at step j = 1..k. A few steps are priced one by one: the vectorised
-        path costs as much as ~8 scalar prices (numpy's per-call cost), and both are identical."""
-        if k < 8:
-            price = self.cost.step_time
-            return np.array([price(StepComposition(num_decode_seqs=num_seqs,
-                                                   decode_context_tokens=context0 + num_seqs * j))
-                             for j in range(1, k + 1)], dtype=np.float64)
+        path costs as much as ~12 scalar prices (numpy's per-call cost), and both are identical."""
+        if k < 12:
+            price = self.cost.decode_step_time
+            return np.array([price(num_seqs, context0 + num_seqs * j) for j in range(1, k + 1)], dtype=np.float64)
         contexts = context0 + num_seqs * np.arange(1, k + 1, dtype=np.int64)
         return self.cost.decode_step_times(np.full(k, num_seqs, dtype=np.int64), contexts)
 

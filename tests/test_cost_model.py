@@ -161,6 +161,7 @@ def test_decode_step_times_equals_step_time(tp: int) -> None:
                 for n, k in zip(seqs, ctx, strict=True)]
         # bit for bit: skipping ahead must land on the very times stepping computes
         np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal([model.decode_step_time(int(n), int(k)) for n, k in zip(seqs, ctx)], want)
         if isinstance(model, RooflineCostModel):  # the scalar decode shortcut equals the general sum
             general = [float(model._total(model._composition_groups(
                 StepComposition(num_decode_seqs=int(n), decode_context_tokens=int(k))))) if n else 0.0
