@@ -81,7 +81,8 @@ class IterationLog:
         n = self.rows
         data = {"iteration": np.arange(n)}
         data.update((c, col[:n]) for c, col in self._cols.items())
-        return pd.DataFrame(data)
+        # no copy: the frame views the log's columns (rows added later land past its end)
+        return pd.DataFrame(data, copy=False)
 
 
 def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:

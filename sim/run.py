@@ -3,6 +3,7 @@ and a summary out."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import time
@@ -114,28 +115,20 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
     cost = cost_model or build_cost_model(cfg)
     executor = SimulatedExecutor(sched, cost, seed=cfg.seed)
     env = simpy.Environment()
-    feed = ArrivalFeed(requests_from_trace(trace, model.max_position, cfg.n, cfg.beam_width))
-    bar = _progress_bar(len(feed.requests)) if progress else None
-    replica = Replica(env, sched, executor, cfg.fast_forward, cfg.debug,
-                      on_progress=(lambda now, done: _tick(bar, now, done)) if bar else None)
-    env.process(arrival_process(env, feed, replica))
-    env.process(engine_process(env, replica, feed))
-    # Requests live for the whole run; the cyclic collector would rescan all of them again and
-    # again (superlinear in the number of requests). Per-iteration objects are acyclic and freed
-    # by reference counting, so collection is paused for the run.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with _gc_paused():
+        feed = ArrivalFeed(requests_from_trace(trace, model.max_position, cfg.n, cfg.beam_width))
+        bar = _progress_bar(len(feed.requests)) if progress else None
+        replica = Replica(env, sched, executor, cfg.fast_forward, cfg.debug,
+                          on_progress=(lambda now, done: _tick(bar, now, done)) if bar else None)
+        env.process(arrival_process(env, feed, replica))
+        env.process(engine_process(env, replica, feed))
         env.run()
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    if bar is not None:
-        bar.close()
-    _final_checks(sched, len(feed.requests))
-    requests = request_frame(sched.done)
-    iterations = replica.log.frame()
-    summary = summarize(requests, iterations, cfg.slo_ttft, cfg.slo_tpot)
+        if bar is not None:
+            bar.close()
+        _final_checks(sched, len(feed.requests))
+        requests = request_frame(sched.done)
+        iterations = replica.log.frame()
+        summary = summarize(requests, iterations, cfg.slo_ttft, cfg.slo_tpot)
     summary["num_gpu_blocks"] = gpu_blocks
     summary["num_cpu_blocks"] = cpu_blocks
     summary["kv_capacity_tokens"] = gpu_blocks * cfg.block_size
@@ -145,6 +138,20 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
     summary["trace"] = trace.name
     summary["config"] = cfg.to_dict()
     return SimResult(requests, iterations, summary, cfg)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Requests live for the whole run; the cyclic collector would rescan all of them again and
+    again (superlinear in the number of requests). Per-iteration objects are acyclic and freed
+    by reference counting, so collection is paused for the run and its tables."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _final_checks(sched, num_requests: int) -> None:
