@@ -82,16 +82,26 @@ class PagedKVCache:
         return self.num_blocks * self.block_size
 
     # ---- ops -------------------------------------------------------------------------------------
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write k, v [T, num_kv_heads, head_dim] into their slots (slot_mapping [T] int64, -1 = skip)."""
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+              per_step: dict | None = None) -> None:
+        """Write k, v [T, num_kv_heads, head_dim] into their slots (slot_mapping [T] int64, -1 = skip).
+        `per_step`, a dict kept for one step, lets the layers share the slot arithmetic."""
         if self.device.type == "cuda":
             from backend.attention.triton_kernels import store_kv
             store_kv(k, v, self._keys[layer], self._values[layer], slot_mapping)
             return
-        blocks = torch.div(slot_mapping, self.block_size, rounding_mode="floor")
-        offsets = slot_mapping % self.block_size
-        self._keys[layer][blocks, offsets] = k.to(self.dtype)
-        self._values[layer][blocks, offsets] = v.to(self.dtype)
+        where = self._split_slots(slot_mapping, per_step)
+        self._keys[layer].index_put_(where, k.to(self.dtype))
+        self._values[layer].index_put_(where, v.to(self.dtype))
+
+    def _split_slots(self, slot_mapping: torch.Tensor, per_step: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) index tensors of the slots, computed once per step when `per_step` is given."""
+        where = None if per_step is None else per_step.get("slot_split")
+        if where is None:
+            where = (torch.div(slot_mapping, self.block_size, rounding_mode="floor"), slot_mapping % self.block_size)
+            if per_step is not None:
+                per_step["slot_split"] = where
+        return where
 
     def copy_blocks(self, pairs: Pairs) -> None:
         """Copy (src, dst) device blocks, all layers, K and V. Destinations must not be sources."""

@@ -12,7 +12,8 @@ Host-side lists serve the torch path (loops, chunking); device tensors serve the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -37,6 +38,9 @@ class AttentionMetadata:
     decode_context_lens_t: torch.Tensor   # [D] int32 on device
     decode_block_tables: torch.Tensor     # [D, max_blocks] int32 on device, padded with 0
     max_decode_context: int
+    # per-step work that every layer would otherwise redo (the torch path's slot split and decode
+    # chunk plan), filled on first use; the batch is the same for all layers of a step
+    per_step: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:

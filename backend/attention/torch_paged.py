@@ -69,31 +69,47 @@ def _rows(idx: list[int], device: torch.device) -> slice | torch.Tensor:
     return torch.tensor(idx, device=device)
 
 
+def _decode_plan(lens: list[int], block_tables: torch.Tensor, bs: int, tok_bytes: int, chunk_bytes: int,
+                 device: torch.device) -> list[tuple]:
+    """Per chunk: (rows, n, L, block ids, mask or None). The same for every layer of a step."""
+    plan = []
+    for idx in _decode_chunks(lens, tok_bytes, chunk_bytes, bs):
+        n, L = len(idx), lens[idx[-1]]
+        nb = -(-L // bs)
+        rows = _rows(idx, device)
+        ids = block_tables[rows, :nb].reshape(-1)
+        mask = None
+        if lens[idx[0]] != L:
+            chunk_lens = torch.tensor([lens[i] for i in idx], device=device)
+            mask = (torch.arange(L, device=device) < chunk_lens[:, None])[:, None, None, :]
+        plan.append((rows, n, L, ids, mask))
+    return plan
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: Sequence[int], scale: float,
-                     out: torch.Tensor | None = None, chunk_bytes: int = DECODE_CHUNK_BYTES) -> torch.Tensor:
+                     out: torch.Tensor | None = None, chunk_bytes: int = DECODE_CHUNK_BYTES,
+                     plan_cache: dict | None = None) -> torch.Tensor:
     """One query per sequence over its cached context.
 
     q [B, H, D]; block_tables [B, >= ceil(max(context_lens) / block_size)]; context_lens: B host ints
     (keys at positions [0, context_len) are attended). Returns [B, H, D] (written into `out` if given).
+    `plan_cache`, a dict kept for one step, lets the layers of that step share the chunk plan.
     """
     H, D = q.shape[1], q.shape[2]
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q) if out is None else out
     tok_bytes = 2 * Hkv * D * k_cache.element_size()
-    lens = [int(x) for x in context_lens]
-    for idx in _decode_chunks(lens, tok_bytes, chunk_bytes, bs):
-        n, L = len(idx), lens[idx[-1]]
-        nb = -(-L // bs)
-        rows = _rows(idx, q.device)
-        ids = block_tables[rows, :nb].reshape(-1)
+    plan = None if plan_cache is None else plan_cache.get("decode_plan")
+    if plan is None:
+        plan = _decode_plan([int(x) for x in context_lens], block_tables, bs, tok_bytes, chunk_bytes, q.device)
+        if plan_cache is not None:
+            plan_cache["decode_plan"] = plan
+    for rows, n, L, ids, mask in plan:
+        nb = ids.shape[0] // n
         kbuf, vbuf = _WORKSPACE.get(n * nb, bs * Hkv * D, k_cache.dtype, k_cache.device)
         kk = _gather(k_cache, ids, kbuf).view(n, nb * bs, Hkv, D)[:, :L].transpose(1, 2)
         vv = _gather(v_cache, ids, vbuf).view(n, nb * bs, Hkv, D)[:, :L].transpose(1, 2)
-        mask = None
-        if lens[idx[0]] != L:
-            chunk_lens = torch.tensor([lens[i] for i in idx], device=q.device)
-            mask = (torch.arange(L, device=q.device) < chunk_lens[:, None])[:, None, None, :]
         # GQA packing: the H // Hkv query heads sharing a kv head are that head's query rows, so each
         # gathered key is read once per kv head (no causal mask: a decode query sees all its keys).
         qq = q[rows].view(n, Hkv, H // Hkv, D).to(k_cache.dtype)
@@ -147,5 +163,5 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                           meta.prefill_query_start, meta.prefill_starts, scale, out=out[:p])
     if meta.num_decodes:
         decode_attention(q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                         scale, out=out[p:])
+                         scale, out=out[p:], plan_cache=meta.per_step)
     return out

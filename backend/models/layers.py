@@ -36,7 +36,7 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
         cache = ctx.kv_cache
-        cache.store(self.layer, k, v, ctx.meta.slot_mapping)
+        cache.store(self.layer, k, v, ctx.meta.slot_mapping, ctx.meta.per_step)
         o = ctx.attention(q, k, v, cache.key_cache(self.layer), cache.value_cache(self.layer), ctx.meta,
                           self.scale)
         return o.reshape(q.shape[0], self.num_heads * self.head_dim)
