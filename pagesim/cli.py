@@ -231,7 +231,7 @@ def cmd_live(args: argparse.Namespace) -> int:
     live = _backend()
     from backend.model_runner import ModelRunner
     from policies.metrics import request_frame, summarize
-    from policies.registry import make_scheduler
+    from policies.registry import make_scheduler, scheduler_options
     from sim.run import requests_from_trace
 
     trace = _load_workload(args)
@@ -239,11 +239,9 @@ def cmd_live(args: argparse.Namespace) -> int:
     cfg = model.config
     runner = ModelRunner(cfg, model.weights, args.device, num_gpu_blocks=args.num_gpu_blocks,
                          num_cpu_blocks=args.num_cpu_blocks, block_size=args.block_size)
-    kw = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
-    if args.policy == "vllm":
-        kw.update(preemption=args.preemption, chunked_prefill=args.chunked_prefill,
-                  prefix_caching=args.prefix_caching, num_cpu_blocks=args.num_cpu_blocks)
-    else:
+    kw = scheduler_options(args.policy, args.max_num_seqs, args.max_num_batched_tokens, args.preemption,
+                           args.chunked_prefill, args.prefix_caching, args.num_cpu_blocks)
+    if args.policy != "vllm":
         kw["alloc_unit"] = args.block_size  # contiguous chunks must map onto the cache's blocks
     sched = make_scheduler(args.policy, runner.num_gpu_blocks, args.block_size, **kw)
     sched.max_model_len = cfg.max_position

@@ -54,6 +54,22 @@ POLICIES: dict[str, Callable[..., Scheduler]] = {
 }
 
 
+def scheduler_options(policy: str, max_num_seqs: int, max_num_batched_tokens: int, preemption: str = "recompute",
+                      chunked_prefill: bool = False, prefix_caching: bool = False,
+                      num_cpu_blocks: int = 0) -> dict[str, Any]:
+    """The keyword set `make_scheduler` takes for `policy`, from the options a run offers (the
+    simulator's and the live engine's). Paged-only options set for a contiguous policy raise;
+    the swap space (a capacity, not a choice) is simply not passed to one."""
+    kw: dict[str, Any] = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                          "preemption": preemption, "chunked_prefill": chunked_prefill,
+                          "prefix_caching": prefix_caching}
+    if policy == "vllm":
+        kw["num_cpu_blocks"] = num_cpu_blocks
+    else:
+        _only(kw, policy)  # raises on a paged-only option that is on
+    return kw
+
+
 def make_scheduler(name: str, num_blocks: int, block_size: int = 16, **kw: Any) -> Scheduler:
     """Create a policy by name over a KV cache of `num_blocks` blocks of `block_size` tokens."""
     if name not in POLICIES:

@@ -15,7 +15,7 @@ import pandas as pd
 import simpy
 
 from policies.metrics import request_frame, summarize
-from policies.registry import make_scheduler
+from policies.registry import make_scheduler, scheduler_options
 from policies.request import Request, SamplingParams
 from sim.cost_model import CostModel, RooflineCostModel
 from sim.engine import ArrivalFeed, Replica, arrival_process, engine_process
@@ -103,13 +103,8 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
     t0 = time.perf_counter()
     model = get_model(cfg.model)
     gpu_blocks, cpu_blocks = num_blocks_for(cfg)
-    kw: dict[str, Any] = {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens}
-    if cfg.policy == "vllm":
-        kw.update(preemption=cfg.preemption, chunked_prefill=cfg.chunked_prefill,
-                  prefix_caching=cfg.prefix_caching, num_cpu_blocks=cpu_blocks)
-    elif cfg.chunked_prefill or cfg.prefix_caching or cfg.preemption != "recompute":
-        raise ValueError(f"--chunked-prefill, --prefix-caching and --preemption apply to the vllm policy only, "
-                         f"not {cfg.policy!r}")
+    kw = scheduler_options(cfg.policy, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.preemption,
+                           cfg.chunked_prefill, cfg.prefix_caching, cpu_blocks)
     sched = make_scheduler(cfg.policy, gpu_blocks, cfg.block_size, **kw)
     sched.max_model_len = model.max_position
     cost = cost_model or build_cost_model(cfg)
