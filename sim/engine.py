@@ -4,8 +4,9 @@ loop of DESIGN.md with a scheduler from policies/ and a simulated executor.
     arrivals ──> scheduler.waiting ──> engine: plan -> execute (cost model) -> on_step_done
 
 When nothing can change for the next k iterations (pure decodes, no arrival that could be admitted,
-no finish, no memory pressure), the engine skips ahead k iterations at once; the result is the same
-as stepping them one by one (tests/test_sim_engine.py checks this).
+no finish, no memory pressure), the engine skips ahead k iterations at once, and through the
+iteration after them too when that one runs out of blocks (it preempts, so it admits nothing); the
+result is the same, bit for bit, as stepping them one by one (tests/test_sim.py checks this).
 """
 
 from __future__ import annotations
