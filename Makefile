@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 SIM_OK  := $(VENV)/.sim-installed
 FULL_OK := $(VENV)/.full-installed
 
-.PHONY: setup setup-sim demo test bench lint clean
+.PHONY: setup setup-sim demo test bench lint gpu-wheels clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,6 +37,12 @@ bench: $(FULL_OK)
 
 lint: $(FULL_OK)
 	$(BIN)/ruff check .
+
+# Pure-Python packages the GPU machine's image lacks, as wheels for benchmarks/gpu_check.sh (carry .whl).
+gpu-wheels: $(FULL_OK)
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
+		simpy==$$($(BIN)/python -c "import importlib.metadata as m; print(m.version('simpy'))") \
+		gguf==$$($(BIN)/python -c "import importlib.metadata as m; print(m.version('gguf'))")
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -6,6 +6,9 @@
 #   3. run the attention benchmark (Triton paged decode vs SDPA, Llama-3-8B shapes; the CPU table too).
 # Everything is written under $OUT (default: out/gpu_check): env.txt, pip.txt, pytest.txt, junit.xml,
 # bench_attention.txt, bench_attention.json. Exit status: the first failing step's, else 0.
+# The device image lacks simpy and gguf (pure-Python wheels): `make gpu-wheels` downloads them into
+# .whl/ here; pass `carry: [".whl"]` to the device run and this script installs them first. The
+# SmolLM2 GGUF is too large to carry, so the tests that need it skip there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
@@ -20,6 +23,11 @@ status=0
   "$PY" -c "import sys, torch, triton; print(sys.version); print('torch', torch.__version__, 'triton', triton.__version__); print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NO CUDA')"
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >"$OUT/wheels.txt" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 if ! timeout 120 "$PY" -m pip install --no-deps --no-build-isolation --no-index -q -e . >"$OUT/pip.txt" 2>&1; then
   echo "pip install -e . failed (see pip.txt); using PYTHONPATH instead" | tee -a "$OUT/pip.txt"
