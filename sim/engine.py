@@ -154,24 +154,22 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
             "kv_internal_frag": cols["kv_internal_frag"], "kv_free": cols["kv_free"],
             "prefix_hits": np.full(k, sched.bm.prefix_hits),
         })
-    end = float(ends[-1]) if k else start
+    end_times, step_times = ends.tolist(), durations.tolist()
     if exhausts:  # stepping would schedule this one: it preempts, so nothing else can happen in it
         comp, preempted = sched.exhaustion_step()
         duration = ex.price(comp)
         if comp.num_decode_seqs:  # else the plan was empty: no iteration, no time (as engine_process)
-            step_start, end = end, end + duration
+            step_start = end_times[-1] if k else start
+            end = step_start + duration
             sched.finish_plain(horizon.remaining, k + 1, end)
             waiting = len(sched.waiting) + int(feed.arrived_by(np.array([end]))[0]) - feed.next_index
             replica.log.add(step_start, duration, comp, preempted, waiting, len(sched.running), sched.memory(),
                             sched.bm.prefix_hits)
+            end_times.append(end)
+            step_times.append(duration)
             k += 1
             replica.exhaustions += 1
-    delay = end - start
-    while start + delay < end:  # land on the exact same float as stepping would
-        delay = math.nextafter(delay, math.inf)
-    while start + delay > end:
-        delay = math.nextafter(delay, -math.inf)
-    yield env.timeout(delay)
+    yield from _advance(env, start, end_times, step_times)
     if replica.debug:
         sched.settle()  # the sequences' own counters are owed until read (see fast_forward)
         _check(sched)
@@ -180,6 +178,27 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
     if replica.on_progress is not None:
         replica.on_progress(env.now, len(sched.done))
     return True
+
+
+def _advance(env: simpy.Environment, start: float, end_times: list[float], step_times: list[float]):
+    """Move the clock from `start` over the skipped iterations to exactly the time stepping would
+    reach: end_times[i] = end_times[i - 1] + step_times[i] (from `start`). One timeout usually
+    lands there; when float rounding makes that sum unreachable from `start` in one addition, land
+    on an earlier iteration's end and step the last ones."""
+    for j in range(len(end_times) - 1, max(len(end_times) - 9, -1), -1):
+        target = end_times[j]
+        delay = target - start
+        while start + delay < target:
+            delay = math.nextafter(delay, math.inf)
+        while start + delay > target:
+            delay = math.nextafter(delay, -math.inf)
+        if start + delay == target:
+            yield env.timeout(delay)
+            for d in step_times[j + 1:]:
+                yield env.timeout(d)
+            return
+    for d in step_times:
+        yield env.timeout(d)
 
 
 def _log_step(replica: Replica, start: float, duration: float, c: StepComposition, preempted: int) -> None:

@@ -8,11 +8,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import simpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagesim.cli import main as cli_main
 from sim.cost_model import ConstantCostModel
+from sim.engine import _advance
 from sim.run import SimConfig, run_simulation
 from traces import resolve_trace
 from traces.trace import Trace
@@ -80,14 +82,15 @@ def test_skip_ahead_equals_stepping_across_block_sizes(block_size, seed):
 @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(block_size=st.sampled_from([1, 2, 16, 32]), tokens_in_cache=st.integers(1500, 6000),
        preemption=st.sampled_from(["recompute", "swap"]), rate=st.sampled_from([1.0, 20.0, 200.0]),
-       max_num_seqs=st.sampled_from([4, 64, 256]), chunked=st.booleans(), n=st.sampled_from([1, 1, 2]),
-       seed=st.integers(0, 2**16))
+       max_num_seqs=st.sampled_from([4, 64, 256]), chunked=st.booleans(),
+       width=st.sampled_from([(1, 1), (1, 1), (2, 1), (1, 3)]), seed=st.integers(0, 2**16))
 def test_skip_ahead_equals_stepping_property(block_size, tokens_in_cache, preemption, rate, max_num_seqs,
-                                             chunked, n, seed):
+                                             chunked, width, seed):
+    n, beam_width = width
     tr = resolve_trace("sharegpt-like", num_requests=30, rate=rate, seed=seed)
     cfg = SimConfig(num_gpu_blocks=tokens_in_cache // block_size, block_size=block_size, preemption=preemption,
                     max_num_seqs=max_num_seqs, chunked_prefill=chunked,
-                    max_num_batched_tokens=512 if chunked else 4096, n=n, seed=seed)
+                    max_num_batched_tokens=512 if chunked else 4096, n=n, beam_width=beam_width, seed=seed)
     a, b = _both(cfg, tr)
     pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
     pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
@@ -100,6 +103,20 @@ def test_debug_checks_hold_after_every_window(preemption):
     res = run_simulation(SimConfig(num_gpu_blocks=300, preemption=preemption, debug=True), tr)
     assert res.summary["engine"]["preempting_in_windows"] > 0
     assert res.summary["num_finished"] == 120
+
+
+def test_skip_ahead_lands_on_stepping_clock_when_one_addition_cannot():
+    # from 3.8095823315433313 no single float delay reaches 11.938362185022426 (round-half-even
+    # skips it); the window must still end exactly where stepping's additions do
+    tr = resolve_trace("sharegpt-like", num_requests=30, rate=200.0, seed=1)
+    a, b = _both(SimConfig(num_gpu_blocks=2194, block_size=1, max_num_seqs=4), tr)
+    pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
+    pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
+    env = simpy.Environment(initial_time=3.8095823315433313)
+    t1, d2 = 11.912270694552973, 0.02609149046945337  # t1 + d2 == 11.938362185022426
+    env.process(_advance(env, env.now, [t1, t1 + d2], [t1 - env.now, d2]))
+    env.run()
+    assert env.now == 11.938362185022426
 
 
 def test_skip_ahead_equals_stepping_with_prefix_caching():
