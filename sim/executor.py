@@ -7,7 +7,8 @@ Decoding rules (seeded, documented here because they shape memory sharing):
   trace's length L; every other sample i draws its length as round(L * exp(0.5 * z_i)),
   z_i ~ N(0, 1), clipped to [min(2, L), L]: samples of one prompt vary below the observed length,
   which is the longest (so oracle reservations and rejection bounds hold), and a forked sample,
-  born holding one token, samples at least once more.
+  born holding one token, samples at least once more. With a one-token output (L = 1) every sample
+  ends at its first token, so nothing forks (a child would be born finished).
 - Beam search (width k): all beams end at the trace's length (as with ignore_eos). At every step the
   k new beams pick their parents among the current beams in rank order with probability
   proportional to 2^-rank (the best beams are extended most often, as in real beam search); a
@@ -66,9 +67,9 @@ class SimulatedExecutor:
                     self._beam_step(group, result)
             else:
                 out = SeqOutcome(ss.seq_id)
-                if seq.output_len == 0 and len(group.seqs) == 1 and not group.finished_seqs:
-                    out.children = [None] * (sp.n - 1)
                 out.finished = seq.output_len + 1 >= self.target(seq)
+                if seq.output_len == 0 and len(group.seqs) == 1 and not group.finished_seqs and not out.finished:
+                    out.children = [None] * (sp.n - 1)
                 outcomes[ss.seq_id] = out
         return result
 

@@ -198,6 +198,14 @@ def test_parallel_sampling_and_beam_search_run_and_share(kw):
     assert res.iterations.decode_tokens.max() >= width
 
 
+def test_parallel_samples_never_outgrow_the_trace_length():
+    # n = 3: forked samples are no longer than the trace's output, one-token outputs included
+    tr = trace_of([0.0, 0.0, 0.1], [12, 30, 7], [1, 2, 40])
+    res = run_simulation(SimConfig(num_gpu_blocks=200, n=3), tr)
+    assert res.requests.output_len.tolist() == [1, 2, 40]
+    assert (res.requests.status == "finished").all()
+
+
 def test_same_seed_same_numbers():
     tr = resolve_trace("sharegpt-like", num_requests=100, rate=4.0, seed=9)
     a = run_simulation(SimConfig(n=2, seed=4), tr)
