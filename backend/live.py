@@ -132,7 +132,7 @@ class LiveExecutor:
             seq = seqs[sid]
             toks = tokens[pos:pos + k]
             out = SeqOutcome(sid, toks[0], True, toks[1:], self._finished(seq, toks[0]),
-                             seq.cum_logprob + logp[pos])
+                             seq.cum_logprob + logp[pos], [self._finished(seq, t) for t in toks[1:]])
             result.outcomes[sid] = out
             pos += k
 

@@ -103,7 +103,8 @@ class SeqOutcome:
     """What one sampling sequence produced. `children` is used by parallel sampling and beam
     search: each entry (token) is a new sequence forked from this one that continues with that
     token; `token` continues this sequence itself (None when this sequence is dropped, as a pruned
-    beam). Token ids are None in simulation."""
+    beam). Token ids are None in simulation. `children_finished[j]` says child j ends with the
+    token it is born with (its output limit is one token, or that token is EOS)."""
 
     seq_id: int
     token: int | None = None
@@ -111,6 +112,7 @@ class SeqOutcome:
     children: list[int | None] | tuple[int | None, ...] = ()  # a tuple default: no list per outcome
     finished: bool = False
     logprob: float = 0.0
+    children_finished: list[bool] | tuple[bool, ...] = ()
 
 
 @dataclass

@@ -178,14 +178,16 @@ class Scheduler(ABC):
                     ended[seq.group.group_id] = seq.group
                     self._finish_seq(seq, keep_record=False)
         for seq, out in zip(sampled, sampled_outs):
-            token, children = out.token, out.children
+            token, children, finished, born_done = out.token, out.children, out.finished, out.children_finished
             if not out.keep:
                 if not children:
                     continue
                 token, children = children[0], children[1:]
+                if born_done:
+                    finished, born_done = born_done[0], born_done[1:]
             if children:
                 group = seq.group
-                for tok in children:
+                for j, tok in enumerate(children):
                     child = Sequence(next(self._seq_ids), group, seq.prompt_len, seq.target_len,
                                      None if seq.token_ids is None else list(seq.token_ids), seq.output_len)
                     child.num_computed = seq.num_computed
@@ -195,11 +197,14 @@ class Scheduler(ABC):
                     child.append(tok)
                     group.seqs.append(child)
                     seqs[child.seq_id] = child
+                    if j < len(born_done) and born_done[j]:  # its first token was its last
+                        ended[group.group_id] = group
+                        self._finish_seq(child, keep_record=True)
             seq.output_len += 1  # Sequence.append, inlined on the hot path
             if seq.token_ids is not None:
                 seq.token_ids.append(-1 if token is None else token)
             seq.cum_logprob = out.logprob
-            if out.finished:
+            if finished:
                 ended[seq.group.group_id] = seq.group
                 self._finish_seq(seq, keep_record=True)
         finished = []

@@ -8,7 +8,7 @@ Decoding rules (seeded, documented here because they shape memory sharing):
   z_i ~ N(0, 1), clipped to [min(2, L), L]: samples of one prompt vary below the observed length,
   which is the longest (so oracle reservations and rejection bounds hold), and a forked sample,
   born holding one token, samples at least once more. With a one-token output (L = 1) every sample
-  ends at its first token, so nothing forks (a child would be born finished).
+  ends with its first token: the children are born finished.
 - Beam search (width k): all beams end at the trace's length (as with ignore_eos). At every step the
   k new beams pick their parents among the current beams in rank order with probability
   proportional to 2^-rank (the best beams are extended most often, as in real beam search); a
@@ -68,8 +68,10 @@ class SimulatedExecutor:
             else:
                 out = SeqOutcome(ss.seq_id)
                 out.finished = seq.output_len + 1 >= self.target(seq)
-                if seq.output_len == 0 and len(group.seqs) == 1 and not group.finished_seqs and not out.finished:
+                if seq.output_len == 0 and len(group.seqs) == 1 and not group.finished_seqs:
                     out.children = [None] * (sp.n - 1)
+                    if out.finished:  # a one-token output: every sample ends with its first token
+                        out.children_finished = (True,) * (sp.n - 1)
                 outcomes[ss.seq_id] = out
         return result
 

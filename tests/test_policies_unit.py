@@ -770,6 +770,22 @@ def test_a_dropped_parent_with_children_continues_as_its_first_child():
         s.check_conservation()
 
 
+def test_children_born_finished_end_at_once_and_free_their_blocks():
+    # n = 3 with a one-token limit: the first step samples three tokens, and all three samples end
+    for name in ("vllm", "orca-max"):
+        s = make_scheduler(name, 32, 4)
+        g = s.add_request(req(0, 6, 1, n=3))
+        plan = s.schedule(0.0)
+        (sid,) = [x.seq_id for x in plan.seqs]
+        out = SeqOutcome(sid, 5, children=[6, 7], finished=True, children_finished=[True, True])
+        done = s.on_step_done(plan, StepResult(1.0, {sid: out}), 1.0)
+        assert done == [g] and not g.seqs and sorted(x.output_len for x in g.finished_seqs) == [1, 1, 1]
+        assert not s.has_unfinished()
+        s.check_conservation()
+        if name == "vllm":
+            s.bm.assert_empty()
+
+
 def test_plan_composition():
     plan = StepPlan(seqs=[ScheduledSeq(0, 0, 0, 10, [], True), ScheduledSeq(1, 1, 4, 4, [], False),
                           ScheduledSeq(2, 2, 20, 1, [], True)], copies=[(1, 2)], swap_in=[(0, 3)])

@@ -96,6 +96,13 @@ def test_parallel_sampling_is_seeded_and_shares_the_prompt(smollm2):
     assert a == b and len(a[0]) == 3 and all(len(o) == 5 for o in a[0])
 
 
+def test_parallel_samples_with_a_one_token_limit_stop_at_one(smollm2):
+    sp = SamplingParams(max_tokens=1, n=3, temperature=1.0, ignore_eos=True)
+    outs, sched, _ = run(smollm2, [PROMPTS[0]], sampling=sp)
+    assert len(outs[0]) == 3 and all(len(o) == 1 for o in outs[0])
+    sched.bm.assert_empty()
+
+
 def test_synthetic_prompt_ids_follow_prefix_hashes():
     a = Request(0, 0.0, 40, prefix_hashes=(11, 12, 13), hash_block_size=16)
     b = Request(1, 0.0, 40, prefix_hashes=(11, 12, 99), hash_block_size=16)
