@@ -58,8 +58,10 @@ class ToyExecutor:
                 continue
             done = seq.output_len + 1 >= seq.target_len
             out = SeqOutcome(ss.seq_id, self._tok(), finished=done)
-            if sp.n > 1 and seq.output_len == 0 and len(group.seqs) == 1 and not done:
+            if sp.n > 1 and seq.output_len == 0 and len(group.seqs) == 1 and not group.finished_seqs:
                 out.children = [self._tok() for _ in range(sp.n - 1)]
+                if done:  # a one-token output: the samples are born finished
+                    out.children_finished = [True] * (sp.n - 1)
             result.outcomes[ss.seq_id] = out
         for ids in beams.values():
             self._beam_step(ids, result)
