@@ -135,6 +135,22 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--out", required=True)
     sw.set_defaults(func=cmd_sweep)
 
+    sh = sub.add_parser("sharing", help="memory saved by block sharing under parallel sampling and beam search",
+                        description="The vLLM paper's Figure 15 measure: blocks saved by sharing / blocks "
+                                    "without sharing, time-averaged, for each width and rate (policy vllm).")
+    sh.add_argument("--trace", default="alpaca-like")
+    sh.add_argument("--trace-format", choices=KNOWN_FORMATS)
+    sh.add_argument("--num-requests", type=int, default=1000)
+    sh.add_argument("--rates", type=float, nargs="+", default=[10.0], help="request rates, req/s (default 10)")
+    sh.add_argument("--n", type=int, nargs="*", default=[2, 4, 6], help="parallel sampling widths (default 2 4 6)")
+    sh.add_argument("--beam-width", type=int, nargs="*", default=[2, 4, 6], help="beam widths (default 2 4 6)")
+    sh.add_argument("--model", default="opt-13b")
+    sh.add_argument("--hardware", default="a100-40gb")
+    sh.add_argument("--block-size", type=int, default=16)
+    sh.add_argument("--seed", type=int, default=0)
+    sh.add_argument("--out", help="write sharing.csv here")
+    sh.set_defaults(func=cmd_sharing)
+
     add_trace_parser(sub)
     return parser
 
@@ -214,6 +230,36 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(f"\nhighest swept rate with mean normalized latency <= {args.latency_limit} s/token: "
           + ", ".join(f"{p} {r:g}" for p, r in best.items()))
     print(f"wrote {out}/sweep.csv, latency_vs_rate.png, memory_breakdown.png")
+    return 0
+
+
+def cmd_sharing(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from analysis.sharing import sharing_table
+    from sim.run import SimConfig
+    from traces import resolve_trace
+
+    widths = [("n", k) for k in args.n] + [("beam", k) for k in args.beam_width]
+    if not widths or any(k < 2 for _, k in widths):
+        raise ValueError("--n and --beam-width take widths >= 2 (at least one in all)")
+    trace = resolve_trace(args.trace, num_requests=args.num_requests, format=args.trace_format, seed=args.seed,
+                          rate=args.rates[0])
+    base = SimConfig(model=args.model, hardware=args.hardware, block_size=args.block_size, seed=args.seed)
+    print(f"sharing: {len(trace)} requests of {trace.name}, {args.model} on {args.hardware}, block size "
+          f"{args.block_size}")
+    print(f"{'decoding':<18} {'width':>5} {'rate':>6} {'saving':>7} {'req/s':>7} {'norm lat':>9} {'preempt':>8}")
+
+    def show(r: dict) -> None:
+        print(f"{r['decoding']:<18} {r['width']:>5} {r['rate']:>6.2f} {r['saving']:>7.1%} {r['throughput']:>7.3f} "
+              f"{r['mean_normalized_latency']:>9.4f} {r['preemptions']:>8}", flush=True)
+
+    table = sharing_table(trace, base, args.rates, widths, on_row=show)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        table.to_csv(out / "sharing.csv", index=False)
+        print(f"wrote {out}/sharing.csv")
     return 0
 
 

@@ -53,11 +53,14 @@ class Replica:
 
     def __init__(self, env: simpy.Environment, scheduler: Scheduler, executor: SimulatedExecutor,
                  fast_forward: bool = True, debug: bool = False,
-                 on_progress: Callable[[float, int], None] | None = None) -> None:
+                 on_progress: Callable[[float, int], None] | None = None,
+                 observer: Callable[[float, float, Scheduler], None] | None = None) -> None:
         self.env = env
         self.scheduler = scheduler
         self.executor = executor
-        self.fast_forward = fast_forward and isinstance(scheduler, VllmScheduler)
+        # an observer sees every iteration (start, duration, scheduler after it), so nothing is skipped
+        self.observer = observer
+        self.fast_forward = fast_forward and isinstance(scheduler, VllmScheduler) and observer is None
         self.debug = debug
         self.log = IterationLog()
         self.wakeup = env.event()
@@ -115,6 +118,8 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
         sched.on_step_done(plan, result, env.now)
         replica.stepped += 1
         _log_step(replica, start, result.duration, comp, len(plan.preempted))
+        if replica.observer is not None:
+            replica.observer(start, result.duration, sched)
         if replica.debug:
             _check(sched)
         if replica.on_progress is not None:

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ import simpy
 from policies.metrics import request_frame, summarize
 from policies.registry import make_scheduler, scheduler_options
 from policies.request import Request, SamplingParams
+from policies.scheduler import Scheduler
 from sim.cost_model import CostModel, RooflineCostModel
 from sim.engine import ArrivalFeed, Replica, arrival_process, engine_process
 from sim.executor import SimulatedExecutor
@@ -98,8 +100,11 @@ def num_blocks_for(cfg: SimConfig) -> tuple[int, int]:
 
 
 def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = None,
-                   progress: bool = False) -> SimResult:
-    """Simulate the trace under the configuration; every request appears in the result."""
+                   progress: bool = False,
+                   observer: Callable[[float, float, Scheduler], None] | None = None) -> SimResult:
+    """Simulate the trace under the configuration; every request appears in the result.
+    `observer(start, duration, scheduler)` is called after every iteration (which turns skipping
+    ahead off: each iteration is stepped so that it can be seen)."""
     t0 = time.perf_counter()
     model = get_model(cfg.model)
     gpu_blocks, cpu_blocks = num_blocks_for(cfg)
@@ -114,7 +119,8 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
         feed = ArrivalFeed(requests_from_trace(trace, model.max_position, cfg.n, cfg.beam_width))
         bar = _progress_bar(len(feed.requests)) if progress else None
         replica = Replica(env, sched, executor, cfg.fast_forward, cfg.debug,
-                          on_progress=(lambda now, done: _tick(bar, now, done)) if bar else None)
+                          on_progress=(lambda now, done: _tick(bar, now, done)) if bar else None,
+                          observer=observer)
         env.process(arrival_process(env, feed, replica))
         env.process(engine_process(env, replica, feed))
         env.run()

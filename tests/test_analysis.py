@@ -36,3 +36,33 @@ def test_summary_table_side_by_side():
     s = {"num_finished": 10, "request_throughput": 1.5, "ttft": {"mean": 0.1, "p90": 0.2}}
     text = summary_table({"vllm": s, "orca": {**s, "request_throughput": 0.5}})
     assert "1.500" in text and "0.500" in text and "0.100 / 0.200" in text
+
+
+def test_sharing_meter_counts_shared_blocks_once():
+    # a prompt of two full blocks forked into two samples: 4 table entries, 2 physical blocks
+    from analysis.sharing import SharingMeter
+    from policies import Request, SamplingParams
+    from policies.plan import SeqOutcome, StepResult
+    from policies.vllm_scheduler import VllmScheduler
+
+    s = VllmScheduler(num_gpu_blocks=10, block_size=4, watermark=0.0)
+    s.add_request(Request(0, 0.0, 8, SamplingParams(max_tokens=5, n=2), output_len=5))
+    plan = s.schedule(0.0)
+    (sid,) = [x.seq_id for x in plan.seqs]
+    s.on_step_done(plan, StepResult(1.0, {sid: SeqOutcome(sid, 1, children=[2])}), 1.0)
+    meter = SharingMeter()
+    meter(1.0, 2.0, s)
+    assert (meter.logical, meter.physical) == (8.0, 4.0) and meter.saving == 0.5
+
+
+def test_sharing_cli_reports_savings(tmp_path, capsys):
+    out = tmp_path / "sh"
+    code = cli_main(["sharing", "--num-requests", "60", "--rates", "5", "--n", "1", "2", "--beam-width", "3",
+                     "--out", str(out)])
+    assert code == 2  # a width of 1 is not sharing
+    assert "widths >= 2" in capsys.readouterr().err
+    code = cli_main(["sharing", "--num-requests", "60", "--rates", "5", "--n", "2", "--beam-width", "3",
+                     "--out", str(out)])
+    assert code == 0
+    t = pd.read_csv(out / "sharing.csv").set_index("decoding")
+    assert 0 < t.saving["parallel sampling"] < t.saving["beam search"] < 1

@@ -1,0 +1,74 @@
+"""Memory saved by block sharing (the vLLM paper's Figure 15 measure): with parallel sampling or
+beam search, the sequences of a request share their prompt blocks (and beams share prefixes of
+their outputs) instead of each holding a copy.
+
+    saving = (blocks the running sequences would hold without sharing - blocks they hold)
+             / blocks they would hold without sharing
+
+integrated over time (each iteration weighted by its duration). Blocks "without sharing" are the
+entries of every block table (each sequence's own copy); blocks held are the physical blocks in use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pandas as pd
+
+from policies.scheduler import Scheduler
+from policies.vllm_scheduler import VllmScheduler
+from sim.run import SimConfig, run_simulation
+from traces import apply_arrivals
+from traces.trace import Trace
+
+
+@dataclass
+class SharingMeter:
+    """An observer for run_simulation: accumulates logical (per-sequence) and physical block-seconds."""
+
+    logical: float = 0.0
+    physical: float = 0.0
+
+    def __call__(self, start: float, duration: float, sched: Scheduler) -> None:
+        if not isinstance(sched, VllmScheduler):
+            raise TypeError("sharing is measured on the paged block manager (policy 'vllm')")
+        bm = sched.bm
+        self.logical += duration * sum(len(t) for t in bm.tables.values())
+        self.physical += duration * (bm.num_gpu_blocks - bm.num_free_blocks)
+
+    @property
+    def saving(self) -> float:
+        return 1.0 - self.physical / self.logical if self.logical else 0.0
+
+
+def sharing_saving(trace: Trace, cfg: SimConfig) -> tuple[float, dict]:
+    """(memory saving by sharing, the run's summary) for one configuration (policy vllm, no prefix
+    caching: only sharing within a request is counted)."""
+    if cfg.policy != "vllm" or cfg.prefix_caching:
+        raise ValueError("sharing saving is measured for policy 'vllm' without prefix caching")
+    meter = SharingMeter()
+    res = run_simulation(cfg, trace, observer=meter)
+    return meter.saving, res.summary
+
+
+def sharing_table(trace: Trace, base: SimConfig, rates: Sequence[float], widths: Sequence[tuple[str, int]],
+                  on_row=None) -> pd.DataFrame:
+    """One row per (decoding, width, rate): the saving and the run's headline numbers. `widths` are
+    ("n", k) for parallel sampling or ("beam", k) for beam search."""
+    rows = []
+    for rate in rates:
+        timed = apply_arrivals(trace, rate=rate, seed=base.seed)
+        for kind, k in widths:
+            cfg = dataclasses.replace(base, policy="vllm", n=k if kind == "n" else 1,
+                                      beam_width=k if kind == "beam" else 1)
+            saving, s = sharing_saving(timed, cfg)
+            row = {"decoding": "parallel sampling" if kind == "n" else "beam search", "width": k, "rate": rate,
+                   "saving": saving, "throughput": s["request_throughput"],
+                   "mean_normalized_latency": s["mean_normalized_latency"], "preemptions": s["num_preemptions"],
+                   "mean_batched_seqs": s["mean_batched_seqs"]}
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+    return pd.DataFrame(rows)
