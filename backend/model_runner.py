@@ -19,7 +19,7 @@ from backend.attention import AttentionMetadata, get_attention
 from backend.config import ModelConfig
 from backend.kv_cache import PagedKVCache
 from backend.models import build_model
-from backend.models.layers import ForwardContext
+from backend.models.layers import ForwardContext, prepack_linears
 
 
 class SeqInput(NamedTuple):
@@ -54,11 +54,15 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None, num_gpu_blocks: int | None = 256, num_cpu_blocks: int = 0,
                  block_size: int = 16, attention: str | None = None,
-                 memory_budget: float | None = None) -> None:
+                 memory_budget: float | None = None, prepack: bool | None = None) -> None:
         self.config, self.device = config, torch.device(device)
         self.dtype = dtype or default_dtype(self.device)
         self.block_size = block_size
         self.model = self._load(config, weights)
+        if prepack is None:  # oneDNN-prepacked linears on CPU float32 (see prepack_linears)
+            prepack = self.device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+        if prepack:
+            prepack_linears(self.model)
         if num_gpu_blocks is None and memory_budget is None:
             memory_budget = 0.9 if self.device.type == "cuda" else 1 << 30
         self.kv_cache = PagedKVCache.for_model(

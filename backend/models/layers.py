@@ -6,6 +6,7 @@ Activations are flat: [T, hidden] for T tokens from several sequences.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -89,6 +90,32 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+@torch.no_grad()
+def prepack_linears(model: nn.Module) -> nn.Module:
+    """CPU float32: swap every nn.Linear for oneDNN's prepacked one (torch.utils.mkldnn), which streams
+    weights from memory faster at serving batch sizes (benchmarks/profile_live_step.py); a tied head
+    gets its own prepacked copy of the embedding. Results differ from the dense path only by
+    float rounding (accumulation order)."""
+    if getattr(model, "lm_head", False) is None:  # tied: the head reads the embedding
+        emb = model.embed_tokens.weight
+        head = nn.Linear(emb.shape[1], emb.shape[0], bias=False)
+        head.weight.copy_(emb)
+        model.lm_head = head
+
+    def swap(mod: nn.Module) -> None:
+        for name, child in mod.named_children():
+            if isinstance(child, nn.Linear):
+                setattr(mod, name, mkldnn.to_mkldnn(child))
+            else:
+                swap(child)
+
+    with warnings.catch_warnings():  # its modules are TorchScript ones, which torch now calls deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torch.utils import mkldnn
+        swap(model)
+    return model
 
 
 class WeightReader:

@@ -78,8 +78,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
         x = self.norm(x[ctx.meta.sample_rows])
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head)
+        return F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

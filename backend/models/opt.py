@@ -61,8 +61,7 @@ class OPTForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx)
         x = self.final_layer_norm(x[ctx.meta.sample_rows])
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head)
+        return F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

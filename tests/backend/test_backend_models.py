@@ -195,3 +195,12 @@ def test_half_precision_runner_on_cpu_is_close():
     out = half.execute(batch)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, ref.execute(batch), atol=0.15, rtol=0.05)
+
+
+def test_prepacked_cpu_linears_match_the_dense_path(tiny):
+    config, weights, _ = tiny
+    dense, packed = _runner(config, weights, prepack=False), _runner(config, weights, prepack=True)
+    assert any(isinstance(m, torch.nn.Linear) for m in dense.model.modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.model.modules())  # all prepacked, head too
+    batch = Batch([SeqInput(p, 0, t) for p, t in zip(PROMPTS, _tables(3))])
+    torch.testing.assert_close(packed.execute(batch), dense.execute(batch), atol=1e-4, rtol=1e-4)
