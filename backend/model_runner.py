@@ -9,6 +9,7 @@ all sequences' tokens flattened together, and returns float32 logits for the sam
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -60,8 +61,13 @@ class ModelRunner:
         self.block_size = block_size
         self.model = self._load(config, weights)
         if prepack is None:  # oneDNN-prepacked linears on CPU float32 (see prepack_linears)
-            prepack = self.device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-        if prepack:
+            cpu32 = self.device.type == "cpu" and self.dtype == torch.float32
+            if cpu32 and torch.backends.mkldnn.is_available():
+                try:
+                    prepack_linears(self.model)
+                except (ImportError, AttributeError, RuntimeError) as exc:  # a torch without it: stay dense
+                    warnings.warn(f"prepacked linears unavailable ({exc}); using dense ones", stacklevel=2)
+        elif prepack:
             prepack_linears(self.model)
         if num_gpu_blocks is None and memory_budget is None:
             memory_budget = 0.9 if self.device.type == "cuda" else 1 << 30
