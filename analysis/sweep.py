@@ -12,17 +12,21 @@ from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
 
+PAGED_ONLY = {"preemption": "recompute", "chunked_prefill": False, "prefix_caching": False}
+
 
 def sweep(trace: Trace, base: SimConfig, policies: Sequence[str], rates: Sequence[float],
           on_result: Callable[[dict], None] | None = None) -> tuple[pd.DataFrame, dict]:
     """Simulate every (policy, rate). The same lengths are used at every rate; arrivals are
-    Poisson at the rate with the config's seed. Returns (one row per run, the memory breakdown of
-    each policy's run at the highest rate)."""
+    Poisson at the rate with the config's seed. The base config's paged-only options (preemption
+    mode, chunked prefill, prefix caching) apply to the vllm runs; the contiguous baselines run
+    without them. Returns (one row per run, the memory breakdown of each policy's run at the
+    highest rate)."""
     rows, memory = [], {}
     for rate in rates:
         timed = apply_arrivals(trace, rate=rate, seed=base.seed)  # Poisson, or a timestamped trace rescaled
         for policy in policies:
-            cfg = dataclasses.replace(base, policy=policy)
+            cfg = dataclasses.replace(base, policy=policy, **({} if policy == "vllm" else PAGED_ONLY))
             res = run_simulation(cfg, timed)
             s = res.summary
             row = {"policy": policy, "rate": rate, "throughput": s["request_throughput"],

@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--max-num-batched-tokens", type=int, default=4096)
     sw.add_argument("--n", type=int)
     sw.add_argument("--beam-width", type=int)
+    paged = sw.add_argument_group("vllm options (the contiguous baselines run without them)")
+    paged.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
+    paged.add_argument("--chunked-prefill", action="store_true")
+    paged.add_argument("--prefix-caching", action="store_true")
     sw.add_argument("--seed", type=int, default=0)
     sw.add_argument("--latency-limit", type=float, default=1.0,
                     help="normalized latency (s/token) for the max-sustainable-rate line (default 1.0)")
@@ -211,8 +215,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                           rate=args.rates[0])  # each rate re-draws (or rescales) the arrivals
     base = SimConfig(model=args.model, hardware=args.hardware, tp=args.tp, block_size=args.block_size,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                     n=args.n, beam_width=args.beam_width, seed=args.seed)
+                     n=args.n, beam_width=args.beam_width, seed=args.seed, preemption=args.preemption,
+                     chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching)
     print(f"sweep: {len(trace)} requests of {trace.name}, {args.model} on {args.hardware}")
+    vllm_opts = [o for o, on in (("--chunked-prefill", args.chunked_prefill), ("--prefix-caching", args.prefix_caching),
+                                 (f"--preemption {args.preemption}", args.preemption != "recompute")) if on]
+    if vllm_opts:
+        print(f"{' '.join(vllm_opts)}: vllm runs only")
     print(f"{'policy':<12} {'rate':>6} {'req/s':>7} {'norm lat':>9} {'p90 TTFT':>9} {'preempt':>8} {'wall s':>7}")
 
     def show(r: dict) -> None:

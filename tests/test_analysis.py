@@ -66,3 +66,12 @@ def test_sharing_cli_reports_savings(tmp_path, capsys):
     assert code == 0
     t = pd.read_csv(out / "sharing.csv").set_index("decoding")
     assert 0 < t.saving["parallel sampling"] < t.saving["beam search"] < 1
+
+
+def test_sweep_applies_vllm_options_to_vllm_runs_only(tmp_path, capsys):
+    code = cli_main(["sweep", "--num-requests", "40", "--rates", "2", "--policies", "vllm", "orca-max",
+                     "--chunked-prefill", "--prefix-caching", "--out", str(tmp_path / "sw")])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "--chunked-prefill --prefix-caching: vllm runs only" in out
+    assert len(pd.read_csv(tmp_path / "sw" / "sweep.csv")) == 2
