@@ -2,7 +2,8 @@
 output lengths. pagesim's engine (vllm policy, paged KV cache, iteration-level batching) against
 HF `generate()` on static, left-padded batches of the same requests (each batch decodes until its
 longest request is done, as static batching does). Both greedy with EOS ignored; throughput counts
-each request's own output tokens. Target: >= 2x.
+each request's own output tokens. Target: >= 2x. Each runs its CPU default: HF its dense linears,
+pagesim oneDNN-prepacked ones (`ModelRunner(prepack=False)` gives the dense path).
 
 Two length mixes: `sharegpt-like/4` (the project's synthetic ShareGPT-fitted lengths, a quarter of
 their size to fit a CPU: long-tailed, as real chat outputs are) and `uniform` (prompts 16-256,
