@@ -20,7 +20,7 @@ import numpy as np
 from policies.plan import StepComposition
 from sim.specs import HardwareSpec, ModelSpec, get_hardware, get_model
 
-ArrayLike = Any  # a float or a numpy array; the pricing maths is written once for both
+ArrayLike = Any  # a float or a numpy array
 
 
 class CostModel(ABC):
@@ -152,7 +152,10 @@ class RooflineCostModel(CostModel):
         self._logit_bytes = m.vocab_size * 4 / tp  # fp32 logits per sampled token
         self._allreduce_bytes = d * h * 2 * (tp - 1) / tp  # ring traffic per token per all-reduce
 
-    # --- the pricing maths, shared by step_time and decode_step_times --------------------------------
+    # --- the pricing maths, shared by step_time and the decode shortcut ----------------------------
+    # Each operator group is priced by one function taking floats or arrays, so the general path
+    # (_groups, floats) and the pure-decode path (_decode_time, floats or arrays) run the same IEEE
+    # operations and agree bit for bit.
 
     def _roof(self, flops: ArrayLike, nbytes: ArrayLike, peak: float, bw: float) -> ArrayLike:
         a, b = flops / peak, nbytes / bw
@@ -160,42 +163,44 @@ class RooflineCostModel(CostModel):
             return np.maximum(a, b)
         return max(a, b)  # plain floats: the same IEEE maths without numpy's per-call cost
 
-    def _groups(self, pf_seqs: ArrayLike, pf_tokens: ArrayLike, pf_pairs: ArrayLike, pf_ctx: ArrayLike,
-                dec_seqs: ArrayLike, dec_ctx: ArrayLike, swap_blocks: ArrayLike, copy_blocks: ArrayLike,
-                block_size: int) -> dict[str, ArrayLike]:
-        """Seconds per operator group; every argument may be a float or an array."""
+    def _linear(self, tokens: ArrayLike) -> ArrayLike:
+        return self._roof(2 * self._linear_params * tokens,
+                          self._linear_params * self.model.dtype_bytes + self._linear_act_bytes * tokens,
+                          self._flops, self._bw)
+
+    def _attention(self, pairs: ArrayLike, context: ArrayLike, tokens: ArrayLike) -> ArrayLike:
+        """Query-key pairs scored, cached tokens read, new tokens' q/k/v/o moved."""
+        return self._roof(self._attn_flops_per_pair * pairs,
+                          self._kv_bytes * context + self._qkvo_bytes * tokens,
+                          self._attn_flops, self._attn_bw)
+
+    def _lm_head(self, sampled: ArrayLike) -> ArrayLike:
+        return self._roof(2 * self._lm_params * sampled,
+                          self._lm_params * self.model.dtype_bytes + self._logit_bytes * sampled,
+                          self._flops, self._bw)
+
+    def _allreduce(self, tokens: ArrayLike) -> ArrayLike:
+        if self.tp == 1:
+            return 0.0 * tokens
+        return 2 * self.model.num_layers * (self.allreduce_latency_s + self._allreduce_bytes * tokens / self._ic_bw)
+
+    def _groups(self, pf_seqs: float, pf_tokens: float, pf_pairs: float, pf_ctx: float, dec_seqs: float,
+                dec_ctx: float, swap_blocks: float, copy_blocks: float, block_size: int) -> dict[str, float]:
+        """Seconds per operator group of one iteration."""
         tokens = pf_tokens + dec_seqs
         sampled = pf_seqs + dec_seqs
-        linear = self._roof(2 * self._linear_params * tokens,
-                            self._linear_params * self.model.dtype_bytes + self._linear_act_bytes * tokens,
-                            self._flops, self._bw)
-        prefill_attn = self._roof(self._attn_flops_per_pair * pf_pairs,
-                                  self._kv_bytes * pf_ctx + self._qkvo_bytes * pf_tokens,
-                                  self._attn_flops, self._attn_bw)
-        decode_attn = self._roof(self._attn_flops_per_pair * dec_ctx,
-                                 self._kv_bytes * dec_ctx + self._qkvo_bytes * dec_seqs,
-                                 self._attn_flops, self._attn_bw)
-        lm_head = self._roof(2 * self._lm_params * sampled,
-                             self._lm_params * self.model.dtype_bytes + self._logit_bytes * sampled,
-                             self._flops, self._bw)
-        if self.tp > 1:
-            per_layer = self.allreduce_latency_s + self._allreduce_bytes * tokens / self._ic_bw
-            allreduce = 2 * self.model.num_layers * per_layer
-        else:
-            allreduce = 0.0 * tokens
         block_bytes = self._kv_bytes * block_size
-        swap = swap_blocks * block_bytes / self._pcie_bw
-        copy = copy_blocks * 2 * block_bytes / self._bw
-        busy = (tokens > 0) | (swap_blocks > 0)
+        busy = tokens > 0 or swap_blocks > 0
         return {
-            "overhead": _where(busy, self.overhead_s, 0.0),
-            "linear": _where(tokens > 0, linear, 0.0),
-            "prefill_attn": _where(pf_tokens > 0, prefill_attn, 0.0),
-            "decode_attn": _where(dec_seqs > 0, decode_attn, 0.0),
-            "lm_head": _where(sampled > 0, lm_head, 0.0),
-            "allreduce": _where(tokens > 0, allreduce, 0.0),
-            "swap": swap,
-            "copy": _where(busy, copy, 0.0),
+            "overhead": self.overhead_s if busy else 0.0,
+            "linear": self._linear(tokens) if tokens > 0 else 0.0,
+            "prefill_attn": self._attention(pf_pairs, pf_ctx, pf_tokens) if pf_tokens > 0 else 0.0,
+            # a decode scores its whole context, new token included, once
+            "decode_attn": self._attention(dec_ctx, dec_ctx, dec_seqs) if dec_seqs > 0 else 0.0,
+            "lm_head": self._lm_head(sampled) if sampled > 0 else 0.0,
+            "allreduce": self._allreduce(tokens) if tokens > 0 else 0.0,
+            "swap": swap_blocks * block_bytes / self._pcie_bw,
+            "copy": copy_blocks * 2 * block_bytes / self._bw if busy else 0.0,
         }
 
     @staticmethod
@@ -228,20 +233,11 @@ class RooflineCostModel(CostModel):
         return self._decode_time(float(num_seqs), float(context_tokens)) if num_seqs > 0 else 0.0
 
     def _decode_time(self, seqs: ArrayLike, ctx: ArrayLike) -> ArrayLike:
-        """step_time of pure decodes (floats or arrays), most of a simulation's pricing: the same
-        IEEE operations as _groups + _total with the zero groups left out (adding 0.0 to a
-        positive time is exact), so the result is bit-identical to the general path."""
-        peak = max if isinstance(seqs, float) else np.maximum
-        linear = peak(2 * self._linear_params * seqs / self._flops,
-                      (self._linear_params * self.model.dtype_bytes + self._linear_act_bytes * seqs) / self._bw)
-        attn = peak(self._attn_flops_per_pair * ctx / self._attn_flops,
-                    (self._kv_bytes * ctx + self._qkvo_bytes * seqs) / self._attn_bw)
-        lm_head = peak(2 * self._lm_params * seqs / self._flops,
-                       (self._lm_params * self.model.dtype_bytes + self._logit_bytes * seqs) / self._bw)
-        total = self.overhead_s + linear + attn + lm_head
+        """step_time of pure decodes (floats or arrays), most of a simulation's pricing: _groups +
+        _total with the zero groups left out (adding 0.0 to a positive time is exact)."""
+        total = self.overhead_s + self._linear(seqs) + self._attention(ctx, ctx, seqs) + self._lm_head(seqs)
         if self.tp > 1:
-            total = total + 2 * self.model.num_layers * (
-                self.allreduce_latency_s + self._allreduce_bytes * seqs / self._ic_bw)
+            total = total + self._allreduce(seqs)
         return total
 
     def decode_step_times(self, num_seqs: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
@@ -252,12 +248,6 @@ class RooflineCostModel(CostModel):
 
     def swap_time(self, num_blocks: int, block_size: int) -> float:
         return num_blocks * block_size * self._kv_bytes / self._pcie_bw
-
-
-def _where(cond: ArrayLike, a: ArrayLike, b: ArrayLike) -> ArrayLike:
-    if isinstance(cond, np.ndarray):
-        return np.where(cond, a, b)
-    return a if cond else b
 
 
 _REGISTRY = {"roofline": RooflineCostModel, "linear": ConstantCostModel}
