@@ -399,8 +399,7 @@ class VllmScheduler(Scheduler):
         }
         if k < horizon.steps or not horizon.exhausts:
             self._horizon = None  # what comes after k is no longer known
-        if k == min(horizon.remaining):
-            self.finish_plain(horizon.remaining, k, now)
+        if self.finish_plain(horizon.remaining, k, now):
             mem = bm.memory()
             cols["kv_token_states"][-1] = mem.token_states
             cols["kv_internal_frag"][-1] = mem.internal_frag
@@ -439,12 +438,13 @@ class VllmScheduler(Scheduler):
             if s.token_ids is not None:  # as on_step_done: simulated tokens have no content
                 s.token_ids.extend([-1] * k)
 
-    def finish_plain(self, remaining: list[int], step: int, now: float) -> None:
+    def finish_plain(self, remaining: list[int], step: int, now: float) -> bool:
         """After `step` plain decode steps counted from a horizon, finish the running groups
         (single sequences) whose remaining count was `step`, as on_step_done does: in batch order,
-        freeing the blocks. Groups preempted meanwhile are off the tail of the running list."""
+        freeing the blocks. Groups preempted meanwhile are off the tail of the running list.
+        Returns whether any finished."""
         if min(remaining) != step:
-            return
+            return False
         running = self.running
         done = [running[i] for i, r in enumerate(remaining[:len(running)]) if r == step]
         if done:
@@ -453,6 +453,7 @@ class VllmScheduler(Scheduler):
         for g in done:
             self._finish_seq(g.seqs[0], keep_record=True)
             self._finish_group(g, now)
+        return bool(done)
 
     def exhaustion_step(self) -> tuple[StepComposition, int]:
         """Apply the plain-decode iteration that follows a horizon that `exhausts` (once its steps
@@ -489,11 +490,10 @@ class VllmScheduler(Scheduler):
         context += survivors
         if survivors:  # the survivors' phases move on by the horizon's steps + 1; the preempted leave
             steps = h.steps + 1
-            by_phase: list[list[Sequence]] = [[]] * bs
-            for r, seqs in enumerate(h.by_phase):
+            for seqs in h.by_phase:
                 while seqs and seqs[-1].status != SeqStatus.RUNNING:  # the batch's tail: preempted
                     seqs.pop()
-                by_phase[(r - steps) % bs] = seqs
+            by_phase = [h.by_phase[(r + steps) % bs] for r in range(bs)]
             self._carry = (by_phase, [r - steps for r in h.remaining[:survivors]], context)
         else:
             self._pending_steps = 0
