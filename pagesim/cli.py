@@ -39,6 +39,26 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-caching", action="store_true")
 
 
+def add_study_args(p: argparse.ArgumentParser, trace: str, rates: list[float]) -> None:
+    """The workload, model and hardware of a study that simulates one trace at several rates."""
+    p.add_argument("--trace", default=trace, help=f"a trace file or a synthetic kind (default {trace})")
+    p.add_argument("--trace-format", choices=KNOWN_FORMATS)
+    p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--rates", type=float, nargs="+", default=rates,
+                   help=f"request rates, req/s (default {' '.join(f'{r:g}' for r in rates)})")
+    p.add_argument("--model", default="opt-13b")
+    p.add_argument("--hardware", default="a100-40gb")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _study_trace(args: argparse.Namespace):
+    from traces import resolve_trace
+    # the lengths are drawn once; each rate re-draws (or rescales) the arrivals
+    return resolve_trace(args.trace, num_requests=args.num_requests, format=args.trace_format, seed=args.seed,
+                         rate=args.rates[0])
+
+
 def add_output_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Where a run writes (the same three files, simulated or live) and its goodput SLOs."""
     g = p.add_argument_group("output")
@@ -114,17 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     sw = sub.add_parser("sweep", help="simulate several policies over several request rates and plot",
                         description="Throughput-latency curves: writes sweep.csv, latency_vs_rate.png and "
                                     "memory_breakdown.png to --out.")
-    sw.add_argument("--trace", default="sharegpt-like")
-    sw.add_argument("--trace-format", choices=KNOWN_FORMATS)
-    sw.add_argument("--num-requests", type=int, default=1000)
-    sw.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 2.5],
-                    help="request rates, req/s (default 0.5 1 1.5 2 2.5)")
+    add_study_args(sw, "sharegpt-like", [0.5, 1.0, 1.5, 2.0, 2.5])
     sw.add_argument("--policies", nargs="+", default=["vllm", "orca-oracle", "orca-pow2", "orca-max"],
                     choices=list(POLICIES))
-    sw.add_argument("--model", default="opt-13b")
-    sw.add_argument("--hardware", default="a100-40gb")
     sw.add_argument("--tp", type=int, default=1)
-    sw.add_argument("--block-size", type=int, default=16)
     sw.add_argument("--max-num-seqs", type=int, default=256)
     sw.add_argument("--max-num-batched-tokens", type=int, default=4096)
     sw.add_argument("--n", type=int)
@@ -133,7 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
     paged.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
     paged.add_argument("--chunked-prefill", action="store_true")
     paged.add_argument("--prefix-caching", action="store_true")
-    sw.add_argument("--seed", type=int, default=0)
     sw.add_argument("--latency-limit", type=float, default=1.0,
                     help="normalized latency (s/token) for the max-sustainable-rate line (default 1.0)")
     sw.add_argument("--out", required=True)
@@ -142,16 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     sh = sub.add_parser("sharing", help="memory saved by block sharing under parallel sampling and beam search",
                         description="The vLLM paper's Figure 15 measure: blocks saved by sharing / blocks "
                                     "without sharing, time-averaged, for each width and rate (policy vllm).")
-    sh.add_argument("--trace", default="alpaca-like")
-    sh.add_argument("--trace-format", choices=KNOWN_FORMATS)
-    sh.add_argument("--num-requests", type=int, default=1000)
-    sh.add_argument("--rates", type=float, nargs="+", default=[10.0], help="request rates, req/s (default 10)")
+    add_study_args(sh, "alpaca-like", [10.0])
     sh.add_argument("--n", type=int, nargs="*", default=[2, 4, 6], help="parallel sampling widths (default 2 4 6)")
     sh.add_argument("--beam-width", type=int, nargs="*", default=[2, 4, 6], help="beam widths (default 2 4 6)")
-    sh.add_argument("--model", default="opt-13b")
-    sh.add_argument("--hardware", default="a100-40gb")
-    sh.add_argument("--block-size", type=int, default=16)
-    sh.add_argument("--seed", type=int, default=0)
     sh.add_argument("--out", help="write sharing.csv here")
     sh.set_defaults(func=cmd_sharing)
 
@@ -209,10 +214,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from analysis.plots import latency_vs_rate, memory_breakdown
     from analysis.sweep import max_sustainable_rate, sweep
     from sim.run import SimConfig
-    from traces import resolve_trace
 
-    trace = resolve_trace(args.trace, num_requests=args.num_requests, format=args.trace_format, seed=args.seed,
-                          rate=args.rates[0])  # each rate re-draws (or rescales) the arrivals
+    trace = _study_trace(args)
     base = SimConfig(model=args.model, hardware=args.hardware, tp=args.tp, block_size=args.block_size,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      n=args.n, beam_width=args.beam_width, seed=args.seed, preemption=args.preemption,
@@ -247,13 +250,11 @@ def cmd_sharing(args: argparse.Namespace) -> int:
 
     from analysis.sharing import sharing_table
     from sim.run import SimConfig
-    from traces import resolve_trace
 
     widths = [("n", k) for k in args.n] + [("beam", k) for k in args.beam_width]
     if not widths or any(k < 2 for _, k in widths):
         raise ValueError("--n and --beam-width take widths >= 2 (at least one in all)")
-    trace = resolve_trace(args.trace, num_requests=args.num_requests, format=args.trace_format, seed=args.seed,
-                          rate=args.rates[0])
+    trace = _study_trace(args)
     base = SimConfig(model=args.model, hardware=args.hardware, block_size=args.block_size, seed=args.seed)
     print(f"sharing: {len(trace)} requests of {trace.name}, {args.model} on {args.hardware}, block size "
           f"{args.block_size}")
