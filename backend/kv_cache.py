@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from backend.attention.metadata import once_per_step
 from backend.config import ModelConfig
 
 Pairs = Sequence[tuple[int, int]]
@@ -90,18 +91,11 @@ class PagedKVCache:
             from backend.attention.triton_kernels import store_kv
             store_kv(k, v, self._keys[layer], self._values[layer], slot_mapping)
             return
-        where = self._split_slots(slot_mapping, per_step)
+        bs = self.block_size
+        where = once_per_step(per_step, "slot_split",
+                              lambda: (torch.div(slot_mapping, bs, rounding_mode="floor"), slot_mapping % bs))
         self._keys[layer].index_put_(where, k.to(self.dtype))
         self._values[layer].index_put_(where, v.to(self.dtype))
-
-    def _split_slots(self, slot_mapping: torch.Tensor, per_step: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, offset) index tensors of the slots, computed once per step when `per_step` is given."""
-        where = None if per_step is None else per_step.get("slot_split")
-        if where is None:
-            where = (torch.div(slot_mapping, self.block_size, rounding_mode="floor"), slot_mapping % self.block_size)
-            if per_step is not None:
-                per_step["slot_split"] = where
-        return where
 
     def copy_blocks(self, pairs: Pairs) -> None:
         """Copy (src, dst) device blocks, all layers, K and V. Destinations must not be sources."""

@@ -12,10 +12,13 @@ Host-side lists serve the torch path (loops, chunking); device tensors serve the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -45,3 +48,13 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
+
+
+def once_per_step(per_step: dict[str, Any] | None, key: str, make: Callable[[], T]) -> T:
+    """`make()`, computed once per step when the step's `AttentionMetadata.per_step` dict is given
+    (the first layer computes it, the others reuse it), else every call."""
+    if per_step is None:
+        return make()
+    if key not in per_step:
+        per_step[key] = make()
+    return per_step[key]

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from backend.attention.metadata import AttentionMetadata
+from backend.attention.metadata import AttentionMetadata, once_per_step
 
 # Bytes of gathered K+V per decode chunk: small enough to stay in a CPU's last-level cache.
 DECODE_CHUNK_BYTES = 8 << 20
@@ -100,11 +100,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q) if out is None else out
     tok_bytes = 2 * Hkv * D * k_cache.element_size()
-    plan = None if plan_cache is None else plan_cache.get("decode_plan")
-    if plan is None:
-        plan = _decode_plan([int(x) for x in context_lens], block_tables, bs, tok_bytes, chunk_bytes, q.device)
-        if plan_cache is not None:
-            plan_cache["decode_plan"] = plan
+    plan = once_per_step(plan_cache, "decode_plan", lambda: _decode_plan(
+        [int(x) for x in context_lens], block_tables, bs, tok_bytes, chunk_bytes, q.device))
     for rows, n, L, ids, mask in plan:
         nb = ids.shape[0] // n
         kbuf, vbuf = _WORKSPACE.get(n * nb, bs * Hkv * D, k_cache.dtype, k_cache.device)
