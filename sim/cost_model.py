@@ -4,10 +4,8 @@ Every model implements `CostModel`. Registered names (see `make_cost_model`):
 
 - "roofline": `RooflineCostModel`, an analytic model from a `HardwareSpec` and a `ModelSpec`.
 - "linear": `ConstantCostModel`, a hand-set linear model for tests and back-of-envelope studies.
-
-A "profiled" model — step-time parameters fitted to measurements that the backend's profiler records
-on real hardware (the calibration loop: profile -> fit -> profile file) — belongs here too, under
-the name "profiled", built from a profile file; it is not written yet.
+- "profiled": `sim.profiled.ProfiledCostModel`, a step model fitted to measurements that the
+  backend's profiler recorded on real hardware (the calibration loop), built from a profile file.
 """
 
 from __future__ import annotations
@@ -254,14 +252,17 @@ _REGISTRY = {"roofline": RooflineCostModel, "linear": ConstantCostModel}
 
 
 def make_cost_model(name: str, **kw: Any) -> CostModel:
-    """Build a registered cost model by name ("roofline" or "linear"), case-insensitively.
+    """Build a registered cost model by name ("roofline", "linear" or "profiled"), case-insensitively.
 
     For "roofline", `model` and `hardware` may be spec objects or names ("opt-13b", "a100-40gb").
-    A future "profiled" model will be registered here too, taking a profile file.
+    For "profiled", `profile` is a profile file's path or a shipped profile's name.
     """
     key = name.strip().lower()
+    if key == "profiled":
+        from sim.profiled import ProfiledCostModel  # it subclasses CostModel, so imported here
+        return ProfiledCostModel.from_profile(kw["profile"])
     if key not in _REGISTRY:
-        raise ValueError(f"unknown cost model {name!r}; known: {', '.join(sorted(_REGISTRY))}")
+        raise ValueError(f"unknown cost model {name!r}; known: {', '.join(sorted([*_REGISTRY, 'profiled']))}")
     if key == "roofline":
         if isinstance(kw.get("model"), str):
             kw["model"] = get_model(kw["model"])

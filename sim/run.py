@@ -41,6 +41,9 @@ class SimConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks: int | None = None      # override the derived KV capacity
     swap_space_gib: float = 4.0            # CPU swap space, as vLLM's default
+    num_cpu_blocks: int | None = None      # override the swap space (blocks)
+    cost_model: str = "roofline"           # or "profiled" (then `profile` names the profile file)
+    profile: str | None = None
     n: int | None = None                   # override the trace's parallel samples
     beam_width: int | None = None          # override the trace's beam width
     seed: int = 0
@@ -86,7 +89,30 @@ def requests_from_trace(trace: Trace, max_model_len: int, n: int | None = None,
 
 
 def build_cost_model(cfg: SimConfig) -> CostModel:
-    return RooflineCostModel(get_model(cfg.model), get_hardware(cfg.hardware), tp=cfg.tp)
+    """The roofline model of cfg.model on cfg.hardware, or the profiled model in cfg.profile (which
+    must have been measured on cfg.model, at tensor-parallel degree 1)."""
+    kind = cfg.cost_model.strip().lower()
+    if kind == "roofline":
+        return RooflineCostModel(get_model(cfg.model), get_hardware(cfg.hardware), tp=cfg.tp)
+    if kind != "profiled":
+        raise ValueError(f"cost_model: unknown {cfg.cost_model!r}; known: roofline, profiled")
+    from sim.profiled import ProfiledCostModel, load_profile
+    if not cfg.profile:
+        raise ValueError("cost_model 'profiled' needs a profile (a profile file, or a shipped profile's name)")
+    profile = load_profile(cfg.profile)
+    measured_on = str(profile["model"].get("name", "?"))
+    if _spec_name(cfg.model) != _spec_name(measured_on):
+        raise ValueError(f"profile {profile['source']} was measured on model {measured_on!r}, not {cfg.model!r}")
+    if cfg.tp != 1:
+        raise ValueError(f"tp: profiles are measured on one device; got tp={cfg.tp}")
+    return ProfiledCostModel.from_profile(profile)
+
+
+def _spec_name(model: str) -> str:
+    try:
+        return get_model(model).name
+    except ValueError:
+        return model
 
 
 def num_blocks_for(cfg: SimConfig) -> tuple[int, int]:
@@ -95,7 +121,9 @@ def num_blocks_for(cfg: SimConfig) -> tuple[int, int]:
     gpu = cfg.num_gpu_blocks or kv_capacity_blocks(model, hw, block_size=cfg.block_size, tp=cfg.tp,
                                                    gpu_memory_utilization=cfg.gpu_memory_utilization)
     # swap_space_gib is per GPU, as vLLM's swap_space; each of the tp GPUs holds 1/tp of a block
-    cpu = int(cfg.swap_space_gib * 2**30 * cfg.tp / (model.kv_bytes_per_token * cfg.block_size))
+    cpu = cfg.num_cpu_blocks
+    if cpu is None:
+        cpu = int(cfg.swap_space_gib * 2**30 * cfg.tp / (model.kv_bytes_per_token * cfg.block_size))
     return gpu, cpu
 
 

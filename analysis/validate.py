@@ -1,0 +1,175 @@
+"""The validate step of the calibration loop: a live run and a simulated run of the same trace (the
+same request ids) compared metric by metric: relative error of the simulator on mean and P90
+TTFT, TPOT, end-to-end and normalized latency, and on throughput, with a terminal table, a summary
+and CDF figures. Statistics come from `policies.metrics.summarize`, as in every run's summary."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from policies.metrics import ITERATION_COLUMNS, summarize
+
+LATENCY_METRICS = ("ttft", "tpot", "e2e_latency", "normalized_latency")
+LATENCY_STATISTICS = ("mean", "p90")
+THROUGHPUT_METRICS = ("request_throughput", "output_token_throughput")
+TABLE_COLUMNS = ("metric", "statistic", "live", "sim", "error", "abs_error")
+
+LIVE_COLOR, SIM_COLOR = "#4c72b0", "#dd8452"
+CDF_PANELS = (("ttft", "TTFT (s)"), ("tpot", "TPOT (s)"), ("e2e_latency", "end-to-end latency (s)"))
+
+_EMPTY_ITERATIONS = pd.DataFrame({c: pd.Series(dtype=float) for c in ITERATION_COLUMNS})
+_COUNT_COLUMNS = ("num_preemptions", "prefix_hit_tokens")  # summarize sums these; not compared here
+
+
+def _some(ids: Iterable[Any], k: int = 5) -> str:
+    """The first k ids, and how many more there are."""
+    ids = list(ids)
+    shown = ", ".join(str(i) for i in ids[:k])
+    return shown + (f", ... (+{len(ids) - k} more)" if len(ids) > k else "")
+
+
+def _check_same_requests(live: pd.DataFrame, sim: pd.DataFrame) -> None:
+    """Raise ValueError unless both tables hold the same request ids, once each, with equal statuses."""
+    for name, t in (("live", live), ("sim", sim)):
+        dup = t.request_id[t.request_id.duplicated()].unique()
+        if len(dup):
+            raise ValueError(f"{name} run repeats request ids: {_some(sorted(dup))}")
+    live_ids, sim_ids = set(live.request_id), set(sim.request_id)
+    only_live, only_sim = sorted(live_ids - sim_ids), sorted(sim_ids - live_ids)
+    if only_live or only_sim:
+        raise ValueError("live and sim runs hold different requests (not the same trace?): "
+                         f"{len(only_live)} only in live [{_some(only_live)}], "
+                         f"{len(only_sim)} only in sim [{_some(only_sim)}]")
+    joined = live[["request_id", "status"]].merge(sim[["request_id", "status"]], on="request_id",
+                                                  suffixes=("_live", "_sim"))
+    bad = joined[joined.status_live != joined.status_sim].sort_values("request_id")
+    if len(bad):
+        described = [f"{r.request_id} ({r.status_live} live, {r.status_sim} sim)" for r in bad.itertuples()]
+        raise ValueError(f"{len(bad)} requests differ in status between live and sim: {_some(described)}")
+
+
+def _summary(requests: pd.DataFrame) -> dict[str, Any]:
+    """summarize() of the requests alone (no iterations; the compared numbers do not use them)."""
+    missing = {c: 0 for c in _COUNT_COLUMNS if c not in requests.columns}
+    return summarize(requests.assign(**missing), _EMPTY_ITERATIONS)
+
+
+def _relative_error(live: float, sim: float) -> float:
+    """(sim - live) / live; NaN when live is 0 or either is NaN."""
+    if live == 0 or math.isnan(live) or math.isnan(sim):
+        return float("nan")
+    return (sim - live) / live
+
+
+def compare_runs(live_requests: pd.DataFrame, sim_requests: pd.DataFrame) -> pd.DataFrame:
+    """One row per (metric, statistic): the live and simulated values and the simulator's signed
+    relative error (sim - live) / live, with its absolute value. Latency statistics are over
+    finished requests; throughputs (statistic "value") over the span from first arrival to last
+    finish, as in `summarize`. Raises ValueError unless the runs hold the same requests with the
+    same statuses."""
+    _check_same_requests(live_requests, sim_requests)
+    live, sim = _summary(live_requests), _summary(sim_requests)
+    rows = [(m, s, live[m][s], sim[m][s]) for m in LATENCY_METRICS for s in LATENCY_STATISTICS]
+    rows += [(m, "value", float(live[m]), float(sim[m])) for m in THROUGHPUT_METRICS]
+    table = pd.DataFrame(rows, columns=list(TABLE_COLUMNS[:4]))
+    table["error"] = [_relative_error(a, b) for a, b in zip(table.live, table.sim)]
+    table["abs_error"] = table.error.abs()
+    return table
+
+
+def validation_summary(table: pd.DataFrame) -> dict[str, Any]:
+    """Headline errors of a compare_runs table, as fractions (0.1 is 10%): the mean absolute
+    relative error over rows ("mape"), the largest and its row ("worst"), and the mean absolute
+    error per statistic. Rows with NaN error are left out (counted in "num_undefined")."""
+    defined = table[table.abs_error.notna()]
+    worst = None
+    if len(defined):
+        row = defined.loc[defined.abs_error.idxmax()]
+        worst = {"metric": str(row.metric), "statistic": str(row.statistic), "error": float(row.error)}
+    by_stat = defined.groupby("statistic", sort=False).abs_error.mean()
+    return {
+        "mape": float(defined.abs_error.mean()) if len(defined) else float("nan"),
+        "max_abs_error": float(defined.abs_error.max()) if len(defined) else float("nan"),
+        "worst": worst,
+        "by_statistic": {str(s): float(v) for s, v in by_stat.items()},
+        "num_rows": len(table),
+        "num_undefined": len(table) - len(defined),
+    }
+
+
+def _number(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.4g}"
+
+
+def _percent(x: float) -> str:
+    return "-" if math.isnan(x) else f"{100 * x:+.1f}%"
+
+
+def validation_table(table: pd.DataFrame) -> str:
+    """A compare_runs table for the terminal: metric, statistic, live, sim, signed error in percent."""
+    header = ("metric", "stat", "live", "sim", "error")
+    cells = [(str(r.metric), str(r.statistic), _number(r.live), _number(r.sim), _percent(r.error))
+             for r in table.itertuples()]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(header)]
+
+    def line(row: tuple[str, ...]) -> str:
+        text = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        return "  ".join(text)
+
+    lines = [line(header), "  ".join("-" * w for w in widths)]
+    lines += [line(c) for c in cells]
+    return "\n".join(lines)
+
+
+def _ecdf(ax: plt.Axes, values: pd.Series, label: str, color: str) -> None:
+    x = np.sort(values.dropna().to_numpy(dtype=float))
+    if len(x):
+        ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=f"{label} (n={len(x)})", color=color)
+
+
+def validation_plot(live_requests: pd.DataFrame, sim_requests: pd.DataFrame, path: str | Path,
+                    title: str = "") -> Path:
+    """Empirical CDFs of TTFT, TPOT and end-to-end latency over finished requests, live against
+    simulated, in three panels; written as PNG to path."""
+    live = live_requests[live_requests.status == "finished"]
+    sim = sim_requests[sim_requests.status == "finished"]
+    fig, axes = plt.subplots(1, len(CDF_PANELS), figsize=(13, 4))
+    for ax, (col, label) in zip(axes, CDF_PANELS):
+        _ecdf(ax, live[col], "live", LIVE_COLOR)
+        _ecdf(ax, sim[col], "sim", SIM_COLOR)
+        ax.set_xlabel(label)
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def per_request_errors(live_requests: pd.DataFrame, sim_requests: pd.DataFrame) -> pd.DataFrame:
+    """Finished requests joined on request_id: live and simulated TTFT and end-to-end latency, and
+    the relative end-to-end error (sim - live) / live (NaN where live is 0). Raises ValueError
+    unless the runs hold the same requests with the same statuses."""
+    _check_same_requests(live_requests, sim_requests)
+    cols = ["request_id", "ttft", "e2e_latency"]
+    live = live_requests.loc[live_requests.status == "finished", cols]
+    sim = sim_requests.loc[sim_requests.status == "finished", cols]
+    out = live.merge(sim, on="request_id", suffixes=("_live", "_sim")).sort_values("request_id")
+    out = out.rename(columns={"e2e_latency_live": "e2e_live", "e2e_latency_sim": "e2e_sim"})
+    e2e_live = out.e2e_live.where(out.e2e_live != 0)
+    out["e2e_error"] = (out.e2e_sim - e2e_live) / e2e_live
+    return out[["request_id", "ttft_live", "ttft_sim", "e2e_live", "e2e_sim", "e2e_error"]].reset_index(drop=True)

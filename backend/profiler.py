@@ -1,0 +1,184 @@
+"""The profiler: times a grid of batch compositions on a real model, the first step of calibration.
+
+Each grid point is one engine iteration described the way a scheduler describes it: a list of
+(new tokens, cached tokens) per sequence, plus blocks swapped and copied. The profiler builds the
+`StepPlan` for it (so its `StepComposition` is computed by the very rule the schedulers use), runs
+it through `ModelRunner.execute` and the sampler as the live executor does, and records the
+composition's numbers and the median measured time. Fitting belongs to the simulator
+(sim/profiled.py); the composition root (`pagesim profile`) joins the two into a profile file.
+
+KV contents do not change a step's time, so the cache is not prefilled: a point's sequences get
+distinct blocks (reading the same blocks for every sequence would flatter the caches) holding
+whatever the cache holds.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from backend.model_runner import Batch, ModelRunner, SeqInput
+from backend.sampler import Sampler, SamplingParams, log_softmax
+from policies.plan import ScheduledSeq, StepComposition, StepPlan
+
+
+@dataclass(frozen=True)
+class ProfilePoint:
+    """One iteration to time: `seqs` as (new tokens, cached tokens before them) per sequence."""
+
+    label: str
+    seqs: tuple[tuple[int, int], ...]
+    swap_blocks: int = 0  # swapped out, and as many swapped in
+    copy_blocks: int = 0
+
+    def blocks_needed(self, block_size: int) -> int:
+        return sum(-(-(n + s) // block_size) for n, s in self.seqs) + 2 * self.swap_blocks + 2 * self.copy_blocks
+
+    def kv_tokens(self) -> int:
+        return sum(n + s for n, s in self.seqs)
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    """Which compositions to time. Decodes cover batch x context; prefills cover chunk length x
+    batch x cached prefix (the prefix is what chunked prefill and recompute read back); mixed
+    points put one prefill next to decodes; swap and copy points move blocks next to 8 decodes."""
+
+    decode_batches: tuple[int, ...] = (1, 4, 16, 32, 64)
+    decode_contexts: tuple[int, ...] = (64, 256, 1024)
+    prefill_lengths: tuple[int, ...] = (16, 64, 256, 512)
+    prefill_batches: tuple[int, ...] = (1, 4)
+    prefix_lengths: tuple[int, ...] = (0, 256)
+    mixed_decodes: tuple[int, ...] = (8, 32)
+    mixed_prefill: int = 128
+    swap_blocks: tuple[int, ...] = (16, 64)
+    copy_blocks: tuple[int, ...] = (64,)
+    reps: int = 3
+    max_kv_tokens: int = 32768  # points holding more KV than this are skipped
+
+    def points(self) -> list[ProfilePoint]:
+        pts = [ProfilePoint(f"decode b={b} ctx={c}", ((1, c - 1),) * b)
+               for b in self.decode_batches for c in self.decode_contexts]
+        pts += [ProfilePoint(f"prefill b={b} len={n} prefix={p}", ((n, p),) * b)
+                for b in self.prefill_batches for n in self.prefill_lengths for p in self.prefix_lengths]
+        pts += [ProfilePoint(f"mixed decodes={d} prefill={self.mixed_prefill}",
+                             ((self.mixed_prefill, 0),) + ((1, 255),) * d) for d in self.mixed_decodes]
+        pts += [ProfilePoint(f"swap {k} blocks out+in", ((1, 255),) * 8, swap_blocks=k) for k in self.swap_blocks]
+        pts += [ProfilePoint(f"copy {k} blocks", ((1, 255),) * 8, copy_blocks=k) for k in self.copy_blocks]
+        return [p for p in pts if p.kv_tokens() <= self.max_kv_tokens]
+
+    @classmethod
+    def quick(cls) -> ProfileGrid:
+        """A small grid (tests, smoke runs): enough points to fit every coefficient."""
+        return cls(decode_batches=(1, 4), decode_contexts=(16, 48), prefill_lengths=(8, 24), prefill_batches=(1, 2),
+                   prefix_lengths=(0, 16), mixed_decodes=(2,), mixed_prefill=8, swap_blocks=(2,), copy_blocks=(2,),
+                   reps=2, max_kv_tokens=512)
+
+
+@dataclass
+class ProfileRun:
+    measurements: list[dict]
+    skipped: list[str] = field(default_factory=list)  # points that did not fit the cache, with why
+
+
+def profile_model(runner: ModelRunner, grid: ProfileGrid, seed: int = 0,
+                  on_point: Callable[[int, int, dict], None] | None = None) -> ProfileRun:
+    """Time every grid point that fits the runner's cache; `on_point(i, total, measurement)` after each."""
+    rng = np.random.default_rng(seed)
+    sampler = Sampler(seed=seed, device=runner.device)
+    points = grid.points()
+    run = ProfileRun([])
+    for i, point in enumerate(points):
+        need = point.blocks_needed(runner.block_size)
+        if need > runner.num_gpu_blocks or point.swap_blocks > runner.kv_cache.num_cpu_blocks:
+            run.skipped.append(f"{point.label}: needs {need} device blocks and {point.swap_blocks} CPU blocks; "
+                               f"the cache has {runner.num_gpu_blocks} and {runner.kv_cache.num_cpu_blocks}")
+            continue
+        plan, batch = _build(point, runner, rng)
+        times = _time_point(runner, batch, sampler, grid.reps)
+        m = {"label": point.label, **_composition_fields(plan.composition()),
+             "time_s": statistics.median(times), "times_s": times}
+        run.measurements.append(m)
+        if on_point is not None:
+            on_point(i, len(points), m)
+    return run
+
+
+def _build(point: ProfilePoint, runner: ModelRunner, rng: np.random.Generator) -> tuple[StepPlan, Batch]:
+    """The plan a scheduler would hand over for this point, and the runner's batch for it."""
+    bs, vocab = runner.block_size, runner.config.vocab_size
+    next_block = 0
+    seqs, inputs = [], []
+    for j, (n, start) in enumerate(point.seqs):
+        nb = -(-(n + start) // bs)
+        table = list(range(next_block, next_block + nb))
+        next_block += nb
+        seqs.append(ScheduledSeq(j, j, start, n, table, True))
+        inputs.append(SeqInput(rng.integers(min(256, vocab // 2), vocab, n).tolist(), start, table, True))
+    k = point.swap_blocks
+    swap_out = [(next_block + b, b) for b in range(k)]
+    swap_in = [(b, next_block + k + b) for b in range(k)]
+    next_block += 2 * k
+    copies = [(next_block + b, next_block + point.copy_blocks + b) for b in range(point.copy_blocks)]
+    plan = StepPlan(seqs=seqs, copies=copies, swap_out=swap_out, swap_in=swap_in, block_size=bs)
+    return plan, Batch(inputs, copies, swap_in, swap_out)
+
+
+def _time_point(runner: ModelRunner, batch: Batch, sampler: Sampler, reps: int) -> list[float]:
+    """Wall times of `reps` executions after one warm-up: swaps, copies, forward pass, then greedy
+    sampling and the chosen tokens' log-probabilities, as the live executor does per step."""
+    cuda = runner.device.type == "cuda"
+    params = [SamplingParams(temperature=0.0)] * len(batch.seqs)
+    times = []
+    for r in range(reps + 1):
+        t0 = time.perf_counter()
+        logits = runner.execute(batch)
+        tokens = sampler(logits, params)
+        log_softmax(logits).gather(-1, tokens[:, None]).tolist()
+        if cuda:
+            torch.cuda.synchronize()
+        if r:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _composition_fields(c: StepComposition) -> dict[str, int]:
+    d = asdict(c)
+    d.pop("block_size")
+    return d
+
+
+def environment(runner: ModelRunner, model_name: str) -> dict:
+    """Where a profile was measured: model, device, software (kept in the profile file)."""
+    cfg = runner.config
+    dev = runner.device
+    device = {"type": dev.type, "threads": torch.get_num_threads(), "machine": platform.machine(),
+              "processor": platform.processor() or platform.machine()}
+    if dev.type == "cuda":
+        device["name"] = torch.cuda.get_device_name(dev)
+    else:
+        device["name"] = _cpu_name()
+    attn = runner.attention
+    software = {"python": platform.python_version(), "torch": torch.__version__,
+                "attention": f"{getattr(attn, '__module__', '')}.{getattr(attn, '__name__', type(attn).__name__)}"}
+    model = {"name": model_name, "arch": cfg.arch, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+             "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+             "vocab_size": cfg.vocab_size}
+    return {"model": model, "device": device, "software": software, "dtype": str(runner.dtype).removeprefix("torch.")}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"

@@ -1,0 +1,214 @@
+"""The profiled cost model: iteration times fitted to measurements from real runs (calibration).
+
+The calibration loop: the backend's profiler (backend/profiler.py) runs a grid of batch
+compositions on a real model and records each one's `StepComposition` numbers and measured time;
+`fit_profile` fits a linear step model to them (the BLIS recipe, with the features the roofline
+model prices: tokens through the linears, sampled rows through the LM head, query-key pairs and
+cached tokens through attention, blocks moved); a *profile file* (JSON) keeps the measurements, the
+fit, its error and where it was measured; `ProfiledCostModel.from_profile` prices simulated
+iterations from it.
+
+    time = base + tokens * c_tokens + sampled * c_sampled + prefill_attn_pairs * c_pairs
+           + prefill_context_tokens * c_prefix + decode_context_tokens * c_decode_ctx
+           + swap_blocks * c_swap + copy_blocks * c_copy
+
+Coefficients are non-negative (a fit that makes work cheaper with more of it extrapolates badly)
+and are fitted on relative error (weights 1 / measured time), since a step's time spans orders of
+magnitude across the grid. `fit.cv_mape` is the k-fold cross-validated error, the honest one.
+
+Profiles that the project's own runs produced ship in sim/profiles/ and are found by name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from policies.plan import StepComposition
+from sim.cost_model import CostModel
+
+PROFILE_FORMAT = "pagesim-profile"
+PROFILE_VERSION = 1
+SHIPPED_DIR = Path(__file__).parent / "profiles"
+
+FEATURES: tuple[str, ...] = ("base", "tokens", "sampled", "prefill_attn_pairs", "prefill_context_tokens",
+                             "decode_context_tokens", "swap_blocks", "copy_blocks")
+COMPOSITION_FIELDS: tuple[str, ...] = ("num_prefill_seqs", "prefill_tokens", "prefill_attn_pairs",
+                                       "prefill_context_tokens", "num_decode_seqs", "decode_context_tokens",
+                                       "swap_in_blocks", "swap_out_blocks", "copy_blocks")
+
+
+def features(c: StepComposition) -> list[float]:
+    """The regressors of one composition, in FEATURES order."""
+    return [1.0, float(c.prefill_tokens + c.num_decode_seqs), float(c.num_prefill_seqs + c.num_decode_seqs),
+            float(c.prefill_attn_pairs), float(c.prefill_context_tokens), float(c.decode_context_tokens),
+            float(c.swap_in_blocks + c.swap_out_blocks), float(c.copy_blocks)]
+
+
+class ProfiledCostModel(CostModel):
+    """A fitted linear step model (see the module docstring). `block_size` is the block size the
+    blocks were measured at; transfers of other block sizes scale with their bytes."""
+
+    def __init__(self, coef: dict[str, float], block_size: int = 16, source: str = "") -> None:
+        unknown = set(coef) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"unknown coefficients {sorted(unknown)}; known: {', '.join(FEATURES)}")
+        bad = {k: v for k, v in coef.items() if not (math.isfinite(v) and v >= 0)}
+        if bad:
+            raise ValueError(f"coefficients must be finite and >= 0, got {bad}")
+        self.coef = {k: float(coef.get(k, 0.0)) for k in FEATURES}
+        self.block_size = block_size
+        self.source = source
+        c = self.coef
+        self._base, self._tok, self._samp = c["base"], c["tokens"], c["sampled"]
+        self._pairs, self._prefix, self._dctx = c["prefill_attn_pairs"], c["prefill_context_tokens"], \
+            c["decode_context_tokens"]
+
+    @classmethod
+    def from_profile(cls, profile: str | Path | dict[str, Any]) -> ProfiledCostModel:
+        """From a profile file's path, a shipped profile's name, or a loaded profile dict."""
+        p = profile if isinstance(profile, dict) else load_profile(profile)
+        return cls(p["fit"]["coef"], int(p["block_size"]), p.get("source", ""))
+
+    def step_time(self, c: StepComposition) -> float:
+        if c.is_empty:
+            return 0.0
+        # the same additions in the same order as _decode_time, so pure decodes agree bit for bit
+        t = (self._base + self._tok * (c.prefill_tokens + c.num_decode_seqs)
+             + self._samp * (c.num_prefill_seqs + c.num_decode_seqs) + self._dctx * c.decode_context_tokens)
+        if c.num_prefill_seqs:
+            t += self._pairs * c.prefill_attn_pairs + self._prefix * c.prefill_context_tokens
+        if c.swap_in_blocks or c.swap_out_blocks:
+            t += self.swap_time(c.swap_in_blocks + c.swap_out_blocks, c.block_size)
+        if c.copy_blocks:
+            t += self.coef["copy_blocks"] * c.copy_blocks * c.block_size / self.block_size
+        return float(t)
+
+    def _decode_time(self, seqs, ctx):
+        return self._base + self._tok * seqs + self._samp * seqs + self._dctx * ctx
+
+    def decode_step_time(self, num_seqs: int, context_tokens: int) -> float:
+        return float(self._decode_time(num_seqs, context_tokens)) if num_seqs > 0 else 0.0
+
+    def decode_step_times(self, num_seqs: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
+        seqs, ctx = np.broadcast_arrays(np.asarray(num_seqs, dtype=np.float64),
+                                        np.asarray(context_tokens, dtype=np.float64))
+        return np.where(seqs > 0, self._decode_time(seqs, ctx), 0.0)
+
+    def swap_time(self, num_blocks: int, block_size: int) -> float:
+        return self.coef["swap_blocks"] * num_blocks * block_size / self.block_size
+
+
+# ---- fitting --------------------------------------------------------------------------------------
+def _nnls_relative(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative coefficients minimising the squared relative error sum(((X b - y) / y)^2).
+    Columns that are zero throughout are left at 0 (no measurement informs them)."""
+    from scipy.optimize import nnls
+
+    used = np.flatnonzero(np.any(X != 0, axis=0))
+    A = X[:, used] / y[:, None]
+    scale = np.abs(A).max(axis=0)  # unit columns: nnls is sensitive to wildly different scales
+    b, _ = nnls(A / scale, np.ones_like(y), maxiter=50 * A.shape[1])
+    coef = np.zeros(X.shape[1])
+    coef[used] = b / scale
+    return coef
+
+
+def fit_measurements(measurements: Sequence[dict[str, Any]], folds: int = 5) -> dict[str, Any]:
+    """Fit FEATURES to measurements (dicts of COMPOSITION_FIELDS plus `time_s`).
+
+    Returns {"coef", "mape", "max_ape", "cv_mape", "num_points"}: in-sample mean and max absolute
+    percentage errors, and the mean over points of each point's error when it is held out
+    (`folds`-fold, points dealt to folds in turn, so deterministic)."""
+    if len(measurements) < len(FEATURES):
+        raise ValueError(f"need at least {len(FEATURES)} measurements to fit, got {len(measurements)}")
+    X = np.array([features(composition_of(m, i)) for i, m in enumerate(measurements)])
+    y = np.array([_time_of(m, i) for i, m in enumerate(measurements)])
+    coef = _nnls_relative(X, y)
+    ape = np.abs(X @ coef - y) / y
+    held = np.empty_like(y)
+    k = min(folds, len(y))
+    for f in range(k):
+        test = np.arange(len(y)) % k == f
+        held[test] = np.abs(X[test] @ _nnls_relative(X[~test], y[~test]) - y[test]) / y[test]
+    return {"coef": dict(zip(FEATURES, coef.tolist())), "mape": float(ape.mean()), "max_ape": float(ape.max()),
+            "cv_mape": float(held.mean()), "num_points": len(y)}
+
+
+def composition_of(m: dict[str, Any], index: int = 0) -> StepComposition:
+    """The StepComposition a measurement records (missing fields are 0)."""
+    kw = {}
+    for f in COMPOSITION_FIELDS:
+        v = m.get(f, 0)
+        if not isinstance(v, (int, float)) or v < 0 or v != int(v):
+            raise ValueError(f"measurements[{index}].{f}: expected a non-negative integer, got {v!r}")
+        kw[f] = int(v)
+    c = StepComposition(**kw)
+    if c.is_empty:
+        raise ValueError(f"measurements[{index}]: an empty composition (no tokens, no swaps)")
+    return c
+
+
+def _time_of(m: dict[str, Any], index: int) -> float:
+    t = m.get("time_s")
+    if not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+        raise ValueError(f"measurements[{index}].time_s: expected a positive number of seconds, got {t!r}")
+    return float(t)
+
+
+# ---- profile files --------------------------------------------------------------------------------
+def make_profile(measurements: list[dict[str, Any]], block_size: int, meta: dict[str, Any]) -> dict[str, Any]:
+    """A profile dict: `meta` (model, device, software, dtype, ...), the measurements and their fit."""
+    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **meta, "block_size": block_size,
+            "fit": fit_measurements(measurements), "measurements": measurements}
+
+
+def save_profile(profile: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile, indent=1) + "\n")
+    return path
+
+
+def shipped_profiles() -> list[str]:
+    return sorted(p.stem for p in SHIPPED_DIR.glob("*.json"))
+
+
+def resolve_profile(name: str | Path) -> Path:
+    """A profile file's path, or the name of one shipped in sim/profiles/."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = SHIPPED_DIR / f"{name}.json"
+    if shipped.is_file():
+        return shipped
+    raise FileNotFoundError(f"no profile file {str(name)!r}; shipped profiles: {', '.join(shipped_profiles()) or 'none'}")
+
+
+def load_profile(name: str | Path) -> dict[str, Any]:
+    """Read and check a profile file; errors name the file and the field."""
+    path = resolve_profile(name)
+    try:
+        p = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from exc
+    if not isinstance(p, dict) or p.get("format") != PROFILE_FORMAT:
+        raise ValueError(f"{path}: not a pagesim profile (expected \"format\": \"{PROFILE_FORMAT}\")")
+    if p.get("version") != PROFILE_VERSION:
+        raise ValueError(f"{path}: profile version {p.get('version')!r}; this pagesim reads {PROFILE_VERSION}")
+    for key in ("block_size", "fit", "measurements", "model"):
+        if key not in p:
+            raise ValueError(f"{path}: missing field {key!r}")
+    if not isinstance(p["fit"], dict) or not isinstance(p["fit"].get("coef"), dict):
+        raise ValueError(f"{path}: field 'fit.coef' must be an object of coefficients")
+    try:
+        ProfiledCostModel(p["fit"]["coef"], int(p["block_size"]))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: fit.coef: {exc}") from exc
+    p["source"] = str(path)
+    return p
