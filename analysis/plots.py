@@ -58,3 +58,36 @@ def memory_breakdown(memory: dict[str, dict[str, float]], path: str | Path, titl
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)
+
+
+def profile_fit_plot(profile: dict, path: str | Path) -> Path:
+    """Measured against fitted step times of a profile's grid (log-log), one colour per point kind,
+    with the fit's in-sample and held-out errors in the title."""
+    from sim.profiled import ProfiledCostModel, composition_of
+
+    model = ProfiledCostModel.from_profile(profile)
+    ms = profile["measurements"]
+    measured = [m["time_s"] * 1e3 for m in ms]
+    fitted = [model.step_time(composition_of(m, i)) * 1e3 for i, m in enumerate(ms)]
+    kinds = [m.get("label", "point").split()[0] for m in ms]
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for kind in dict.fromkeys(kinds):
+        xs = [x for x, k in zip(measured, kinds) if k == kind]
+        ys = [y for y, k in zip(fitted, kinds) if k == kind]
+        ax.scatter(xs, ys, s=18, label=kind)
+    lo, hi = min(measured + fitted) * 0.8, max(measured + fitted) * 1.25
+    ax.plot([lo, hi], [lo, hi], color="grey", lw=1, ls="--")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured step time (ms)")
+    ax.set_ylabel("fitted step time (ms)")
+    fit = profile["fit"]
+    ax.set_title(f"{profile['model'].get('name', '')} on {profile.get('device', {}).get('name', '?')}\n"
+                 f"error: mean {fit['mape']:.1%}, max {fit['max_ape']:.1%}, held-out {fit['cv_mape']:.1%}",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

@@ -48,7 +48,8 @@ class ProfilePoint:
 class ProfileGrid:
     """Which compositions to time. Decodes cover batch x context; prefills cover chunk length x
     batch x cached prefix (the prefix is what chunked prefill and recompute read back); mixed
-    points put one prefill next to decodes; swap and copy points move blocks next to 8 decodes."""
+    points put one prefill next to decodes; swap and copy points move blocks next to 8 decodes (the
+    decodes beside a prefill, swap or copy have `side_context` tokens of context)."""
 
     decode_batches: tuple[int, ...] = (1, 4, 16, 32, 64)
     decode_contexts: tuple[int, ...] = (64, 256, 1024)
@@ -59,6 +60,7 @@ class ProfileGrid:
     mixed_prefill: int = 128
     swap_blocks: tuple[int, ...] = (16, 64)
     copy_blocks: tuple[int, ...] = (64,)
+    side_context: int = 256
     reps: int = 3
     max_kv_tokens: int = 32768  # points holding more KV than this are skipped
 
@@ -67,10 +69,11 @@ class ProfileGrid:
                for b in self.decode_batches for c in self.decode_contexts]
         pts += [ProfilePoint(f"prefill b={b} len={n} prefix={p}", ((n, p),) * b)
                 for b in self.prefill_batches for n in self.prefill_lengths for p in self.prefix_lengths]
+        side = (1, self.side_context - 1)
         pts += [ProfilePoint(f"mixed decodes={d} prefill={self.mixed_prefill}",
-                             ((self.mixed_prefill, 0),) + ((1, 255),) * d) for d in self.mixed_decodes]
-        pts += [ProfilePoint(f"swap {k} blocks out+in", ((1, 255),) * 8, swap_blocks=k) for k in self.swap_blocks]
-        pts += [ProfilePoint(f"copy {k} blocks", ((1, 255),) * 8, copy_blocks=k) for k in self.copy_blocks]
+                             ((self.mixed_prefill, 0),) + (side,) * d) for d in self.mixed_decodes]
+        pts += [ProfilePoint(f"swap {k} blocks out+in", (side,) * 8, swap_blocks=k) for k in self.swap_blocks]
+        pts += [ProfilePoint(f"copy {k} blocks", (side,) * 8, copy_blocks=k) for k in self.copy_blocks]
         return [p for p in pts if p.kv_tokens() <= self.max_kv_tokens]
 
     @classmethod
@@ -78,7 +81,7 @@ class ProfileGrid:
         """A small grid (tests, smoke runs): enough points to fit every coefficient."""
         return cls(decode_batches=(1, 4), decode_contexts=(16, 48), prefill_lengths=(8, 24), prefill_batches=(1, 2),
                    prefix_lengths=(0, 16), mixed_decodes=(2,), mixed_prefill=8, swap_blocks=(2,), copy_blocks=(2,),
-                   reps=2, max_kv_tokens=512)
+                   side_context=16, reps=2, max_kv_tokens=512)
 
 
 @dataclass

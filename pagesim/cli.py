@@ -39,6 +39,15 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-caching", action="store_true")
 
 
+def add_live_model_args(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m (real weights), a HF directory, a config.json, or a preset (random weights)")
+    m.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    m.add_argument("--num-gpu-blocks", type=int, default=512, help="KV cache size in blocks (default 512)")
+    m.add_argument("--num-cpu-blocks", type=int, default=512, help="CPU swap space in blocks (default 512)")
+
+
 def add_study_args(p: argparse.ArgumentParser, trace: str, rates: list[float]) -> None:
     """The workload, model and hardware of a study that simulates one trace at several rates."""
     p.add_argument("--trace", default=trace, help=f"a trace file or a synthetic kind (default {trace})")
@@ -87,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     h.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     h.add_argument("--num-gpu-blocks", type=int, help="override the derived KV capacity (blocks)")
+    h.add_argument("--num-cpu-blocks", type=int, help="override the swap space (blocks; default 4 GiB)")
+    h.add_argument("--cost-model", choices=("roofline", "profiled"), default="roofline",
+                   help="roofline (analytic, from --model and --hardware) or profiled (fitted, needs --profile)")
+    h.add_argument("--profile", help="a profile file from `pagesim profile`, or a shipped profile's name "
+                                     "(implies --cost-model profiled)")
     o = add_output_args(sim)
     o.add_argument("--no-skip-ahead", action="store_true", help="step every iteration (slower, same results)")
     o.add_argument("--debug", action="store_true", help="check block and request conservation every iteration")
@@ -103,15 +117,39 @@ def build_parser() -> argparse.ArgumentParser:
                                       "requests.csv, iterations.parquet and summary.json as simulate.")
     add_workload_args(live)
     add_policy_args(live)
-    m = live.add_argument_group("model")
-    m.add_argument("--model", default="smollm2-135m",
-                   help="smollm2-135m (real weights), a HF directory, a config.json, or a preset (random weights)")
-    m.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    m.add_argument("--num-gpu-blocks", type=int, default=512, help="KV cache size in blocks (default 512)")
-    m.add_argument("--num-cpu-blocks", type=int, default=512, help="CPU swap space in blocks (default 512)")
-    m.add_argument("--no-realtime", action="store_true", help="queue every request at once instead of replaying arrivals")
+    add_live_model_args(live)
+    live.add_argument("--no-realtime", action="store_true",
+                      help="queue every request at once instead of replaying arrivals")
     add_output_args(live)
     live.set_defaults(func=cmd_live)
+
+    prof = sub.add_parser("profile", help="time a grid of batch compositions on a real model and fit a cost model",
+                          description="Calibration, step 1: run a grid of iterations (decodes, prefills with and "
+                                      "without a cached prefix, mixed, swaps, copies) on a real model, fit the "
+                                      "profiled cost model, and write a profile file (JSON) plus a fit plot.")
+    prof.add_argument("--model", default="smollm2-135m",
+                      help="smollm2-135m (real weights), a HF directory, a config.json, or a preset (random weights)")
+    prof.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    prof.add_argument("--block-size", type=int, default=16)
+    prof.add_argument("--grid", choices=("default", "quick"), default="default",
+                      help="default (35 points, about 2 minutes for SmolLM2 on 2 CPU cores) or quick (a dozen tiny ones, for smoke tests)")
+    prof.add_argument("--reps", type=int, help="timed repetitions per point (median kept; default 3)")
+    prof.add_argument("--seed", type=int, default=0)
+    prof.add_argument("--out", required=True, help="profile file to write (.json); the fit plot goes beside it")
+    prof.add_argument("--quiet", action="store_true")
+    prof.set_defaults(func=cmd_profile)
+
+    val = sub.add_parser("validate", help="replay one trace live and in simulation; report the simulator's error",
+                         description="Calibration, last step: serve a trace live on a real model and simulate it "
+                                     "with a profiled cost model (same policy, cache size and arrivals); writes "
+                                     "live/ and sim/ runs, validation.csv, validation.json and validation.png.")
+    add_workload_args(val)
+    add_policy_args(val)
+    add_live_model_args(val)
+    val.add_argument("--profile", required=True, help="profile file (or shipped profile name) for the simulator")
+    val.add_argument("--live-run", help="reuse this earlier `pagesim live` output directory instead of serving again")
+    add_output_args(val)
+    val.set_defaults(func=cmd_validate)
 
     gen = sub.add_parser("generate", help="generate completions for prompts on a real model")
     gen.add_argument("--model", default="smollm2-135m")
@@ -172,7 +210,8 @@ def _sim_config(args: argparse.Namespace, policy: str | None = None):
                      prefix_caching=args.prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
                      num_gpu_blocks=args.num_gpu_blocks, n=args.n, beam_width=args.beam_width, seed=args.seed,
                      slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, fast_forward=not args.no_skip_ahead,
-                     debug=args.debug)
+                     debug=args.debug, num_cpu_blocks=args.num_cpu_blocks,
+                     cost_model="profiled" if args.profile else args.cost_model, profile=args.profile)
 
 
 def _load_workload(args: argparse.Namespace):
@@ -284,13 +323,22 @@ def _backend():
 
 
 def cmd_live(args: argparse.Namespace) -> int:
+    trace = _load_workload(args)
+    req_df, it_df, summary = _serve_live(args, trace, realtime=not args.no_realtime)
+    out = write_run(args.out, req_df, it_df, summary)
+    print(summary_table({f"{args.policy} (live)": summary}))
+    print(f"\nwrote {out}/requests.csv, iterations.parquet, summary.json")
+    return 0
+
+
+def _serve_live(args: argparse.Namespace, trace, realtime: bool):
+    """Serve `trace` on the real model under the policy options; (requests, iterations, summary)."""
     live = _backend()
     from backend.model_runner import ModelRunner
     from policies.metrics import request_frame, summarize
     from policies.registry import make_scheduler, scheduler_options
     from sim.run import requests_from_trace
 
-    trace = _load_workload(args)
     model = live.load_model(args.model, seed=args.seed)
     cfg = model.config
     runner = ModelRunner(cfg, model.weights, args.device, num_gpu_blocks=args.num_gpu_blocks,
@@ -316,7 +364,7 @@ def cmd_live(args: argparse.Namespace) -> int:
             bar.update(done - bar.n)
             bar.set_postfix_str(f"t={now:,.1f}s", refresh=False)
 
-    run = live.serve(sched, executor, requests, realtime=not args.no_realtime, on_progress=progress)
+    run = live.serve(sched, executor, requests, realtime=realtime, on_progress=progress)
     if bar is not None:
         bar.close()
     req_df = request_frame(run.groups)
@@ -325,10 +373,102 @@ def cmd_live(args: argparse.Namespace) -> int:
     summary.update(mode="live", model=args.model, device=args.device, wall_time_s=run.wall_time,
                    kv_capacity_tokens=runner.num_gpu_blocks * args.block_size, trace=trace.name,
                    config={k: v for k, v in vars(args).items() if k != "func"})
-    out = write_run(args.out, req_df, it_df, summary)
-    print(summary_table({f"{args.policy} (live)": summary}))
-    print(f"\nwrote {out}/requests.csv, iterations.parquet, summary.json")
+    return req_df, it_df, summary
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    live = _backend()
+    from analysis.plots import profile_fit_plot
+    from backend.model_runner import ModelRunner
+    from backend.profiler import ProfileGrid, environment, profile_model
+    from sim.profiled import make_profile, save_profile
+
+    grid = ProfileGrid.quick() if args.grid == "quick" else ProfileGrid()
+    if args.reps is not None:
+        if args.reps < 1:
+            raise ValueError(f"--reps: must be >= 1, got {args.reps}")
+        grid = dataclasses.replace(grid, reps=args.reps)
+    points = grid.points()
+    model = live.load_model(args.model, seed=args.seed)
+    runner = ModelRunner(model.config, model.weights, args.device, block_size=args.block_size,
+                         num_gpu_blocks=max(p.blocks_needed(args.block_size) for p in points),
+                         num_cpu_blocks=max([p.swap_blocks for p in points] + [1]))
+    print(f"profile: {len(points)} points on {args.model} ({runner.dtype}, {args.device}), "
+          f"{grid.reps} timed reps each")
+    bar = None
+    if not args.quiet:
+        from tqdm import tqdm
+        bar = tqdm(total=len(points), unit="point", desc="profiling", leave=False)
+
+    def show(i: int, total: int, m: dict) -> None:
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(f"{m['label']}: {m['time_s'] * 1e3:.1f} ms", refresh=False)
+
+    run = profile_model(runner, grid, seed=args.seed, on_point=show)
+    if bar is not None:
+        bar.close()
+    for why in run.skipped:
+        print(f"skipped {why}")
+    meta = environment(runner, args.model)
+    meta["created"] = _now()
+    meta["command"] = "pagesim " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["profile"] else "pagesim profile"
+    profile = make_profile(run.measurements, args.block_size, meta)
+    path = save_profile(profile, args.out)
+    plot = profile_fit_plot(profile, Path(path).with_suffix(".png"))
+    fit = profile["fit"]
+    print("fitted step model (seconds per unit):")
+    for k, v in fit["coef"].items():
+        print(f"  {k:<24} {v:.4g}")
+    print(f"fit error over {fit['num_points']} points: mean {fit['mape']:.1%}, max {fit['max_ape']:.1%}, "
+          f"held-out (5-fold) mean {fit['cv_mape']:.1%}")
+    print(f"wrote {path} and {plot}; simulate with `pagesim simulate --model <spec> --profile {path}`")
     return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    import pandas as pd
+
+    from analysis.validate import compare_runs, validation_plot, validation_summary, validation_table
+    from sim.run import SimConfig, run_simulation
+
+    out = Path(args.out)
+    trace = _load_workload(args)
+    cfg = SimConfig(model=args.model, policy=args.policy, block_size=args.block_size, preemption=args.preemption,
+                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching,
+                    num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks, n=args.n,
+                    beam_width=args.beam_width, seed=args.seed, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
+                    cost_model="profiled", profile=args.profile)
+    sim = run_simulation(cfg, trace, progress=not args.quiet)  # first: a bad profile fails fast
+    write_run(out / "sim", sim.requests, sim.iterations, sim.summary)
+    if args.live_run:
+        live_requests = pd.read_csv(Path(args.live_run) / "requests.csv")
+    else:
+        live_requests, it_df, summary = _serve_live(args, trace, realtime=True)
+        write_run(out / "live", live_requests, it_df, summary)
+    table = compare_runs(live_requests, sim.requests)
+    table.to_csv(out / "validation.csv", index=False)
+    summary = validation_summary(table)
+    summary.update(profile=str(args.profile), trace=trace.name, num_requests=len(trace), policy=args.policy)
+    (out / "validation.json").write_text(json.dumps(summary, indent=1) + "\n")
+    validation_plot(live_requests, sim.requests, out / "validation.png",
+                    f"{trace.name}, {len(trace)} requests, {args.policy}: live vs simulated ({args.profile})")
+    print(validation_table(table))
+    print(f"\nmean absolute error over these rows: {summary['mape']:.1%}")
+    print(f"wrote {out}/validation.csv, validation.json, validation.png, sim/" + ("" if args.live_run else ", live/"))
+    return 0
+
+
+def _now() -> str:
+    import datetime
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
