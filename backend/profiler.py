@@ -10,6 +10,12 @@ composition's numbers and the median measured time. Fitting belongs to the simul
 KV contents do not change a step's time, so the cache is not prefilled: a point's sequences get
 distinct blocks (reading the same blocks for every sequence would flatter the caches) holding
 whatever the cache holds.
+
+Grid points time the executor alone. A live iteration also pays for scheduling, input preparation
+and output bookkeeping, so the profiler then serves a small calibration workload through the real
+`vllm` scheduler and `LiveExecutor` (all requests queued at once: batches from full down to one)
+and records every iteration it ran, measured as `pagesim live` measures it. Its requests are
+uniform in length and seeded apart from any trace a user validates against.
 """
 
 from __future__ import annotations
@@ -63,6 +69,9 @@ class ProfileGrid:
     side_context: int = 256
     reps: int = 3
     max_kv_tokens: int = 32768  # points holding more KV than this are skipped
+    serve_requests: int = 24    # the served calibration workload (0: none)
+    serve_prompt: tuple[int, int] = (16, 256)  # prompt lengths, uniform in [lo, hi]
+    serve_output: tuple[int, int] = (16, 96)
 
     def points(self) -> list[ProfilePoint]:
         pts = [ProfilePoint(f"decode b={b} ctx={c}", ((1, c - 1),) * b)
@@ -76,12 +85,20 @@ class ProfileGrid:
         pts += [ProfilePoint(f"copy {k} blocks", (side,) * 8, copy_blocks=k) for k in self.copy_blocks]
         return [p for p in pts if p.kv_tokens() <= self.max_kv_tokens]
 
+    def blocks_needed(self, block_size: int) -> tuple[int, int]:
+        """(device blocks, CPU blocks) a runner needs for every point and the served workload."""
+        pts = self.points()
+        served = self.serve_requests * -(-(self.serve_prompt[1] + self.serve_output[1]) // block_size)
+        return (max([p.blocks_needed(block_size) for p in pts] + [served]),
+                max([p.swap_blocks for p in pts] + [1]))
+
     @classmethod
     def quick(cls) -> ProfileGrid:
         """A small grid (tests, smoke runs): enough points to fit every coefficient."""
         return cls(decode_batches=(1, 4), decode_contexts=(16, 48), prefill_lengths=(8, 24), prefill_batches=(1, 2),
                    prefix_lengths=(0, 16), mixed_decodes=(2,), mixed_prefill=8, swap_blocks=(2,), copy_blocks=(2,),
-                   side_context=16, reps=2, max_kv_tokens=512)
+                   side_context=16, reps=2, max_kv_tokens=512, serve_requests=4, serve_prompt=(4, 24),
+                   serve_output=(2, 6))
 
 
 @dataclass
@@ -97,6 +114,7 @@ def profile_model(runner: ModelRunner, grid: ProfileGrid, seed: int = 0,
     sampler = Sampler(seed=seed, device=runner.device)
     points = grid.points()
     run = ProfileRun([])
+    total = len(points) + (1 if grid.serve_requests else 0)
     for i, point in enumerate(points):
         need = point.blocks_needed(runner.block_size)
         if need > runner.num_gpu_blocks or point.swap_blocks > runner.kv_cache.num_cpu_blocks:
@@ -109,8 +127,62 @@ def profile_model(runner: ModelRunner, grid: ProfileGrid, seed: int = 0,
              "time_s": statistics.median(times), "times_s": times}
         run.measurements.append(m)
         if on_point is not None:
-            on_point(i, len(points), m)
+            on_point(i, total, m)
+    need = grid.blocks_needed(runner.block_size)[0]
+    if grid.serve_requests and need > runner.num_gpu_blocks:
+        run.skipped.append(f"served workload: needs up to {need} device blocks; the cache has {runner.num_gpu_blocks}")
+    elif grid.serve_requests:
+        served = serve_calibration(runner, grid, seed)
+        run.measurements += served
+        if on_point is not None and served:
+            on_point(total - 1, total, served[-1])
     return run
+
+
+class _Recorder:
+    """Wraps an executor and keeps each executed plan's composition, in order."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.compositions: list[StepComposition] = []
+
+    def execute(self, plan: StepPlan):
+        self.compositions.append(plan.composition())
+        return self.inner.execute(plan)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def calibration_requests(grid: ProfileGrid, vocab_size: int, seed: int = 0) -> list:
+    """The served calibration workload: seeded uniform prompt and output lengths, EOS ignored."""
+    from policies.request import Request
+    from policies.request import SamplingParams as RequestParams
+
+    rng = np.random.default_rng([seed, 0xCA1])
+    lo = min(256, vocab_size // 2)
+    requests = []
+    for i in range(grid.serve_requests):
+        p = int(rng.integers(grid.serve_prompt[0], grid.serve_prompt[1] + 1))
+        out = int(rng.integers(grid.serve_output[0], grid.serve_output[1] + 1))
+        ids = rng.integers(lo, vocab_size, p).tolist()
+        requests.append(Request(i, 0.0, p, RequestParams(max_tokens=out, ignore_eos=True), out, ids))
+    return requests
+
+
+def serve_calibration(runner: ModelRunner, grid: ProfileGrid, seed: int = 0) -> list[dict]:
+    """Serve `grid.serve_requests` seeded uniform-length requests, all queued at once, through the
+    vllm scheduler and the live executor; one measurement per iteration (its loop wall time)."""
+    from backend.live import LiveExecutor, serve
+    from policies.registry import make_scheduler
+
+    requests = calibration_requests(grid, runner.config.vocab_size, seed)
+    sched = make_scheduler("vllm", runner.num_gpu_blocks, runner.block_size)
+    sched.max_model_len = runner.config.max_position
+    executor = _Recorder(LiveExecutor(sched, runner, [runner.config.eos_token_id], seed=seed))
+    log = serve(sched, executor, requests, realtime=False).log.frame()
+    return [{"label": "served", **_composition_fields(c), "time_s": float(t), "source": "served"}
+            for c, t in zip(executor.compositions, log.duration, strict=True)]
 
 
 def _build(point: ProfilePoint, runner: ModelRunner, rng: np.random.Generator) -> tuple[StepPlan, Batch]:

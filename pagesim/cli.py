@@ -393,15 +393,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
         grid = dataclasses.replace(grid, reps=args.reps)
     points = grid.points()
     model = live.load_model(args.model, seed=args.seed)
+    gpu_blocks, cpu_blocks = grid.blocks_needed(args.block_size)
     runner = ModelRunner(model.config, model.weights, args.device, block_size=args.block_size,
-                         num_gpu_blocks=max(p.blocks_needed(args.block_size) for p in points),
-                         num_cpu_blocks=max([p.swap_blocks for p in points] + [1]))
+                         num_gpu_blocks=gpu_blocks, num_cpu_blocks=cpu_blocks)
     print(f"profile: {len(points)} points on {args.model} ({runner.dtype}, {args.device}), "
-          f"{grid.reps} timed reps each")
+          f"{grid.reps} timed reps each, then {grid.serve_requests} requests served")
     bar = None
     if not args.quiet:
         from tqdm import tqdm
-        bar = tqdm(total=len(points), unit="point", desc="profiling", leave=False)
+        bar = tqdm(total=len(points) + bool(grid.serve_requests), unit="point", desc="profiling", leave=False)
 
     def show(i: int, total: int, m: dict) -> None:
         if bar is not None:
@@ -425,6 +425,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(f"  {k:<24} {v:.4g}")
     print(f"fit error over {fit['num_points']} points: mean {fit['mape']:.1%}, max {fit['max_ape']:.1%}, "
           f"held-out (5-fold) mean {fit['cv_mape']:.1%}")
+    if "served_mape" in fit:
+        print(f"served iterations alone: mean {fit['served_mape']:.1%}, held-out {fit['served_cv_mape']:.1%}")
     print(f"wrote {path} and {plot}; simulate with `pagesim simulate --model <spec> --profile {path}`")
     return 0
 

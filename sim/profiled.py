@@ -14,7 +14,11 @@ iterations from it.
 
 Coefficients are non-negative (a fit that makes work cheaper with more of it extrapolates badly)
 and are fitted on relative error (weights 1 / measured time), since a step's time spans orders of
-magnitude across the grid. `fit.cv_mape` is the k-fold cross-validated error, the honest one.
+magnitude across the grid. Measurements come from two sources: grid points (`source` absent or
+"grid", chosen compositions timed in isolation) and served iterations (`source` "served", a live
+run's iterations, scheduling included); when both are present each source weighs the same in total,
+so hundreds of served iterations do not drown the grid. `fit.cv_mape` is the k-fold
+cross-validated error, the honest one.
 
 Profiles that the project's own runs produced ship in sim/profiles/ and are found by name.
 """
@@ -105,15 +109,17 @@ class ProfiledCostModel(CostModel):
 
 
 # ---- fitting --------------------------------------------------------------------------------------
-def _nnls_relative(X: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative coefficients minimising the squared relative error sum(((X b - y) / y)^2).
-    Columns that are zero throughout are left at 0 (no measurement informs them)."""
+def _nnls_relative(X: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Non-negative coefficients minimising the weighted squared relative error
+    sum(w * ((X b - y) / y)^2). Columns that are zero throughout are left at 0 (no measurement
+    informs them)."""
     from scipy.optimize import nnls
 
     used = np.flatnonzero(np.any(X != 0, axis=0))
-    A = X[:, used] / y[:, None]
+    r = np.sqrt(w)
+    A = X[:, used] * (r / y)[:, None]
     scale = np.abs(A).max(axis=0)  # unit columns: nnls is sensitive to wildly different scales
-    b, _ = nnls(A / scale, np.ones_like(y), maxiter=50 * A.shape[1])
+    b, _ = nnls(A / scale, r, maxiter=50 * A.shape[1])
     coef = np.zeros(X.shape[1])
     coef[used] = b / scale
     return coef
@@ -122,22 +128,35 @@ def _nnls_relative(X: np.ndarray, y: np.ndarray) -> np.ndarray:
 def fit_measurements(measurements: Sequence[dict[str, Any]], folds: int = 5) -> dict[str, Any]:
     """Fit FEATURES to measurements (dicts of COMPOSITION_FIELDS plus `time_s`).
 
-    Returns {"coef", "mape", "max_ape", "cv_mape", "num_points"}: in-sample mean and max absolute
-    percentage errors, and the mean over points of each point's error when it is held out
-    (`folds`-fold, points dealt to folds in turn, so deterministic)."""
+    Returns {"coef", "mape", "max_ape", "cv_mape", "num_points"}: in-sample mean (weighted as the
+    fit is) and max absolute percentage errors, and the mean of each point's error when it is held
+    out (`folds`-fold, points dealt to folds in turn, so deterministic); with served iterations,
+    also their own in-sample and held-out means ("served_mape", "served_cv_mape")."""
     if len(measurements) < len(FEATURES):
         raise ValueError(f"need at least {len(FEATURES)} measurements to fit, got {len(measurements)}")
     X = np.array([features(composition_of(m, i)) for i, m in enumerate(measurements)])
     y = np.array([_time_of(m, i) for i, m in enumerate(measurements)])
-    coef = _nnls_relative(X, y)
+    served = np.array([m.get("source", "grid") == "served" for m in measurements])
+    w = np.ones_like(y)
+    if served.any() and not served.all():
+        w[served] = (~served).sum() / served.sum()
+    coef = _nnls_relative(X, y, w)
     ape = np.abs(X @ coef - y) / y
     held = np.empty_like(y)
     k = min(folds, len(y))
     for f in range(k):
         test = np.arange(len(y)) % k == f
-        held[test] = np.abs(X[test] @ _nnls_relative(X[~test], y[~test]) - y[test]) / y[test]
-    return {"coef": dict(zip(FEATURES, coef.tolist())), "mape": float(ape.mean()), "max_ape": float(ape.max()),
-            "cv_mape": float(held.mean()), "num_points": len(y)}
+        held[test] = np.abs(X[test] @ _nnls_relative(X[~test], y[~test], w[~test]) - y[test]) / y[test]
+    out = {"coef": dict(zip(FEATURES, coef.tolist())), "mape": _wmean(ape, w), "max_ape": float(ape.max()),
+           "cv_mape": _wmean(held, w), "num_points": len(y)}
+    if served.any():
+        out["served_mape"] = float(ape[served].mean())
+        out["served_cv_mape"] = float(held[served].mean())
+    return out
+
+
+def _wmean(x: np.ndarray, w: np.ndarray) -> float:
+    return float(np.average(x, weights=w))
 
 
 def composition_of(m: dict[str, Any], index: int = 0) -> StepComposition:

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from backend.config import ModelConfig
 from backend.model_runner import ModelRunner
-from backend.profiler import ProfileGrid, ProfilePoint, profile_model
+from backend.profiler import ProfileGrid, ProfilePoint, calibration_requests, profile_model
 from backend.weights import random_weights
 from pagesim.cli import main as cli_main
 
@@ -26,8 +26,9 @@ def _runner(num_gpu_blocks: int = 64, num_cpu_blocks: int = 8) -> ModelRunner:
 
 def test_measured_compositions_are_the_scheduler_rule():
     run = profile_model(_runner(), ProfileGrid.quick())
-    by_label = {m["label"]: m for m in run.measurements}
-    assert len(by_label) == len(ProfileGrid.quick().points()) and not run.skipped
+    grid = [m for m in run.measurements if m.get("source") != "served"]
+    by_label = {m["label"]: m for m in grid}
+    assert len(by_label) == len(grid) == len(ProfileGrid.quick().points()) and not run.skipped
     d = by_label["decode b=4 ctx=48"]
     assert (d["num_decode_seqs"], d["decode_context_tokens"], d["prefill_tokens"]) == (4, 192, 0)
     p = by_label["prefill b=2 len=24 prefix=16"]
@@ -38,15 +39,28 @@ def test_measured_compositions_are_the_scheduler_rule():
     assert by_label["copy 2 blocks"]["copy_blocks"] == 2
     mixed = by_label["mixed decodes=2 prefill=8"]
     assert (mixed["num_prefill_seqs"], mixed["prefill_tokens"], mixed["num_decode_seqs"]) == (1, 8, 2)
-    for m in run.measurements:
+    for m in grid:
         assert len(m["times_s"]) == 2 and m["time_s"] > 0 and min(m["times_s"]) <= m["time_s"] <= max(m["times_s"])
+
+
+def test_served_iterations_account_for_every_token_of_the_calibration_workload():
+    grid = ProfileGrid.quick()
+    served = [m for m in profile_model(_runner(), grid).measurements if m.get("source") == "served"]
+    assert served and all(m["time_s"] > 0 for m in served)
+    # all queued at once, no preemption: the first iteration prefills every prompt; every token
+    # after a request's first is one decode
+    reqs = calibration_requests(grid, TINY.vocab_size, seed=0)
+    assert served[0]["num_prefill_seqs"] == len(reqs) == grid.serve_requests
+    assert served[0]["prefill_tokens"] == sum(r.prompt_len for r in reqs)
+    assert sum(m["num_decode_seqs"] for m in served) == sum(r.output_len - 1 for r in reqs)
+    assert sum(m["num_prefill_seqs"] for m in served) == len(reqs)
 
 
 def test_points_that_do_not_fit_are_skipped_with_a_reason():
     grid = ProfileGrid.quick()
     run = profile_model(_runner(num_gpu_blocks=4, num_cpu_blocks=1), grid)
     assert run.skipped and all("needs" in s and "the cache has 4" in s for s in run.skipped)
-    assert len(run.measurements) + len(run.skipped) == len(grid.points())
+    assert len(run.measurements) + len(run.skipped) == len(grid.points()) + 1  # + the served workload
     assert ProfilePoint("x", ((1, 47),) * 2, swap_blocks=1).blocks_needed(16) == 2 * 3 + 2
 
 
@@ -58,7 +72,9 @@ def test_profile_command_writes_a_profile_and_its_plot(tmp_path, capsys):
                      "--quiet"]) == 0
     p = json.loads(out.read_text())
     assert p["format"] == "pagesim-profile" and p["model"]["num_layers"] == 2 and p["dtype"] == "float32"
-    assert p["fit"]["num_points"] == len(ProfileGrid.quick().points()) and p["device"]["type"] == "cpu"
+    grid = [m for m in p["measurements"] if m.get("source") != "served"]
+    assert len(grid) == len(ProfileGrid.quick().points()) < p["fit"]["num_points"] == len(p["measurements"])
+    assert p["device"]["type"] == "cpu" and "served_cv_mape" in p["fit"]
     assert out.with_suffix(".png").stat().st_size > 1000
     assert "held-out" in capsys.readouterr().out
     # the simulator has no spec for this model, so it refuses the profile for another one

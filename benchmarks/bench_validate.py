@@ -1,0 +1,102 @@
+"""Simulator vs live: the calibration loop's last step, measured (`pagesim validate` per scenario).
+
+SmolLM2-135M on this machine's CPU, vllm policy; the simulator prices iterations with a profiled
+cost model (default: the shipped `smollm2-135m-cpu` profile, or --profile PATH from `pagesim
+profile` on this machine). Each scenario replays one trace live in real time and in simulation:
+32 requests with the project's ShareGPT-fitted lengths at a quarter size (to fit a CPU), Poisson
+arrivals. Scenarios: light load, heavy load (queueing), heavy load with a small KV cache
+(preemption by recompute). Error = (sim - live) / live on mean and P90 of TTFT, TPOT and
+end-to-end latency, and on throughput.
+
+    python -m benchmarks.bench_validate [--profile NAME|PATH] [--requests 32] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+SCENARIOS = (  # (name, rate req/s, KV blocks)
+    ("light", 0.5, 512),
+    ("heavy", 3.0, 512),
+    ("preempting", 3.0, 64),
+)
+
+
+def write_trace(path: Path, n: int, rate: float, seed: int = 0) -> Path:
+    """sharegpt-like lengths / 4 (at least 4 tokens), Poisson arrivals at `rate`, as a CSV trace."""
+    from traces import resolve_trace
+
+    t = resolve_trace("sharegpt-like", num_requests=n, rate=rate, seed=seed)
+    df = pd.DataFrame({"arrived_at": np.round(t.arrival, 6), "num_prefill_tokens": np.maximum(t.prompt_len // 4, 4),
+                       "num_decode_tokens": np.maximum(t.output_len // 4, 4)})
+    df.to_csv(path, index=False)
+    return path
+
+
+def run_scenario(name: str, rate: float, blocks: int, n: int, profile: str, out: Path) -> dict:
+    from pagesim.cli import main as cli_main
+
+    out.mkdir(parents=True, exist_ok=True)
+    trace = write_trace(out / "trace.csv", n, rate)
+    code = cli_main(["validate", "--profile", profile, "--trace", str(trace), "--num-gpu-blocks", str(blocks),
+                     "--out", str(out), "--quiet"])
+    if code != 0:
+        raise RuntimeError(f"pagesim validate failed for scenario {name}")
+    table = pd.read_csv(out / "validation.csv")
+    live = json.loads((out / "live" / "summary.json").read_text())
+    sim = json.loads((out / "sim" / "summary.json").read_text())
+    return {"scenario": name, "rate": rate, "blocks": blocks, "table": table,
+            "summary": json.loads((out / "validation.json").read_text()),
+            "preemptions": (live["num_preemptions"], sim["num_preemptions"]),
+            "iterations": (live["num_iterations"], sim["num_iterations"])}
+
+
+def print_results(results: list[dict]) -> None:
+    rows = results[0]["table"][["metric", "statistic"]].itertuples(index=False)
+    keys = [f"{m} {s}" if s != "value" else m for m, s in rows]
+    head = f"{'metric':<28}" + "".join(f"{r['scenario'] + ' live':>16}{'sim':>10}{'err':>8}" for r in results)
+    print(head)
+    for i, key in enumerate(keys):
+        line = f"{key:<28}"
+        for r in results:
+            row = r["table"].iloc[i]
+            line += f"{row.live:>16.3f}{row.sim:>10.3f}{row.error:>+8.1%}"
+        print(line)
+    for label, field in (("preemptions", "preemptions"), ("iterations", "iterations")):
+        print(f"{label:<28}" + "".join(f"{r[field][0]:>16}{r[field][1]:>10}{'':>8}" for r in results))
+    print(f"{'mean |error|':<28}" + "".join(f"{'':>16}{'':>10}{r['summary']['mape']:>8.1%}" for r in results))
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default="smollm2-135m-cpu")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--scenarios", nargs="+", default=[s[0] for s in SCENARIOS])
+    ap.add_argument("--out", help="keep the runs here (default: a temporary directory)")
+    args = ap.parse_args(argv)
+    try:
+        from backend.weights import smollm2_gguf_path
+        smollm2_gguf_path()
+    except (ImportError, FileNotFoundError) as exc:
+        print(f"skipped: SmolLM2 is not available ({exc})")
+        return []
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.out or tmp)
+        for name, rate, blocks in SCENARIOS:
+            if name in args.scenarios:
+                results.append(run_scenario(name, rate, blocks, args.requests, args.profile, root / name))
+    print(f"\nsimulated vs live, SmolLM2-135M on CPU, {args.requests} requests (sharegpt-like / 4), "
+          f"vllm, profile {args.profile}; err = (sim - live) / live")
+    print_results(results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
