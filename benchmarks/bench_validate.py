@@ -6,9 +6,11 @@ profile` on this machine). Each scenario replays one trace live in real time and
 32 requests with the project's ShareGPT-fitted lengths at a quarter size (to fit a CPU), Poisson
 arrivals. Scenarios: light load, heavy load (queueing), heavy load with a small KV cache
 (preemption by recompute). Error = (sim - live) / live on mean and P90 of TTFT, TPOT and
-end-to-end latency, and on throughput.
+end-to-end latency, and on throughput. With --repeat, each trace is served live a second time and
+the two live runs are compared the same way: the run-to-run spread of live measurements on this
+machine, the floor under any simulator's error.
 
-    python -m benchmarks.bench_validate [--profile NAME|PATH] [--requests 32] [--out DIR]
+    python -m benchmarks.bench_validate [--profile NAME|PATH] [--requests 32] [--repeat] [--out DIR]
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def write_trace(path: Path, n: int, rate: float, seed: int = 0) -> Path:
     return path
 
 
-def run_scenario(name: str, rate: float, blocks: int, n: int, profile: str, out: Path) -> dict:
+def run_scenario(name: str, rate: float, blocks: int, n: int, profile: str, out: Path, repeat: bool = False) -> dict:
+    from analysis.validate import compare_runs, validation_summary
     from pagesim.cli import main as cli_main
 
     out.mkdir(parents=True, exist_ok=True)
@@ -51,10 +54,17 @@ def run_scenario(name: str, rate: float, blocks: int, n: int, profile: str, out:
     table = pd.read_csv(out / "validation.csv")
     live = json.loads((out / "live" / "summary.json").read_text())
     sim = json.loads((out / "sim" / "summary.json").read_text())
-    return {"scenario": name, "rate": rate, "blocks": blocks, "table": table,
-            "summary": json.loads((out / "validation.json").read_text()),
-            "preemptions": (live["num_preemptions"], sim["num_preemptions"]),
-            "iterations": (live["num_iterations"], sim["num_iterations"])}
+    result = {"scenario": name, "rate": rate, "blocks": blocks, "table": table,
+              "summary": json.loads((out / "validation.json").read_text()),
+              "preemptions": (live["num_preemptions"], sim["num_preemptions"]),
+              "iterations": (live["num_iterations"], sim["num_iterations"])}
+    if repeat:
+        if cli_main(["live", "--trace", str(trace), "--num-gpu-blocks", str(blocks), "--out", str(out / "live2"),
+                     "--quiet"]) != 0:
+            raise RuntimeError(f"the repeated live run failed for scenario {name}")
+        again = compare_runs(pd.read_csv(out / "live" / "requests.csv"), pd.read_csv(out / "live2" / "requests.csv"))
+        result["repeat"] = validation_summary(again)
+    return result
 
 
 def print_results(results: list[dict]) -> None:
@@ -71,6 +81,12 @@ def print_results(results: list[dict]) -> None:
     for label, field in (("preemptions", "preemptions"), ("iterations", "iterations")):
         print(f"{label:<28}" + "".join(f"{r[field][0]:>16}{r[field][1]:>10}{'':>8}" for r in results))
     print(f"{'mean |error|':<28}" + "".join(f"{'':>16}{'':>10}{r['summary']['mape']:>8.1%}" for r in results))
+    print(f"{'max |error|':<28}" + "".join(f"{'':>16}{'':>10}{r['summary']['max_abs_error']:>8.1%}" for r in results))
+    if all("repeat" in r for r in results):
+        print(f"{'live repeat: mean |error|':<28}"
+              + "".join(f"{'':>16}{'':>10}{r['repeat']['mape']:>8.1%}" for r in results))
+        print(f"{'live repeat: max |error|':<28}"
+              + "".join(f"{'':>16}{'':>10}{r['repeat']['max_abs_error']:>8.1%}" for r in results))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -78,6 +94,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--profile", default="smollm2-135m-cpu")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--scenarios", nargs="+", default=[s[0] for s in SCENARIOS])
+    ap.add_argument("--repeat", action="store_true", help="serve each trace live twice and compare the two")
     ap.add_argument("--out", help="keep the runs here (default: a temporary directory)")
     args = ap.parse_args(argv)
     try:
@@ -91,7 +108,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         root = Path(args.out or tmp)
         for name, rate, blocks in SCENARIOS:
             if name in args.scenarios:
-                results.append(run_scenario(name, rate, blocks, args.requests, args.profile, root / name))
+                results.append(run_scenario(name, rate, blocks, args.requests, args.profile, root / name,
+                                            args.repeat))
     print(f"\nsimulated vs live, SmolLM2-135M on CPU, {args.requests} requests (sharegpt-like / 4), "
           f"vllm, profile {args.profile}; err = (sim - live) / live")
     print_results(results)

@@ -90,7 +90,8 @@ def requests_from_trace(trace: Trace, max_model_len: int, n: int | None = None,
 
 def build_cost_model(cfg: SimConfig) -> CostModel:
     """The roofline model of cfg.model on cfg.hardware, or the profiled model in cfg.profile (which
-    must have been measured on cfg.model, at tensor-parallel degree 1)."""
+    must have been measured on cfg.model, at tensor-parallel degree 1, and needs an explicit
+    num_gpu_blocks: a profile does not say how large the measured machine's cache was)."""
     kind = cfg.cost_model.strip().lower()
     if kind == "roofline":
         return RooflineCostModel(get_model(cfg.model), get_hardware(cfg.hardware), tp=cfg.tp)
@@ -105,6 +106,9 @@ def build_cost_model(cfg: SimConfig) -> CostModel:
         raise ValueError(f"profile {profile['source']} was measured on model {measured_on!r}, not {cfg.model!r}")
     if cfg.tp != 1:
         raise ValueError(f"tp: profiles are measured on one device; got tp={cfg.tp}")
+    if cfg.num_gpu_blocks is None:  # the hardware spec's capacity would not be the profiled machine's
+        raise ValueError("num_gpu_blocks: a profiled simulation needs the KV cache size in blocks (--num-gpu-blocks; "
+                         "`pagesim live` uses 512 unless told otherwise)")
     return ProfiledCostModel.from_profile(profile)
 
 

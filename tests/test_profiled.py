@@ -184,6 +184,8 @@ def test_profiled_simulation_refuses_another_model_or_tp(tmp_path):
         run_simulation(SimConfig(model="smollm2-135m", tp=2, cost_model="profiled", profile=str(path)), trace)
     with pytest.raises(ValueError, match="needs a profile"):
         run_simulation(SimConfig(model="smollm2-135m", cost_model="profiled"), trace)
+    with pytest.raises(ValueError, match="num_gpu_blocks"):
+        run_simulation(SimConfig(model="smollm2-135m", cost_model="profiled", profile=str(path)), trace)
 
 
 @pytest.mark.parametrize("name", shipped_profiles())
