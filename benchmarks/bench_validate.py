@@ -41,14 +41,15 @@ def write_trace(path: Path, n: int, rate: float, seed: int = 0) -> Path:
     return path
 
 
-def run_scenario(name: str, rate: float, blocks: int, n: int, profile: str, out: Path, repeat: bool = False) -> dict:
+def run_scenario(name: str, rate: float, blocks: int, n: int, profile: str, out: Path, repeat: bool = False,
+                 model: str = "smollm2-135m", device: str = "cpu") -> dict:
     from analysis.validate import compare_runs, validation_summary
     from pagesim.cli import main as cli_main
 
     out.mkdir(parents=True, exist_ok=True)
     trace = write_trace(out / "trace.csv", n, rate)
-    code = cli_main(["validate", "--profile", profile, "--trace", str(trace), "--num-gpu-blocks", str(blocks),
-                     "--out", str(out), "--quiet"])
+    where = ["--model", model, "--device", device, "--num-gpu-blocks", str(blocks)]
+    code = cli_main(["validate", "--profile", profile, "--trace", str(trace), *where, "--out", str(out), "--quiet"])
     if code != 0:
         raise RuntimeError(f"pagesim validate failed for scenario {name}")
     table = pd.read_csv(out / "validation.csv")
@@ -59,8 +60,7 @@ def run_scenario(name: str, rate: float, blocks: int, n: int, profile: str, out:
               "preemptions": (live["num_preemptions"], sim["num_preemptions"]),
               "iterations": (live["num_iterations"], sim["num_iterations"])}
     if repeat:
-        if cli_main(["live", "--trace", str(trace), "--num-gpu-blocks", str(blocks), "--out", str(out / "live2"),
-                     "--quiet"]) != 0:
+        if cli_main(["live", "--trace", str(trace), *where, "--out", str(out / "live2"), "--quiet"]) != 0:
             raise RuntimeError(f"the repeated live run failed for scenario {name}")
         again = compare_runs(pd.read_csv(out / "live" / "requests.csv"), pd.read_csv(out / "live2" / "requests.csv"))
         result["repeat"] = validation_summary(again)
@@ -93,24 +93,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="smollm2-135m-cpu")
     ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="smollm2-135m (real weights), or a config.json named after a simulator model spec "
+                         "(random weights; e.g. smollm2-135m.json)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--scenarios", nargs="+", default=[s[0] for s in SCENARIOS])
     ap.add_argument("--repeat", action="store_true", help="serve each trace live twice and compare the two")
     ap.add_argument("--out", help="keep the runs here (default: a temporary directory)")
     args = ap.parse_args(argv)
-    try:
-        from backend.weights import smollm2_gguf_path
-        smollm2_gguf_path()
-    except (ImportError, FileNotFoundError) as exc:
-        print(f"skipped: SmolLM2 is not available ({exc})")
-        return []
+    if args.model == "smollm2-135m":
+        try:
+            from backend.weights import smollm2_gguf_path
+            smollm2_gguf_path()
+        except (ImportError, FileNotFoundError) as exc:
+            print(f"skipped: SmolLM2 is not available ({exc})")
+            return []
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out or tmp)
         for name, rate, blocks in SCENARIOS:
             if name in args.scenarios:
                 results.append(run_scenario(name, rate, blocks, args.requests, args.profile, root / name,
-                                            args.repeat))
-    print(f"\nsimulated vs live, SmolLM2-135M on CPU, {args.requests} requests (sharegpt-like / 4), "
+                                            args.repeat, args.model, args.device))
+    print(f"\nsimulated vs live, {args.model} on {args.device}, {args.requests} requests (sharegpt-like / 4), "
           f"vllm, profile {args.profile}; err = (sim - live) / live")
     print_results(results)
     return results

@@ -3,9 +3,12 @@
 # triton preinstalled and no network (about 3 minutes on an H200; hard limits keep it under 8):
 #   1. install the project over the preinstalled torch/triton (no dependencies, no build isolation),
 #   2. run the backend tests that are not marked slow, with CUDA (Triton kernels compiled natively),
-#   3. run the attention benchmark (Triton paged decode vs SDPA, Llama-3-8B shapes; the CPU table too).
-# Everything is written under $OUT (default: out/gpu_check): env.txt, pip.txt, pytest.txt, junit.xml,
-# bench_attention.txt, bench_attention.json. Exit status: the first failing step's, else 0.
+#   3. run the attention benchmark (Triton paged decode vs SDPA, Llama-3-8B shapes; the CPU table too),
+#   4. calibrate: `pagesim profile --device cuda` on SmolLM2-135M's shapes (random weights), then
+#      benchmarks.bench_validate with that profile (simulator vs live on the GPU), if time allows.
+# Everything is written under $OUT (default: out/gpu_check; at most 8 files come back): env.txt,
+# setup.txt, pytest.txt, bench_attention.txt, bench_attention.json, profile_smollm2-135m_cuda.json
+# and .png, calibration.txt. Exit status: the first failing step's, else 0.
 # The device image lacks simpy and gguf (pure-Python wheels): `make gpu-wheels` downloads them into
 # .whl/ here; pass `carry: [".whl"]` to the device run and this script installs them first. The
 # SmolLM2 GGUF is too large to carry, so the tests that need it skip there.
@@ -26,16 +29,15 @@ cat "$OUT/env.txt"
 
 if compgen -G ".whl/*.whl" >/dev/null; then
   timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl >"$OUT/wheels.txt" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    --target /tmp/site .whl/*.whl >>"$OUT/setup.txt" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-if ! timeout 120 "$PY" -m pip install --no-deps --no-build-isolation --no-index -q -e . >"$OUT/pip.txt" 2>&1; then
-  echo "pip install -e . failed (see pip.txt); using PYTHONPATH instead" | tee -a "$OUT/pip.txt"
+if ! timeout 120 "$PY" -m pip install --no-deps --no-build-isolation --no-index -q -e . >>"$OUT/setup.txt" 2>&1; then
+  echo "pip install -e . failed (see setup.txt); using PYTHONPATH instead" | tee -a "$OUT/setup.txt"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-timeout 300 "$PY" -m pytest tests/backend -m "not slow" -q -p no:cacheprovider -rs \
-  --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.txt"
+timeout 300 "$PY" -m pytest tests/backend -m "not slow" -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest.txt"
 rc=${PIPESTATUS[0]}
 [ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc
 
@@ -44,5 +46,23 @@ timeout 180 "$PY" -m benchmarks.bench_attention --reps 5 --json "$OUT/bench_atte
 rc=${PIPESTATUS[0]}
 [ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc
 
-echo "gpu_check: exit $status"
+# SmolLM2's shapes with random weights (its GGUF is not carried); the file's stem names the
+# simulator's model spec, so the profile and the validation simulate smollm2-135m.
+mkdir -p /tmp/cfg
+"$PY" -c "import json; from backend.config import PRESETS; json.dump(PRESETS['smollm2-135m'].to_hf_config(), open('/tmp/cfg/smollm2-135m.json', 'w'))"
+PROFILE="$OUT/profile_smollm2-135m_cuda.json"
+timeout 150 "$PY" -m pagesim profile --model /tmp/cfg/smollm2-135m.json --device cuda --out "$PROFILE" --quiet 2>&1 \
+  | tee "$OUT/calibration.txt"
+rc=${PIPESTATUS[0]}
+[ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc
+if [ "$rc" -eq 0 ] && [ "$SECONDS" -lt 300 ]; then
+  timeout $((460 - SECONDS)) "$PY" -m benchmarks.bench_validate --model /tmp/cfg/smollm2-135m.json --device cuda \
+    --profile "$PROFILE" 2>&1 | tee -a "$OUT/calibration.txt"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc
+else
+  echo "bench_validate skipped (profile rc $rc, ${SECONDS}s elapsed)" | tee -a "$OUT/calibration.txt"
+fi
+
+echo "gpu_check: exit $status (${SECONDS}s)"
 exit "$status"

@@ -413,7 +413,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         bar.close()
     for why in run.skipped:
         print(f"skipped {why}")
-    meta = environment(runner, args.model)
+    meta = environment(runner, model.config.name or args.model)
     meta["created"] = _now()
     meta["command"] = "pagesim " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["profile"] else "pagesim profile"
     profile = make_profile(run.measurements, args.block_size, meta)
@@ -442,7 +442,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     trace = _load_workload(args)
-    cfg = SimConfig(model=args.model, policy=args.policy, block_size=args.block_size, preemption=args.preemption,
+    cfg = SimConfig(model=_spec_of(args.model), policy=args.policy, block_size=args.block_size, preemption=args.preemption,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching,
                     num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks, n=args.n,
@@ -466,6 +466,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     print(f"\nmean absolute error over these rows: {summary['mape']:.1%}")
     print(f"wrote {out}/validation.csv, validation.json, validation.png, sim/" + ("" if args.live_run else ", live/"))
     return 0
+
+
+def _spec_of(model: str) -> str:
+    """The simulator's model spec for a live model argument: a config file or HF directory is named
+    by its file stem or directory name (so `smollm2-135m.json` simulates as smollm2-135m)."""
+    from pathlib import Path
+    p = Path(model)
+    return p.stem if p.suffix == ".json" or p.is_dir() else model
 
 
 def _now() -> str:
