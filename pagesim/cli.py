@@ -59,6 +59,19 @@ def add_study_args(p: argparse.ArgumentParser, trace: str, rates: list[float]) -
     p.add_argument("--hardware", default="a100-40gb")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", help="price iterations with this profile (file or shipped name) instead of the "
+                                     "roofline model; needs --num-gpu-blocks")
+    p.add_argument("--num-gpu-blocks", type=int, help="override the derived KV capacity (blocks)")
+
+
+def _study_costs(args: argparse.Namespace) -> dict:
+    """SimConfig fields for a study's cost model and cache size."""
+    return {"num_gpu_blocks": args.num_gpu_blocks, "profile": args.profile,
+            "cost_model": "profiled" if args.profile else "roofline"}
+
+
+def _study_title(args: argparse.Namespace) -> str:
+    return f"{args.model}, profile {args.profile}" if args.profile else f"{args.model} on {args.hardware}"
 
 
 def _study_trace(args: argparse.Namespace):
@@ -258,8 +271,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     base = SimConfig(model=args.model, hardware=args.hardware, tp=args.tp, block_size=args.block_size,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      n=args.n, beam_width=args.beam_width, seed=args.seed, preemption=args.preemption,
-                     chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching)
-    print(f"sweep: {len(trace)} requests of {trace.name}, {args.model} on {args.hardware}")
+                     chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching, **_study_costs(args))
+    print(f"sweep: {len(trace)} requests of {trace.name}, {_study_title(args)}")
     vllm_opts = [o for o, on in (("--chunked-prefill", args.chunked_prefill), ("--prefix-caching", args.prefix_caching),
                                  (f"--preemption {args.preemption}", args.preemption != "recompute")) if on]
     if vllm_opts:
@@ -274,7 +287,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "sweep.csv", index=False)
-    title = f"{trace.name}, {args.model} / {args.hardware}"
+    title = f"{trace.name}, {_study_title(args)}"
     latency_vs_rate(table, out / "latency_vs_rate.png", title)
     memory_breakdown(memory, out / "memory_breakdown.png", f"KV memory at {max(args.rates)} req/s")
     best = max_sustainable_rate(table, args.latency_limit)
@@ -294,8 +307,9 @@ def cmd_sharing(args: argparse.Namespace) -> int:
     if not widths or any(k < 2 for _, k in widths):
         raise ValueError("--n and --beam-width take widths >= 2 (at least one in all)")
     trace = _study_trace(args)
-    base = SimConfig(model=args.model, hardware=args.hardware, block_size=args.block_size, seed=args.seed)
-    print(f"sharing: {len(trace)} requests of {trace.name}, {args.model} on {args.hardware}, block size "
+    base = SimConfig(model=args.model, hardware=args.hardware, block_size=args.block_size, seed=args.seed,
+                     **_study_costs(args))
+    print(f"sharing: {len(trace)} requests of {trace.name}, {_study_title(args)}, block size "
           f"{args.block_size}")
     print(f"{'decoding':<18} {'width':>5} {'rate':>6} {'saving':>7} {'req/s':>7} {'norm lat':>9} {'preempt':>8}")
 

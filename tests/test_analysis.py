@@ -75,3 +75,19 @@ def test_sweep_applies_vllm_options_to_vllm_runs_only(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "--chunked-prefill --prefix-caching: vllm runs only" in out
     assert len(pd.read_csv(tmp_path / "sw" / "sweep.csv")) == 2
+
+
+def test_sweep_with_the_shipped_profile_prices_iterations_from_it(tmp_path, capsys):
+    from sim.profiled import ProfiledCostModel
+
+    out = tmp_path / "swp"
+    code = cli_main(["sweep", "--model", "smollm2-135m", "--profile", "smollm2-135m-cpu", "--num-gpu-blocks", "256",
+                     "--num-requests", "30", "--rates", "1", "--policies", "vllm", "--out", str(out)])
+    assert code == 0
+    assert "profile smollm2-135m-cpu" in capsys.readouterr().out
+    table = pd.read_csv(out / "sweep.csv")
+    assert len(table) == 1 and table.rejected.iloc[0] == 0 and table.throughput.iloc[0] > 0
+    # a CPU-measured step is tens of milliseconds: far slower than the A100 roofline's
+    model = ProfiledCostModel.from_profile("smollm2-135m-cpu")
+    assert model.decode_step_time(1, 100) > 0.03
+    assert table.tpot_p90.iloc[0] > model.decode_step_time(1, 100) * 0.9
