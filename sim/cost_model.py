@@ -92,6 +92,8 @@ class RooflineCostModel(CostModel):
       2 (tp - 1) / tp of the bytes over the interconnect plus a fixed latency each.
     - swap: KV blocks over PCIe; each device moves its own shard over its own link. vLLM issues
       swaps on one stream and waits for them before the forward pass, so they add, not overlap.
+      vLLM's cache engine copies a block with one cudaMemcpyAsync per layer for keys and one for
+      values, so each block also pays 2 x layers call latencies: small blocks swap slowly.
     - copy-on-write block copies: read and write of each block in HBM.
 
     Default efficiencies are engineering priors from kernel microbenchmarks, not fitted to any
@@ -103,8 +105,9 @@ class RooflineCostModel(CostModel):
         the vLLM paper measured its paged kernel 20-26% slower than a contiguous one (0.8 / 1.25).
       interconnect_efficiency 0.75: NCCL all-reduce bus bandwidth reaches ~75% of NVLink peak.
       allreduce_latency_s 10 us: small-message all-reduce latency on NVLink.
-      pcie_efficiency 0.75: pinned host<->device copies reach ~75% of the PCIe link, less for the
-        per-block, per-layer copies a swap issues.
+      pcie_efficiency 0.75: pinned host<->device copies reach ~75% of the PCIe link.
+      memcpy_latency_s 2.3 us: the fixed cost of one cudaMemcpyAsync of a KV chunk (FlexKV PR #193
+        measured ~2.3 us per call on an H20, dominating chunk-sized transfers).
       overhead_s 4 ms: per-iteration CPU work (scheduling, input preparation, sampling, output
         processing) during which the GPU idles; vLLM issue #6854 measured ~4 ms of GPU bubble per
         decode step (5-13 ms in other setups).
@@ -114,7 +117,7 @@ class RooflineCostModel(CostModel):
                  compute_efficiency: float = 0.7, memory_efficiency: float = 0.8,
                  attention_compute_efficiency: float = 0.5, attention_memory_efficiency: float = 0.64,
                  interconnect_efficiency: float = 0.75, allreduce_latency_s: float = 10e-6,
-                 pcie_efficiency: float = 0.75) -> None:
+                 pcie_efficiency: float = 0.75, memcpy_latency_s: float = 2.3e-6) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
         effs = {"compute_efficiency": compute_efficiency, "memory_efficiency": memory_efficiency,
@@ -127,6 +130,9 @@ class RooflineCostModel(CostModel):
         self.model, self.hardware, self.tp = model, hardware, tp
         self.overhead_s = overhead_s
         self.allreduce_latency_s = allreduce_latency_s
+        if memcpy_latency_s < 0:
+            raise ValueError(f"memcpy_latency_s must be >= 0, got {memcpy_latency_s}")
+        self.memcpy_latency_s = memcpy_latency_s
         self._flops = hardware.peak_flops * compute_efficiency
         self._bw = hardware.mem_bandwidth * memory_efficiency
         self._attn_flops = hardware.peak_flops * attention_compute_efficiency
@@ -197,7 +203,7 @@ class RooflineCostModel(CostModel):
             "decode_attn": self._attention(dec_ctx, dec_ctx, dec_seqs) if dec_seqs > 0 else 0.0,
             "lm_head": self._lm_head(sampled) if sampled > 0 else 0.0,
             "allreduce": self._allreduce(tokens) if tokens > 0 else 0.0,
-            "swap": swap_blocks * block_bytes / self._pcie_bw,
+            "swap": self.swap_time(swap_blocks, block_size),
             "copy": copy_blocks * 2 * block_bytes / self._bw if busy else 0.0,
         }
 
@@ -245,7 +251,9 @@ class RooflineCostModel(CostModel):
         return np.where(seqs > 0, self._decode_time(seqs, ctx), 0.0)
 
     def swap_time(self, num_blocks: int, block_size: int) -> float:
-        return num_blocks * block_size * self._kv_bytes / self._pcie_bw
+        """Each block: 2 x layers copy calls (keys and values of every layer), then its bytes."""
+        per_block = 2 * self.model.num_layers * self.memcpy_latency_s + block_size * self._kv_bytes / self._pcie_bw
+        return num_blocks * per_block
 
 
 _REGISTRY = {"roofline": RooflineCostModel, "linear": ConstantCostModel}

@@ -183,7 +183,11 @@ def test_swap_time_scales_with_blocks(roof: RooflineCostModel) -> None:
     one = roof.swap_time(1, 16)
     assert one > 0
     assert roof.swap_time(10, 16) == pytest.approx(10 * one)
-    assert roof.swap_time(1, 32) == pytest.approx(2 * one)
+    # bytes double with the block size; the per-copy latencies (2 per layer) do not
+    latency = 2 * roof.model.num_layers * roof.memcpy_latency_s
+    assert roof.swap_time(1, 32) - latency == pytest.approx(2 * (one - latency))
+    bytes_16 = 16 * roof.model.kv_bytes_per_token / (roof.hardware.pcie_bandwidth * 0.75)
+    assert one == pytest.approx(latency + bytes_16)
     base = roof.step_time(decode(4, 100))
     with_swap = roof.step_time(StepComposition(num_decode_seqs=4, decode_context_tokens=400, swap_in_blocks=6,
                                                swap_out_blocks=4))
@@ -220,3 +224,15 @@ class _LoopOnly(CostModel):
 
     def swap_time(self, num_blocks: int, block_size: int) -> float:
         return 0.0
+
+
+def test_small_blocks_make_swapping_dearer_than_recomputing(roof: RooflineCostModel) -> None:
+    """Per token, a swap out and back in costs 2 x (2L call latencies / block size + bytes); recompute
+    costs a prefill share. For OPT-13B on an A100 the latencies decide: swapping 1-token blocks
+    costs more than recomputing, 256-token blocks less (the vLLM paper's Figure 19 trade-off)."""
+    def swap_per_token(bs: int) -> float:
+        return 2 * roof.swap_time(1, bs) / bs
+
+    recompute = roof.step_time(prefill(1, 1024)) / 1024
+    assert swap_per_token(1) > recompute > swap_per_token(256)
+    assert swap_per_token(1) > 3 * swap_per_token(16)

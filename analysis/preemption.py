@@ -1,0 +1,111 @@
+"""Recompute or swap? The vLLM paper's Figure 19, from the roofline model and the simulator.
+
+Microbenchmark (its 19a): the time to swap a sequence's KV out and back in over PCIe against the
+time to recompute it (a prefill of the same tokens), per block size. Swapping moves the same bytes
+at any block size, but vLLM copies each block with one call per layer for keys and one for values,
+so small blocks pay many call latencies; recomputing does not depend on the block size.
+
+End to end (its 19b): the same trace simulated with preemption by swapping and by recomputation at
+each block size, mean normalized latency (s/token) for each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from policies.plan import StepComposition
+from sim.cost_model import RooflineCostModel
+from sim.run import SimConfig, run_simulation
+from traces.trace import Trace
+
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+COLORS = {"swap": "#dd8452", "recompute": "#4c72b0"}
+
+
+def microbenchmark(model: RooflineCostModel, block_sizes: Sequence[int] = BLOCK_SIZES,
+                   tokens: int = 1024) -> pd.DataFrame:
+    """Per block size: milliseconds to swap `tokens` tokens out, in, and both; to recompute them
+    (the prefill work alone: linears, attention and LM head, not the fixed per-iteration overhead,
+    which the iteration pays either way); and which is cheaper."""
+    if tokens < 1:
+        raise ValueError(f"tokens: must be >= 1, got {tokens}")
+    work = model.breakdown(StepComposition(num_prefill_seqs=1, prefill_tokens=tokens,
+                                           prefill_attn_pairs=tokens * (tokens + 1) // 2))
+    recompute = sum(v for k, v in work.items() if k != "overhead") * 1e3
+    rows = []
+    for bs in block_sizes:
+        if bs < 1:
+            raise ValueError(f"block sizes must be >= 1, got {bs}")
+        one_way = model.swap_time(-(-tokens // bs), bs) * 1e3
+        rows.append({"block_size": bs, "swap_out_ms": one_way, "swap_in_ms": one_way, "swap_ms": 2 * one_way,
+                     "recompute_ms": recompute, "cheaper": "swap" if 2 * one_way < recompute else "recompute"})
+    return pd.DataFrame(rows)
+
+
+def end_to_end(trace: Trace, base: SimConfig, block_sizes: Sequence[int] = BLOCK_SIZES,
+               on_row: Callable[[dict], None] | None = None) -> pd.DataFrame:
+    """Simulate `trace` under vllm with preemption by swap and by recompute at each block size."""
+    rows = []
+    for bs in block_sizes:
+        for mode in ("recompute", "swap"):
+            cfg = dataclasses.replace(base, policy="vllm", block_size=bs, preemption=mode)
+            s = run_simulation(cfg, trace).summary
+            row = {"block_size": bs, "preemption": mode, "mean_normalized_latency": s["mean_normalized_latency"],
+                   "preemptions": s["num_preemptions"], "throughput": s["request_throughput"],
+                   "finished": s["num_finished"], "rejected": s["num_rejected"]}
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+    return pd.DataFrame(rows)
+
+
+def crossover(micro: pd.DataFrame) -> int | None:
+    """The smallest block size from which swapping is cheaper than recomputing at every larger one."""
+    cheaper = micro.sort_values("block_size")
+    best = None
+    for bs, c in zip(cheaper.block_size[::-1], cheaper.cheaper[::-1]):
+        if c != "swap":
+            break
+        best = int(bs)
+    return best
+
+
+def preemption_plot(micro: pd.DataFrame, e2e: pd.DataFrame | None, path: str | Path, title: str = "") -> Path:
+    """Left: swap and recompute time against block size; right (when simulated): mean normalized
+    latency with each preemption mode against block size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 2 if e2e is not None and len(e2e) else 1
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
+    ax = axes[0][0]
+    ax.plot(micro.block_size, micro.swap_ms, marker="o", color=COLORS["swap"], label="swap out + in")
+    ax.plot(micro.block_size, micro.recompute_ms, marker="s", color=COLORS["recompute"], label="recompute")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("block size (tokens)")
+    ax.set_ylabel("time (ms)")
+    ax.set_title("microbenchmark", fontsize=10)
+    ax.legend()
+    ax.grid(alpha=0.3, which="both")
+    if panels == 2:
+        ax = axes[0][1]
+        for mode, g in e2e.groupby("preemption", sort=False):
+            ax.plot(g.block_size, g.mean_normalized_latency, marker="o", color=COLORS[mode], label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size (tokens)")
+        ax.set_ylabel("mean normalized latency (s/token)")
+        ax.set_title("end to end (simulated)", fontsize=10)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
