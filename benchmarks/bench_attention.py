@@ -4,7 +4,7 @@ CPU: the torch paged path, batch 32, contexts 256..2048, for SmolLM2-135M and Ll
 shapes (float32). `ratio` is paged / SDPA (enable_gqa=True); `ratio_packed` compares with SDPA fed
 the GQA-packed query layout [B, Hkv, H / Hkv, D] that the paged path itself uses. CUDA (when present): the Triton paged decode kernel for Llama-3-8B shapes
 (32 query heads, 8 KV heads, head_dim 128, bf16), batch 1..256, contexts 128..8192, with achieved
-bandwidth against a measured device-to-device copy bandwidth.
+bandwidth against a measured device-to-device copy bandwidth, and the kernel over block sizes 1..256.
 
     python -m benchmarks.bench_attention [--device cpu|cuda|all] [--json PATH]
 """
@@ -140,6 +140,19 @@ def bench_cuda(block_size: int = 16, max_kv_bytes: int = 12 << 30) -> tuple[list
     return rows, copy_bw
 
 
+def bench_cuda_block_sizes(batch: int = 64, ctx: int = 2048, block_sizes=(1, 4, 16, 64, 256)) -> list[dict]:
+    """The Triton decode kernel at one batch and context over block sizes: what a smaller block
+    costs the kernel (the term the roofline model lacks for the paper's block-size study)."""
+    copy_bw = copy_bandwidth()
+    rows = []
+    for bs in block_sizes:
+        r = _cuda_case(batch, ctx, bs, copy_bw)
+        r["shape"] = f"llama-3-8b bs={bs}"
+        rows.append(r)
+        torch.cuda.empty_cache()
+    return rows
+
+
 def print_table(rows: list[dict], title: str) -> None:
     print(f"\n{title}")
     cols = ["shape", "batch", "context", "sdpa_ms", "paged_ms", "ratio"]
@@ -167,6 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
         result["gpu"] = torch.cuda.get_device_name()
         print_table(result["cuda"], f"CUDA decode, Triton paged vs contiguous SDPA (bf16, {result['gpu']}, "
                                     f"device copy {result['copy_gbs']:.0f} GB/s)")
+        result["cuda_block_sizes"] = bench_cuda_block_sizes()
+        print_table(result["cuda_block_sizes"], "CUDA decode by KV block size (batch 64, context 2048)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
