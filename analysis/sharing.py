@@ -43,26 +43,29 @@ class SharingMeter:
         return 1.0 - self.physical / self.logical if self.logical else 0.0
 
 
-def sharing_saving(trace: Trace, cfg: SimConfig) -> tuple[float, dict]:
+def sharing_saving(trace: Trace, cfg: SimConfig, beam_picks: dict | None = None) -> tuple[float, dict]:
     """(memory saving by sharing, the run's summary) for one configuration (policy vllm, no prefix
-    caching: only sharing within a request is counted)."""
+    caching: only sharing within a request is counted). `beam_picks`: pick tables by width
+    (sim.executor.BeamPicks) to use instead of cfg.beam_picks."""
     if cfg.policy != "vllm" or cfg.prefix_caching:
         raise ValueError("sharing saving is measured for policy 'vllm' without prefix caching")
     meter = SharingMeter()
-    res = run_simulation(cfg, trace, observer=meter)
+    res = run_simulation(cfg, trace, observer=meter, beam_picks=beam_picks)
     return meter.saving, res.summary
 
 
 def sharing_table(trace: Trace, base: SimConfig, rates: Sequence[float], widths: Sequence[tuple[str, int]],
-                  on_row=None) -> pd.DataFrame:
+                  on_row=None, beam_decay: dict[int, float] | None = None) -> pd.DataFrame:
     """One row per (decoding, width, rate): the saving and the run's headline numbers. `widths` are
-    ("n", k) for parallel sampling or ("beam", k) for beam search."""
+    ("n", k) for parallel sampling or ("beam", k) for beam search; `beam_decay` gives the beam
+    rule's q per beam width (else base.beam_rank_decay)."""
     rows = []
     for rate in rates:
         timed = apply_arrivals(trace, rate=rate, seed=base.seed)
         for kind, k in widths:
+            q = (beam_decay or {}).get(k, base.beam_rank_decay) if kind == "beam" else base.beam_rank_decay
             cfg = dataclasses.replace(base, policy="vllm", n=k if kind == "n" else 1,
-                                      beam_width=k if kind == "beam" else 1)
+                                      beam_width=k if kind == "beam" else 1, beam_rank_decay=q)
             saving, s = sharing_saving(timed, cfg)
             row = {"decoding": "parallel sampling" if kind == "n" else "beam search", "width": k, "rate": rate,
                    "saving": saving, "throughput": s["request_throughput"],

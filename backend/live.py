@@ -78,6 +78,8 @@ class LiveExecutor:
         self.sampler = Sampler(seed=seed, device=runner.device)
         self.beams: dict[int, _BeamState] = {}
         self.beam_results: dict[int, list[tuple[list[int], float]]] = {}
+        # called as beam_observer(group id, number of current beams, parent rank of each new beam)
+        self.beam_observer = None
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
@@ -155,6 +157,8 @@ class LiveExecutor:
             beam_seqs = [by_tokens[tuple(toks)] for toks, _ in searcher.running]
             lp = log_softmax(logits[[rows[s.seq_id] for s in beam_seqs]])
             cands = searcher.step(lp)
+            if self.beam_observer is not None:
+                self.beam_observer(gid, len(beam_seqs), [c.parent for c in cands])
             picks: dict[int, list[int]] = {}
             for c in cands:
                 picks.setdefault(c.parent, []).append(c.token)
@@ -178,10 +182,11 @@ class LiveRun:
 
 
 def serve(scheduler: Scheduler, executor: LiveExecutor, requests: list[Request], realtime: bool = True,
-          on_progress=None) -> LiveRun:
+          on_progress=None, observer=None) -> LiveRun:
     """Replay requests (arrival offsets in seconds) against the live engine. With `realtime`, a
     request enters the queue when the wall clock reaches its arrival; without, all are queued at
-    once. Each iteration's duration is measured wall time, scheduling and bookkeeping included."""
+    once. Each iteration's duration is measured wall time, scheduling and bookkeeping included.
+    `observer(start, duration, scheduler)` is called after every iteration, as in simulation."""
     pending = deque(sorted(requests, key=lambda r: r.arrival))
     log = IterationLog()
     t0 = time.perf_counter()
@@ -213,6 +218,8 @@ def serve(scheduler: Scheduler, executor: LiveExecutor, requests: list[Request],
         hits = scheduler.bm.prefix_hits if hasattr(scheduler, "bm") else 0
         log.add(now, result.duration, comp, len(plan.preempted), len(scheduler.waiting), len(scheduler.running),
                 scheduler.memory(), hits)
+        if observer is not None:
+            observer(now, result.duration, scheduler)
         if on_progress is not None:
             on_progress(end, len(scheduler.done))
     scheduler.check_conservation()

@@ -208,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_study_args(sh, "alpaca-like", [10.0])
     sh.add_argument("--n", type=int, nargs="*", default=[2, 4, 6], help="parallel sampling widths (default 2 4 6)")
     sh.add_argument("--beam-width", type=int, nargs="*", default=[2, 4, 6], help="beam widths (default 2 4 6)")
+    sh.add_argument("--beam-decay", type=float, nargs="+", default=[0.5],
+                    help="q of the simulated beam rule (parents picked ~ q^rank; measure it with `pagesim beams`): "
+                         "one value, or one per --beam-width (default 0.5)")
+    sh.add_argument("--beam-picks", help="a measured pick table (`pagesim beams --out`) for the widths it covers, "
+                                         "instead of the q^rank rule")
     sh.add_argument("--out", help="write sharing.csv here")
     sh.set_defaults(func=cmd_sharing)
 
@@ -227,6 +232,19 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--seed", type=int, default=0)
     pre.add_argument("--out", required=True)
     pre.set_defaults(func=cmd_preemption)
+
+    bm = sub.add_parser("beams", help="measure how live beam search picks parents; fit the simulator's beam rule",
+                        description="Run beam search on a real model (EOS ignored), count the parent rank of "
+                                    "every new beam, and fit q of the simulator's rule (parents picked with "
+                                    "probability proportional to q^rank; `simulate`/`sharing --beam-decay`).")
+    bm.add_argument("--model", default="smollm2-135m")
+    bm.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    bm.add_argument("--beam-width", type=int, nargs="+", default=[2, 4, 6])
+    bm.add_argument("--max-tokens", type=int, default=58, help="tokens per beam (default 58, Alpaca's mean output)")
+    bm.add_argument("--prompts-file", help="one prompt per line (default: 24 built-in short instructions)")
+    bm.add_argument("--seed", type=int, default=0)
+    bm.add_argument("--out", help="write the counts and fits here (.json)")
+    bm.set_defaults(func=cmd_beams)
 
     add_trace_parser(sub)
     return parser
@@ -323,9 +341,13 @@ def cmd_sharing(args: argparse.Namespace) -> int:
     widths = [("n", k) for k in args.n] + [("beam", k) for k in args.beam_width]
     if not widths or any(k < 2 for _, k in widths):
         raise ValueError("--n and --beam-width take widths >= 2 (at least one in all)")
+    if len(args.beam_decay) not in (1, len(args.beam_width)):
+        raise ValueError(f"--beam-decay: give one value or one per --beam-width ({len(args.beam_width)}), "
+                         f"got {len(args.beam_decay)}")
+    decay = dict(zip(args.beam_width, args.beam_decay * len(args.beam_width)))
     trace = _study_trace(args)
     base = SimConfig(model=args.model, hardware=args.hardware, block_size=args.block_size, seed=args.seed,
-                     **_study_costs(args))
+                     beam_rank_decay=args.beam_decay[0], beam_picks=args.beam_picks, **_study_costs(args))
     print(f"sharing: {len(trace)} requests of {trace.name}, {_study_title(args)}, block size "
           f"{args.block_size}")
     print(f"{'decoding':<18} {'width':>5} {'rate':>6} {'saving':>7} {'req/s':>7} {'norm lat':>9} {'preempt':>8}")
@@ -334,7 +356,7 @@ def cmd_sharing(args: argparse.Namespace) -> int:
         print(f"{r['decoding']:<18} {r['width']:>5} {r['rate']:>6.2f} {r['saving']:>7.1%} {r['throughput']:>7.3f} "
               f"{r['mean_normalized_latency']:>9.4f} {r['preemptions']:>8}", flush=True)
 
-    table = sharing_table(trace, base, args.rates, widths, on_row=show)
+    table = sharing_table(trace, base, args.rates, widths, on_row=show, beam_decay=decay)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -380,6 +402,75 @@ def cmd_preemption(args: argparse.Namespace) -> int:
     preemption_plot(micro, e2e, out / "preemption.png", f"{args.model} on {args.hardware}")
     print(f"wrote {out}/preemption_micro.csv" + (", preemption_e2e.csv" if e2e is not None else "")
           + ", preemption.png")
+    return 0
+
+
+def cmd_beams(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    live = _backend()
+    import numpy as np
+
+    from analysis.sharing import SharingMeter, sharing_saving
+    from backend.beam_calibration import INSTRUCTIONS, measure_parent_ranks
+    from backend.model_runner import ModelRunner
+    from sim.executor import BeamPicks, expected_distinct_parents, fit_beam_rank_decay
+    from sim.run import SimConfig
+    from traces.trace import Trace
+
+    model = live.load_model(args.model, seed=args.seed)
+    if model.tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer; beams needs one (use smollm2-135m)")
+    texts = INSTRUCTIONS
+    if args.prompts_file:
+        texts = [t for t in Path(args.prompts_file).read_text().splitlines() if t.strip()]
+        if not texts:
+            raise ValueError(f"{args.prompts_file}: no prompts (one per line)")
+    prompts = [model.tokenizer.encode(t) for t in texts]
+    longest = max(len(p) for p in prompts) + args.max_tokens
+    if longest > model.config.max_position:
+        raise ValueError(f"a prompt plus --max-tokens {args.max_tokens} exceeds the model's context "
+                         f"({model.config.max_position})")
+    print(f"beams: {len(prompts)} prompts (mean {sum(map(len, prompts)) / len(prompts):.1f} tokens), "
+          f"{args.max_tokens} tokens per beam, EOS ignored, {args.model}")
+    print(f"{'width':>5} {'steps':>6} {'q':>7} {'parents/step':>13} {'saving live':>12} {'sim rule':>9} "
+          f"{'sim picks':>10}   parent-rank share: observed (rule with q)")
+    # the same workload for the simulator: these prompt lengths, max_tokens each, all at once
+    lengths = np.array([len(p) for p in prompts])
+    same = Trace(arrival=np.zeros(len(prompts)), prompt_len=lengths, output_len=np.full(len(prompts), args.max_tokens),
+                 name="beam prompts", source="pagesim beams", has_timestamps=False)
+    results = []
+    for width in args.beam_width:
+        blocks = len(prompts) * width * (-(-longest // 16) + 2)
+        runner = ModelRunner(model.config, model.weights, args.device, num_gpu_blocks=blocks, block_size=16)
+        meter = SharingMeter()
+        ranks = measure_parent_ranks(runner, prompts, width, args.max_tokens, model.config.eos_token_id, args.seed,
+                                     observer=meter)
+        q = fit_beam_rank_decay(ranks.counts)
+        cfg = SimConfig(model=_spec_of(args.model), num_gpu_blocks=blocks, beam_width=width, beam_rank_decay=q,
+                        seed=args.seed)
+        sim_rule, _ = sharing_saving(same, cfg)
+        vec = [[int(x) for x in key.split(",")] for key in ranks.pick_vectors]
+        freq = np.array(list(ranks.pick_vectors.values()), dtype=float)
+        table = {width: BeamPicks(np.array(vec), freq / freq.sum())}
+        sim_picks, _ = sharing_saving(same, cfg, beam_picks=table)
+        total = sum(ranks.counts)
+        rule = [q ** r for r in range(width)]
+        shares = "  ".join(f"{c / total:.3f} ({w / sum(rule):.3f})" for c, w in zip(ranks.counts, rule))
+        seen = sum(ranks.distinct_parents) / len(ranks.distinct_parents)
+        expect = expected_distinct_parents(width, q)
+        print(f"{width:>5} {ranks.steps:>6} {q:>7.3f} {seen:>6.2f} ({expect:.2f}) {meter.saving:>12.1%} "
+              f"{sim_rule:>9.1%} {sim_picks:>10.1%}   {shares}", flush=True)
+        results.append({"width": width, "steps": ranks.steps, "rank_counts": ranks.counts, "q": q,
+                        "mean_distinct_parents": seen, "rule_distinct_parents": expect,
+                        "saving_live": meter.saving, "saving_sim_rule": sim_rule, "saving_sim_picks": sim_picks,
+                        "pick_vectors": dict(sorted(ranks.pick_vectors.items(), key=lambda kv: -kv[1]))})
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"model": args.model, "max_tokens": args.max_tokens,
+                                              "num_prompts": len(prompts), "widths": results}, indent=1) + "\n")
+        print(f"wrote {args.out}")
     return 0
 
 

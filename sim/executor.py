@@ -11,11 +11,21 @@ Decoding rules (seeded, documented here because they shape memory sharing):
   ends with its first token: the children are born finished.
 - Beam search (width k): all beams end at the trace's length (as with ignore_eos). At every step the
   k new beams pick their parents among the current beams in rank order with probability
-  proportional to 2^-rank (the best beams are extended most often, as in real beam search); a
+  proportional to q^rank (the best beams are extended most often, as in real beam search); a
   parent picked m times continues once and forks m - 1 children; a parent never picked is pruned.
+  q (`beam_rank_decay`, default 0.5) can be measured on a real model: `pagesim beams` counts the
+  parent ranks of live beam search and `fit_beam_rank_decay` fits q by maximum likelihood.
+  Measured beams spread over more parents per step than independent picks do (a real step cannot
+  take the same continuation twice), so a measured *pick table* can replace the rule: for width k,
+  the observed vectors of children per parent rank and their frequencies (`beam_picks`, loaded
+  from `pagesim beams --out` by `load_beam_picks`); each step draws one vector from it.
 """
 
 from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -24,11 +34,53 @@ from policies.scheduler import Scheduler
 from sim.cost_model import CostModel
 
 
+@dataclass(frozen=True)
+class BeamPicks:
+    """A measured pick table for one beam width k: vectors[i][r] new beams from the parent of rank
+    r (each vector sums to k), drawn with probability probs[i]."""
+
+    vectors: np.ndarray
+    probs: np.ndarray
+
+
+def load_beam_picks(path: str | Path) -> dict[int, BeamPicks]:
+    """Pick tables by width from a `pagesim beams --out` file; errors name the file and field."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+        widths = data["widths"]
+    except FileNotFoundError:
+        raise
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a `pagesim beams` file ({exc!r})") from exc
+    tables = {}
+    for i, w in enumerate(widths):
+        k = w.get("width")
+        counts = w.get("pick_vectors")
+        if not isinstance(k, int) or k < 2 or not isinstance(counts, dict) or not counts:
+            raise ValueError(f"{path}: widths[{i}] needs an integer 'width' >= 2 and a non-empty 'pick_vectors'")
+        vectors, freq = [], []
+        for key, n in counts.items():
+            v = [int(x) for x in key.split(",")]
+            if len(v) != k or sum(v) != k or min(v) < 0 or n <= 0:
+                raise ValueError(f"{path}: widths[{i}].pick_vectors[{key!r}]: expected {k} counts summing to {k}")
+            vectors.append(v)
+            freq.append(float(n))
+        p = np.asarray(freq)
+        tables[k] = BeamPicks(np.asarray(vectors, dtype=np.int64), p / p.sum())
+    return tables
+
+
 class SimulatedExecutor:
-    def __init__(self, scheduler: Scheduler, cost_model: CostModel, seed: int = 0) -> None:
+    def __init__(self, scheduler: Scheduler, cost_model: CostModel, seed: int = 0,
+                 beam_rank_decay: float = 0.5, beam_picks: dict[int, BeamPicks] | None = None) -> None:
+        if not 0 < beam_rank_decay <= 1:
+            raise ValueError(f"beam_rank_decay: must be in (0, 1], got {beam_rank_decay}")
         self.scheduler = scheduler
         self.cost = cost_model
         self.rng = np.random.default_rng(seed)
+        self.beam_rank_decay = beam_rank_decay
+        self.beam_picks = beam_picks or {}
         self.targets: dict[int, int] = {}   # seq id -> output length it finishes at
 
     def price(self, c: StepComposition) -> float:
@@ -102,13 +154,40 @@ class SimulatedExecutor:
         k = group.request.sampling.beam_width
         beams = group.seqs
         finished = beams[0].output_len + 1 >= beams[0].target_len
+        table = self.beam_picks.get(k)
         if len(beams) == 1 and beams[0].output_len == 0:
             picks = np.array([k])
+        elif table is not None and len(beams) == k:
+            picks = table.vectors[self.rng.choice(len(table.probs), p=table.probs)]
         else:
-            p = 0.5 ** np.arange(len(beams))
+            p = self.beam_rank_decay ** np.arange(len(beams))
             picks = self.rng.multinomial(k, p / p.sum())
         for seq, m in zip(beams, picks.tolist()):
             if finished:
                 result.outcomes[seq.seq_id] = SeqOutcome(seq.seq_id, None, m > 0, [], True)
             else:
                 result.outcomes[seq.seq_id] = SeqOutcome(seq.seq_id, None, m > 0, [None] * max(m - 1, 0))
+
+
+def fit_beam_rank_decay(rank_counts: list[int] | np.ndarray) -> float:
+    """Maximum-likelihood q of the beam rule from how often each parent rank was picked, counted
+    over steps with k current beams: picks ~ Multinomial(k, q^r / sum_j q^j), r = 0..k-1."""
+    n = np.asarray(rank_counts, dtype=np.float64)
+    if n.ndim != 1 or len(n) < 2 or (n < 0).any() or n.sum() == 0:
+        raise ValueError(f"rank_counts: need non-negative counts for at least 2 ranks, got {rank_counts!r}")
+    from scipy.optimize import minimize_scalar
+
+    r = np.arange(len(n))
+
+    def nll(q: float) -> float:
+        return -float((n * (r * np.log(q))).sum() - n.sum() * np.log((q ** r).sum()))
+
+    res = minimize_scalar(nll, bounds=(1e-6, 1.0), method="bounded", options={"xatol": 1e-10})
+    return float(res.x)
+
+
+def expected_distinct_parents(width: int, q: float) -> float:
+    """Under the beam rule, the expected number of current beams picked at least once in a step."""
+    p = q ** np.arange(width)
+    p = p / p.sum()
+    return float((1 - (1 - p) ** width).sum())

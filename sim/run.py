@@ -21,7 +21,7 @@ from policies.request import Request, SamplingParams
 from policies.scheduler import Scheduler
 from sim.cost_model import CostModel, RooflineCostModel
 from sim.engine import ArrivalFeed, Replica, arrival_process, engine_process
-from sim.executor import SimulatedExecutor
+from sim.executor import SimulatedExecutor, load_beam_picks
 from sim.specs import get_hardware, get_model, kv_capacity_blocks
 from traces.trace import Trace
 
@@ -46,6 +46,8 @@ class SimConfig:
     profile: str | None = None
     n: int | None = None                   # override the trace's parallel samples
     beam_width: int | None = None          # override the trace's beam width
+    beam_rank_decay: float = 0.5           # the simulated beam rule's q (sim/executor.py)
+    beam_picks: str | None = None          # a measured pick table (`pagesim beams --out`) instead of the rule
     seed: int = 0
     slo_ttft: float | None = None
     slo_tpot: float | None = None
@@ -133,10 +135,12 @@ def num_blocks_for(cfg: SimConfig) -> tuple[int, int]:
 
 def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = None,
                    progress: bool = False,
-                   observer: Callable[[float, float, Scheduler], None] | None = None) -> SimResult:
+                   observer: Callable[[float, float, Scheduler], None] | None = None,
+                   beam_picks: dict | None = None) -> SimResult:
     """Simulate the trace under the configuration; every request appears in the result.
     `observer(start, duration, scheduler)` is called after every iteration (which turns skipping
-    ahead off: each iteration is stepped so that it can be seen)."""
+    ahead off: each iteration is stepped so that it can be seen). `beam_picks` (pick tables by
+    width, sim.executor.BeamPicks) overrides the file named by cfg.beam_picks."""
     t0 = time.perf_counter()
     model = get_model(cfg.model)
     gpu_blocks, cpu_blocks = num_blocks_for(cfg)
@@ -145,7 +149,8 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
     sched = make_scheduler(cfg.policy, gpu_blocks, cfg.block_size, **kw)
     sched.max_model_len = model.max_position
     cost = cost_model or build_cost_model(cfg)
-    executor = SimulatedExecutor(sched, cost, seed=cfg.seed)
+    picks = beam_picks if beam_picks is not None else (load_beam_picks(cfg.beam_picks) if cfg.beam_picks else None)
+    executor = SimulatedExecutor(sched, cost, seed=cfg.seed, beam_rank_decay=cfg.beam_rank_decay, beam_picks=picks)
     env = simpy.Environment()
     with _gc_paused():
         feed = ArrivalFeed(requests_from_trace(trace, model.max_position, cfg.n, cfg.beam_width))

@@ -100,3 +100,30 @@ def test_validate_replays_live_and_simulated(smollm2_path, tmp_path, capsys):
     summary = json.loads((out / "validation.json").read_text())
     assert summary["mape"] == pytest.approx(table.abs_error.mean())
     assert (out / "validation.png").stat().st_size > 1000
+
+
+def test_parent_ranks_count_every_new_beam():
+    from backend.beam_calibration import measure_parent_ranks
+
+    runner = _runner(num_gpu_blocks=64)
+    prompts = [[300, 301, 302], [400, 401, 402, 403, 404]]
+    ranks = measure_parent_ranks(runner, prompts, width=3, max_tokens=5, eos_token_id=TINY.eos_token_id)
+    # every step after the first has 3 current beams, and 3 new beams pick parents in each
+    assert ranks.per_group_steps == {0: 4, 1: 4} and ranks.steps == 8
+    assert sum(ranks.counts) == 3 * ranks.steps and len(ranks.counts) == 3
+    with pytest.raises(ValueError, match="width"):
+        measure_parent_ranks(runner, prompts, width=1, max_tokens=5, eos_token_id=TINY.eos_token_id)
+
+
+def test_beams_command_measures_live_sharing_and_the_simulated_rules(smollm2_path, tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Name a colour.\nWhy is water wet?\n")
+    out = tmp_path / "beams.json"
+    assert cli_main(["beams", "--beam-width", "2", "--max-tokens", "6", "--prompts-file", str(prompts),
+                     "--out", str(out)]) == 0
+    (w,) = json.loads(out.read_text())["widths"]
+    assert w["width"] == 2 and w["steps"] == 2 * 5 and sum(w["rank_counts"]) == 2 * w["steps"]
+    assert sum(w["pick_vectors"].values()) == w["steps"] and 0 < w["q"] <= 1
+    for key in ("saving_live", "saving_sim_rule", "saving_sim_picks"):
+        assert 0 < w[key] < 1
+    assert "saving live" in capsys.readouterr().out
