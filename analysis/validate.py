@@ -173,3 +173,23 @@ def per_request_errors(live_requests: pd.DataFrame, sim_requests: pd.DataFrame) 
     e2e_live = out.e2e_live.where(out.e2e_live != 0)
     out["e2e_error"] = (out.e2e_sim - e2e_live) / e2e_live
     return out[["request_id", "ttft_live", "ttft_sim", "e2e_live", "e2e_sim", "e2e_error"]].reset_index(drop=True)
+
+
+def step_time_errors(iterations: pd.DataFrame, cost_model: Any, block_size: int = 16) -> dict[str, Any]:
+    """The cost model against every measured iteration of a live run: each row's composition priced
+    and compared with its measured duration. Mean absolute relative error overall, for pure-decode
+    iterations and for iterations carrying prompt tokens, and the mean signed error (bias)."""
+    from policies.metrics import iteration_compositions
+
+    comps = iteration_compositions(iterations, block_size)
+    measured = iterations.duration.to_numpy(dtype=float)
+    predicted = np.array([cost_model.step_time(c) for c in comps])
+    err = (predicted - measured) / measured
+    prompt = iterations.prefill_tokens.to_numpy() > 0
+
+    def mean(x: np.ndarray) -> float:
+        return float(x.mean()) if len(x) else float("nan")
+
+    return {"iterations": len(err), "mape": mean(np.abs(err)), "bias": mean(err),
+            "decode_mape": mean(np.abs(err[~prompt])), "prompt_mape": mean(np.abs(err[prompt])),
+            "decode_bias": mean(err[~prompt]), "prompt_bias": mean(err[prompt])}

@@ -82,6 +82,11 @@ def print_results(results: list[dict]) -> None:
         print(f"{label:<28}" + "".join(f"{r[field][0]:>16}{r[field][1]:>10}{'':>8}" for r in results))
     print(f"{'mean |error|':<28}" + "".join(f"{'':>16}{'':>10}{r['summary']['mape']:>8.1%}" for r in results))
     print(f"{'max |error|':<28}" + "".join(f"{'':>16}{'':>10}{r['summary']['max_abs_error']:>8.1%}" for r in results))
+    if all("step_time" in r["summary"] for r in results):
+        print(f"{'step time |error|, decode':<28}"
+              + "".join(f"{'':>16}{'':>10}{r['summary']['step_time']['decode_mape']:>8.1%}" for r in results))
+        print(f"{'step time |error|, prompt':<28}"
+              + "".join(f"{'':>16}{'':>10}{r['summary']['step_time']['prompt_mape']:>8.1%}" for r in results))
     if all("repeat" in r for r in results):
         print(f"{'live repeat: mean |error|':<28}"
               + "".join(f"{'':>16}{'':>10}{r['repeat']['mape']:>8.1%}" for r in results))

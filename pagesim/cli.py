@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="default (35 points, about 2 minutes for SmolLM2 on 2 CPU cores) or quick (a dozen tiny ones, for smoke tests)")
     prof.add_argument("--reps", type=int, help="timed repetitions per point (median kept; default 3)")
     prof.add_argument("--seed", type=int, default=0)
+    prof.add_argument("--from-run", nargs="+", metavar="DIR",
+                      help="fit to the iterations of earlier `pagesim live` runs instead of running a grid "
+                           "(their measured step times, scheduling included)")
     prof.add_argument("--out", required=True, help="profile file to write (.json); the fit plot goes beside it")
     prof.add_argument("--quiet", action="store_true")
     prof.set_defaults(func=cmd_profile)
@@ -538,10 +541,56 @@ def _serve_live(args: argparse.Namespace, trace, realtime: bool):
     return req_df, it_df, summary
 
 
+def _profile_from_runs(args: argparse.Namespace) -> int:
+    """`pagesim profile --from-run`: a profile fitted to live runs' iteration tables."""
+    import json
+    from pathlib import Path
+
+    import pandas as pd
+
+    from analysis.plots import profile_fit_plot
+    from policies.metrics import iteration_compositions
+    from sim.profiled import COMPOSITION_FIELDS, make_profile, save_profile
+
+    measurements, runs, meta = [], [], {}
+    for d in map(Path, args.from_run):
+        summary_path, its_path = d / "summary.json", d / "iterations.parquet"
+        if not summary_path.is_file() or not its_path.is_file():
+            raise FileNotFoundError(f"{d}: not a run directory (needs summary.json and iterations.parquet)")
+        summary = json.loads(summary_path.read_text())
+        if summary.get("mode") != "live":
+            raise ValueError(f"{summary_path}: not a live run (a simulated run's times come from a cost model)")
+        its = pd.read_parquet(its_path)
+        if "prefill_attn_pairs" not in its.columns:
+            raise ValueError(f"{its_path}: written by an older pagesim without per-iteration compositions")
+        bs = int(summary.get("config", {}).get("block_size", args.block_size))
+        if bs != args.block_size:
+            raise ValueError(f"{d}: block size {bs}, but --block-size is {args.block_size}")
+        model = str(summary.get("model", "?"))
+        if meta and meta["model"]["name"] != _spec_of(model):
+            raise ValueError(f"{d}: model {model!r}; the other runs are {meta['model']['name']!r}")
+        meta = {"model": {"name": _spec_of(model)}, "device": {"type": summary.get("device", "?")}}
+        for c, t in zip(iteration_compositions(its, bs), its.duration):
+            m = {f: getattr(c, f) for f in COMPOSITION_FIELDS}
+            measurements.append({"label": f"run {d.name}", **m, "time_s": float(t), "source": "served"})
+        runs.append(str(d))
+    meta.update(created=_now(), runs=runs, command="pagesim profile --from-run " + " ".join(args.from_run))
+    profile = make_profile(measurements, args.block_size, meta)
+    path = save_profile(profile, args.out)
+    plot = profile_fit_plot(profile, Path(path).with_suffix(".png"))
+    fit = profile["fit"]
+    print(f"fitted to {fit['num_points']} live iterations of {len(runs)} run(s): mean error {fit['mape']:.1%}, "
+          f"held-out (5-fold) {fit['cv_mape']:.1%}")
+    print(f"wrote {path} and {plot}")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
 
+    if args.from_run:
+        return _profile_from_runs(args)
     live = _backend()
     from analysis.plots import profile_fit_plot
     from backend.model_runner import ModelRunner
@@ -599,7 +648,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     import pandas as pd
 
-    from analysis.validate import compare_runs, validation_plot, validation_summary, validation_table
+    from analysis.validate import (
+        compare_runs,
+        step_time_errors,
+        validation_plot,
+        validation_summary,
+        validation_table,
+    )
     from sim.run import SimConfig, run_simulation
 
     out = Path(args.out)
@@ -620,12 +675,24 @@ def cmd_validate(args: argparse.Namespace) -> int:
     table = compare_runs(live_requests, sim.requests)
     table.to_csv(out / "validation.csv", index=False)
     summary = validation_summary(table)
+    live_dir = Path(args.live_run) if args.live_run else out / "live"
+    steps = None
+    if (live_dir / "iterations.parquet").is_file():
+        from sim.profiled import ProfiledCostModel
+        its = pd.read_parquet(live_dir / "iterations.parquet")
+        if "prefill_attn_pairs" in its.columns:  # runs written before the column existed cannot be repriced
+            steps = step_time_errors(its, ProfiledCostModel.from_profile(args.profile), args.block_size)
+            summary["step_time"] = steps
     summary.update(profile=str(args.profile), trace=trace.name, num_requests=len(trace), policy=args.policy)
     (out / "validation.json").write_text(json.dumps(summary, indent=1) + "\n")
     validation_plot(live_requests, sim.requests, out / "validation.png",
                     f"{trace.name}, {len(trace)} requests, {args.policy}: live vs simulated ({args.profile})")
     print(validation_table(table))
     print(f"\nmean absolute error over these rows: {summary['mape']:.1%}")
+    if steps:
+        print(f"step times, profile vs {steps['iterations']} live iterations: mean |error| {steps['mape']:.1%} "
+              f"(bias {steps['bias']:+.1%}); decode-only {steps['decode_mape']:.1%}, with prompt tokens "
+              f"{steps['prompt_mape']:.1%}")
     print(f"wrote {out}/validation.csv, validation.json, validation.png, sim/" + ("" if args.live_run else ", live/"))
     return 0
 

@@ -19,7 +19,7 @@ ITERATION_COLUMNS = (
     "start", "duration", "num_seqs", "prefill_tokens", "decode_tokens", "context_tokens",
     "num_preempted", "swap_in_blocks", "swap_out_blocks", "waiting", "running",
     "kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag", "kv_free",
-    "prefix_hits",
+    "prefix_hits", "prefill_seqs", "prefill_attn_pairs", "prefill_context_tokens", "copy_blocks",
 )
 
 
@@ -44,7 +44,8 @@ class IterationLog:
                               c.num_decode_seqs, c.decode_context_tokens + c.prefill_context_tokens,
                               num_preempted, c.swap_in_blocks, c.swap_out_blocks, waiting, running,
                               mem.token_states, mem.reserved, mem.internal_frag, mem.external_frag, mem.free,
-                              prefix_hits))
+                              prefix_hits, c.num_prefill_seqs, c.prefill_attn_pairs, c.prefill_context_tokens,
+                              c.copy_blocks))
         self._pending_at.append(self._reserve(1))
         if len(self._pending) >= self._BATCH:
             self._flush()
@@ -83,6 +84,17 @@ class IterationLog:
         data.update((c, col[:n]) for c, col in self._cols.items())
         # no copy: the frame views the log's columns (rows added later land past its end)
         return pd.DataFrame(data, copy=False)
+
+
+def iteration_compositions(iterations: pd.DataFrame, block_size: int = 16) -> list[StepComposition]:
+    """The StepComposition of every row of an iterations table (the inverse of IterationLog.add)."""
+    cols = {c: iterations[c].to_numpy(dtype=np.int64) for c in (
+        "prefill_seqs", "prefill_tokens", "prefill_attn_pairs", "prefill_context_tokens", "decode_tokens",
+        "context_tokens", "swap_in_blocks", "swap_out_blocks", "copy_blocks")}
+    return [StepComposition(num_prefill_seqs=int(a), prefill_tokens=int(b), prefill_attn_pairs=int(c),
+                            prefill_context_tokens=int(d), num_decode_seqs=int(e), decode_context_tokens=int(f - d),
+                            swap_in_blocks=int(g), swap_out_blocks=int(h), copy_blocks=int(i), block_size=block_size)
+            for a, b, c, d, e, f, g, h, i in zip(*cols.values())]
 
 
 def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:

@@ -259,3 +259,24 @@ def test_real_azure_conv_trace():
     tr = resolve_trace(str(SHARED / "azure_2023" / "AzureLLMInferenceTrace_conv.csv"), num_requests=200)
     res = run_simulation(SimConfig(model="llama-3-8b", hardware="a100-80gb", chunked_prefill=True), tr)
     assert res.summary["num_finished"] > 150
+
+
+@pytest.mark.parametrize("extra", [
+    {"chunked_prefill": True, "max_num_batched_tokens": 256},
+    {"preemption": "swap", "num_gpu_blocks": 300},
+    {"prefix_caching": True, "num_gpu_blocks": 400},
+])
+def test_iteration_table_holds_each_iterations_composition(extra):
+    """Repricing every row's composition gives its duration exactly: the table is complete enough to
+    check or refit a cost model against (stepped rows and skipped windows alike)."""
+    from policies.metrics import iteration_compositions
+    from sim.run import build_cost_model
+
+    cfg = SimConfig(**extra)
+    trace = resolve_trace("shared-prefix" if extra.get("prefix_caching") else "sharegpt-like", num_requests=150,
+                          rate=8.0, seed=2)
+    res = run_simulation(cfg, trace)
+    cost = build_cost_model(cfg)
+    comps = iteration_compositions(res.iterations, cfg.block_size)
+    assert [cost.step_time(c) for c in comps] == res.iterations.duration.tolist()
+    assert res.summary["engine"]["skipped_iterations"] > 0 or extra.get("chunked_prefill")

@@ -224,3 +224,17 @@ def test_validation_plot_writes_png(live, tmp_path):
     assert path == tmp_path / "cdf.png"
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_step_time_errors_are_zero_for_the_model_that_produced_the_times():
+    from analysis.validate import step_time_errors
+    from sim.run import SimConfig, build_cost_model, run_simulation
+    from traces import resolve_trace
+
+    cfg = SimConfig(chunked_prefill=True, max_num_batched_tokens=512)
+    res = run_simulation(cfg, resolve_trace("sharegpt-like", num_requests=80, rate=6.0, seed=0))
+    exact = step_time_errors(res.iterations, build_cost_model(cfg))
+    assert exact["iterations"] == len(res.iterations) and exact["mape"] == 0 and exact["prompt_mape"] == 0
+    slower = res.iterations.assign(duration=res.iterations.duration * 1.25)
+    off = step_time_errors(slower, build_cost_model(cfg))
+    assert off["mape"] == pytest.approx(0.2) and off["bias"] == pytest.approx(-0.2)

@@ -99,6 +99,9 @@ def test_validate_replays_live_and_simulated(smollm2_path, tmp_path, capsys):
     assert list(live.output_len) == list(sim.output_len)
     summary = json.loads((out / "validation.json").read_text())
     assert summary["mape"] == pytest.approx(table.abs_error.mean())
+    steps = summary["step_time"]
+    assert steps["iterations"] == len(pd.read_parquet(out / "live" / "iterations.parquet"))
+    assert 0 < steps["mape"] < 1 and steps["prompt_mape"] > 0
     assert (out / "validation.png").stat().st_size > 1000
 
 
@@ -127,3 +130,25 @@ def test_beams_command_measures_live_sharing_and_the_simulated_rules(smollm2_pat
     for key in ("saving_live", "saving_sim_rule", "saving_sim_picks"):
         assert 0 < w[key] < 1
     assert "saving live" in capsys.readouterr().out
+
+
+def test_profile_from_live_runs(smollm2_path, tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n" +
+                     "".join(f"{i * 0.01:.2f},{8 + 2 * i},{4 + i // 2}\n" for i in range(8)))
+    live = tmp_path / "live"
+    assert cli_main(["live", "--trace", str(trace), "--no-realtime", "--num-gpu-blocks", "64", "--out", str(live),
+                     "--max-num-batched-tokens", "24", "--quiet"]) == 0
+    out = tmp_path / "from_run.json"
+    assert cli_main(["profile", "--from-run", str(live), "--out", str(out)]) == 0
+    p = json.loads(out.read_text())
+    its = pd.read_parquet(live / "iterations.parquet")
+    assert p["fit"]["num_points"] == len(its) == len(p["measurements"])
+    assert p["model"]["name"] == "smollm2-135m" and p["runs"] == [str(live)]
+    assert sum(m["prefill_tokens"] for m in p["measurements"]) == its.prefill_tokens.sum()
+    assert "live iterations" in capsys.readouterr().out
+    sim = tmp_path / "sim"
+    assert cli_main(["simulate", "--model", "smollm2-135m", "--profile", str(out), "--num-gpu-blocks", "64",
+                     "--trace", str(trace), "--out", str(sim), "--quiet"]) == 0
+    assert cli_main(["profile", "--from-run", str(sim), "--out", str(tmp_path / "x.json")]) == 2
+    assert "not a live run" in capsys.readouterr().err
