@@ -257,3 +257,23 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "cpu"
+
+
+DRIFT_LABELS = ("decode b=4 ctx=256", "decode b=16 ctx=256", "decode b=32 ctx=64", "prefill b=1 len=256 prefix=0")
+
+
+def drift(runner: ModelRunner, measurements: list[dict], labels: tuple[str, ...] = DRIFT_LABELS, reps: int = 3,
+          seed: int = 0) -> float | None:
+    """How fast this machine runs now against when a profile was measured: the median over a few
+    of the profile's grid points of (time now / time in the profile). None when the profile holds
+    none of those points or they do not fit the runner's cache."""
+    recorded = {m["label"]: m["time_s"] for m in measurements if m.get("source", "grid") == "grid"}
+    points = [p for p in ProfileGrid().points() if p.label in labels and p.label in recorded
+              and p.blocks_needed(runner.block_size) <= runner.num_gpu_blocks]
+    if not points:
+        return None
+    rng = np.random.default_rng(seed)
+    sampler = Sampler(seed=seed, device=runner.device)
+    ratios = [statistics.median(_time_point(runner, _build(p, runner, rng)[1], sampler, reps)) / recorded[p.label]
+              for p in points]
+    return float(statistics.median(ratios))

@@ -87,6 +87,10 @@ def print_results(results: list[dict]) -> None:
               + "".join(f"{'':>16}{'':>10}{r['summary']['step_time']['decode_mape']:>8.1%}" for r in results))
         print(f"{'step time |error|, prompt':<28}"
               + "".join(f"{'':>16}{'':>10}{r['summary']['step_time']['prompt_mape']:>8.1%}" for r in results))
+    if all(r["summary"].get("machine_speed") for r in results):
+        print(f"{'machine speed before/after':<28}" + "".join(
+            f"{'':>16}{r['summary']['machine_speed']['before']:>10.2f}{r['summary']['machine_speed']['after']:>8.2f}"
+            for r in results))
     if all("repeat" in r for r in results):
         print(f"{'live repeat: mean |error|':<28}"
               + "".join(f"{'':>16}{'':>10}{r['repeat']['mape']:>8.1%}" for r in results))

@@ -496,8 +496,10 @@ def cmd_live(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_live(args: argparse.Namespace, trace, realtime: bool):
-    """Serve `trace` on the real model under the policy options; (requests, iterations, summary)."""
+def _serve_live(args: argparse.Namespace, trace, realtime: bool, check=None):
+    """Serve `trace` on the real model under the policy options; (requests, iterations, summary).
+    `check(runner)`, when given, runs before and after serving; its results go into the summary
+    as check_before / check_after."""
     live = _backend()
     from backend.model_runner import ModelRunner
     from policies.metrics import request_frame, summarize
@@ -529,7 +531,9 @@ def _serve_live(args: argparse.Namespace, trace, realtime: bool):
             bar.update(done - bar.n)
             bar.set_postfix_str(f"t={now:,.1f}s", refresh=False)
 
+    before = check(runner) if check is not None else None
     run = live.serve(sched, executor, requests, realtime=realtime, on_progress=progress)
+    after = check(runner) if check is not None else None
     if bar is not None:
         bar.close()
     req_df = request_frame(run.groups)
@@ -538,6 +542,8 @@ def _serve_live(args: argparse.Namespace, trace, realtime: bool):
     summary.update(mode="live", model=args.model, device=args.device, wall_time_s=run.wall_time,
                    kv_capacity_tokens=runner.num_gpu_blocks * args.block_size, trace=trace.name,
                    config={k: v for k, v in vars(args).items() if k != "func"})
+    if check is not None:
+        summary.update(check_before=before, check_after=after)
     return req_df, it_df, summary
 
 
@@ -667,11 +673,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
                     cost_model="profiled", profile=args.profile)
     sim = run_simulation(cfg, trace, progress=not args.quiet)  # first: a bad profile fails fast
     write_run(out / "sim", sim.requests, sim.iterations, sim.summary)
+    drift = {}
     if args.live_run:
         live_requests = pd.read_csv(Path(args.live_run) / "requests.csv")
     else:
-        live_requests, it_df, summary = _serve_live(args, trace, realtime=True)
-        write_run(out / "live", live_requests, it_df, summary)
+        from backend.profiler import drift as machine_drift
+        from sim.profiled import load_profile
+        measured = load_profile(args.profile)["measurements"]
+        live_requests, it_df, live_summary = _serve_live(args, trace, realtime=True,
+                                                         check=lambda runner: machine_drift(runner, measured))
+        write_run(out / "live", live_requests, it_df, live_summary)
+        drift = {"before": live_summary["check_before"], "after": live_summary["check_after"]}
     table = compare_runs(live_requests, sim.requests)
     table.to_csv(out / "validation.csv", index=False)
     summary = validation_summary(table)
@@ -683,12 +695,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
         if "prefill_attn_pairs" in its.columns:  # runs written before the column existed cannot be repriced
             steps = step_time_errors(its, ProfiledCostModel.from_profile(args.profile), args.block_size)
             summary["step_time"] = steps
-    summary.update(profile=str(args.profile), trace=trace.name, num_requests=len(trace), policy=args.policy)
+    summary.update(profile=str(args.profile), trace=trace.name, num_requests=len(trace), policy=args.policy,
+                   machine_speed=drift)
     (out / "validation.json").write_text(json.dumps(summary, indent=1) + "\n")
     validation_plot(live_requests, sim.requests, out / "validation.png",
                     f"{trace.name}, {len(trace)} requests, {args.policy}: live vs simulated ({args.profile})")
     print(validation_table(table))
     print(f"\nmean absolute error over these rows: {summary['mape']:.1%}")
+    if drift.get("before") is not None:
+        print(f"machine speed against the profile (profile grid points re-timed, time now / then): "
+              f"{drift['before']:.2f} before the live run, {drift['after']:.2f} after")
+        if max(abs(drift["before"] - 1), abs(drift["after"] - 1)) > 0.1:
+            print("warning: this machine runs more than 10% away from when the profile was measured; "
+                  "re-profile (pagesim profile) for a fair comparison")
     if steps:
         print(f"step times, profile vs {steps['iterations']} live iterations: mean |error| {steps['mape']:.1%} "
               f"(bias {steps['bias']:+.1%}); decode-only {steps['decode_mape']:.1%}, with prompt tokens "

@@ -102,6 +102,8 @@ def test_validate_replays_live_and_simulated(smollm2_path, tmp_path, capsys):
     steps = summary["step_time"]
     assert steps["iterations"] == len(pd.read_parquet(out / "live" / "iterations.parquet"))
     assert 0 < steps["mape"] < 1 and steps["prompt_mape"] > 0
+    speed = summary["machine_speed"]
+    assert 0.2 < speed["before"] < 5 and 0.2 < speed["after"] < 5  # the shipped profile's machine, roughly
     assert (out / "validation.png").stat().st_size > 1000
 
 
@@ -152,3 +154,15 @@ def test_profile_from_live_runs(smollm2_path, tmp_path, capsys):
                      "--trace", str(trace), "--out", str(sim), "--quiet"]) == 0
     assert cli_main(["profile", "--from-run", str(sim), "--out", str(tmp_path / "x.json")]) == 2
     assert "not a live run" in capsys.readouterr().err
+
+
+def test_drift_compares_the_machine_now_with_the_profile():
+    from backend.profiler import drift
+
+    runner = _runner(num_gpu_blocks=80)
+    slow_profile = [{"label": "decode b=4 ctx=256", "time_s": 100.0}, {"label": "served", "time_s": 1.0,
+                                                                        "source": "served"}]
+    ratio = drift(runner, slow_profile, reps=1)
+    assert ratio is not None and 0 < ratio < 0.01  # the tiny model is far faster than 100 s a step
+    assert drift(runner, [{"label": "decode b=1 ctx=7", "time_s": 1.0}]) is None
+    assert drift(_runner(num_gpu_blocks=8), slow_profile) is None  # the point does not fit that cache
