@@ -10,7 +10,12 @@ end-to-end latency, and on throughput. With --repeat, each trace is served live 
 the two live runs are compared the same way: the run-to-run spread of live measurements on this
 machine, the floor under any simulator's error.
 
-    python -m benchmarks.bench_validate [--profile NAME|PATH] [--requests 32] [--repeat] [--out DIR]
+With --profile-first, the model is profiled on this machine right before the scenarios (about 2
+minutes) and that profile is used: profile and validation back to back, as a shipped profile
+measured at another time cannot account for this VM's drift.
+
+    python -m benchmarks.bench_validate [--profile NAME|PATH | --profile-first] [--requests 32] [--repeat]
+                                        [--out DIR]
 """
 
 from __future__ import annotations
@@ -107,6 +112,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          "(random weights; e.g. smollm2-135m.json)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--scenarios", nargs="+", default=[s[0] for s in SCENARIOS])
+    ap.add_argument("--profile-first", action="store_true", help="profile the model here first and use that")
     ap.add_argument("--repeat", action="store_true", help="serve each trace live twice and compare the two")
     ap.add_argument("--out", help="keep the runs here (default: a temporary directory)")
     args = ap.parse_args(argv)
@@ -120,6 +126,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out or tmp)
+        if args.profile_first:
+            from pagesim.cli import main as cli_main
+            args.profile = str(root / "profile.json")
+            if cli_main(["profile", "--model", args.model, "--device", args.device, "--out", args.profile,
+                         "--quiet"]) != 0:
+                raise RuntimeError("pagesim profile failed")
         for name, rate, blocks in SCENARIOS:
             if name in args.scenarios:
                 results.append(run_scenario(name, rate, blocks, args.requests, args.profile, root / name,
