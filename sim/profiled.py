@@ -11,14 +11,17 @@ iterations from it.
     time = base + tokens * c_tokens + sampled * c_sampled + prefill_attn_pairs * c_pairs
            + prefill_context_tokens * c_prefix + decode_context_tokens * c_decode_ctx
            + swap_blocks * c_swap + copy_blocks * c_copy
+           + [in the serving loop] (loop + seqs * c_loop_seqs)
 
 Coefficients are non-negative (a fit that makes work cheaper with more of it extrapolates badly)
 and are fitted on relative error (weights 1 / measured time), since a step's time spans orders of
 magnitude across the grid. Measurements come from two sources: grid points (`source` absent or
 "grid", chosen compositions timed in isolation) and served iterations (`source` "served", a live
 run's iterations, scheduling included); when both are present each source weighs the same in total,
-so hundreds of served iterations do not drown the grid. `fit.cv_mape` is the k-fold
-cross-validated error, the honest one.
+so hundreds of served iterations do not drown the grid. The two `loop` terms are what an iteration
+of the serving loop pays beyond the executor's work (scheduling, bookkeeping): fitted on served
+iterations only (grid points have them at 0), and always paid by a simulated iteration, which is a
+loop iteration. `fit.cv_mape` is the k-fold cross-validated error, the honest one.
 
 Profiles that the project's own runs produced ship in sim/profiles/ and are found by name.
 """
@@ -41,17 +44,19 @@ PROFILE_VERSION = 1
 SHIPPED_DIR = Path(__file__).parent / "profiles"
 
 FEATURES: tuple[str, ...] = ("base", "tokens", "sampled", "prefill_attn_pairs", "prefill_context_tokens",
-                             "decode_context_tokens", "swap_blocks", "copy_blocks")
+                             "decode_context_tokens", "swap_blocks", "copy_blocks", "loop", "loop_seqs")
 COMPOSITION_FIELDS: tuple[str, ...] = ("num_prefill_seqs", "prefill_tokens", "prefill_attn_pairs",
                                        "prefill_context_tokens", "num_decode_seqs", "decode_context_tokens",
                                        "swap_in_blocks", "swap_out_blocks", "copy_blocks")
 
 
-def features(c: StepComposition) -> list[float]:
-    """The regressors of one composition, in FEATURES order."""
-    return [1.0, float(c.prefill_tokens + c.num_decode_seqs), float(c.num_prefill_seqs + c.num_decode_seqs),
+def features(c: StepComposition, in_loop: bool = True) -> list[float]:
+    """The regressors of one composition, in FEATURES order; `in_loop`: an iteration of the serving
+    loop (a served or simulated iteration) rather than the executor timed alone (a grid point)."""
+    seqs = float(c.num_prefill_seqs + c.num_decode_seqs)
+    return [1.0, float(c.prefill_tokens + c.num_decode_seqs), seqs,
             float(c.prefill_attn_pairs), float(c.prefill_context_tokens), float(c.decode_context_tokens),
-            float(c.swap_in_blocks + c.swap_out_blocks), float(c.copy_blocks)]
+            float(c.swap_in_blocks + c.swap_out_blocks), float(c.copy_blocks), float(in_loop), seqs * in_loop]
 
 
 class ProfiledCostModel(CostModel):
@@ -69,7 +74,9 @@ class ProfiledCostModel(CostModel):
         self.block_size = block_size
         self.source = source
         c = self.coef
-        self._base, self._tok, self._samp = c["base"], c["tokens"], c["sampled"]
+        # a simulated iteration is a loop iteration: its loop terms fold into the constant and the
+        # per-sequence term (sampled rows and sequences are the same count)
+        self._base, self._tok, self._samp = c["base"] + c["loop"], c["tokens"], c["sampled"] + c["loop_seqs"]
         self._pairs, self._prefix, self._dctx = c["prefill_attn_pairs"], c["prefill_context_tokens"], \
             c["decode_context_tokens"]
 
@@ -134,9 +141,9 @@ def fit_measurements(measurements: Sequence[dict[str, Any]], folds: int = 5) -> 
     also their own in-sample and held-out means ("served_mape", "served_cv_mape")."""
     if len(measurements) < len(FEATURES):
         raise ValueError(f"need at least {len(FEATURES)} measurements to fit, got {len(measurements)}")
-    X = np.array([features(composition_of(m, i)) for i, m in enumerate(measurements)])
-    y = np.array([_time_of(m, i) for i, m in enumerate(measurements)])
     served = np.array([m.get("source", "grid") == "served" for m in measurements])
+    X = np.array([features(composition_of(m, i), bool(s)) for i, (m, s) in enumerate(zip(measurements, served))])
+    y = np.array([_time_of(m, i) for i, m in enumerate(measurements)])
     w = np.ones_like(y)
     if served.any() and not served.all():
         w[served] = (~served).sum() / served.sum()
