@@ -8,11 +8,13 @@ from collections.abc import Callable, Sequence
 
 import pandas as pd
 
+from policies.registry import PAGED_ONLY_DEFAULTS
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
 
-PAGED_ONLY = {"preemption": "recompute", "chunked_prefill": False, "prefix_caching": False}
+# the paged-only options a SimConfig carries, switched off for the contiguous baselines
+PAGED_ONLY = {k: v for k, v in PAGED_ONLY_DEFAULTS.items() if k in SimConfig.__dataclass_fields__}
 
 
 def sweep(trace: Trace, base: SimConfig, policies: Sequence[str], rates: Sequence[float],

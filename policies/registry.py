@@ -32,13 +32,18 @@ def _static(num_blocks: int, block_size: int = 16, **kw: Any) -> Scheduler:
                            **_only(kw, "static"))
 
 
+# Options of the paged 'vllm' policy only, at their off / default values (the values the
+# contiguous baselines accept, and what a study sets when it runs a baseline beside vllm).
+PAGED_ONLY_DEFAULTS: dict[str, Any] = {"preemption": "recompute", "chunked_prefill": False, "prefix_caching": False,
+                                       "num_cpu_blocks": 0, "watermark": 0.01}
+
+
 def _only(kw: dict[str, Any], name: str) -> dict[str, Any]:
     """Contiguous baselines take the budgets only; paged-only options must be off."""
     allowed = {"max_num_seqs", "max_num_batched_tokens"}
-    paged_only = {"preemption", "chunked_prefill", "prefix_caching", "num_cpu_blocks", "watermark"}
     for k, v in kw.items():
-        if k in paged_only:
-            if v not in (None, False, 0, "recompute", 0.01):
+        if k in PAGED_ONLY_DEFAULTS:
+            if v is not None and v != PAGED_ONLY_DEFAULTS[k]:
                 raise ValueError(f"{k}={v!r} applies to the paged 'vllm' policy only, not {name!r}")
         elif k not in allowed:
             raise ValueError(f"unknown parameter {k!r} for policy {name!r}")
