@@ -158,10 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="replay one trace live and in simulation; report the simulator's error",
                          description="Calibration, last step: serve a trace live on a real model and simulate it "
                                      "with a profiled cost model (same policy, cache size and arrivals); writes "
-                                     "live/ and sim/ runs, validation.csv, validation.json and validation.png.")
+                                     "live/ and sim/ runs, validation.csv, validation.json and validation.png. "
+                                     "Serves the first 32 requests unless --num-requests says otherwise.")
     add_workload_args(val)
     add_policy_args(val)
     add_live_model_args(val)
+    val.set_defaults(num_requests=32)  # every request is served live, in real time: keep the default small
     val.add_argument("--profile", required=True, help="profile file (or shipped profile name) for the simulator")
     val.add_argument("--live-run", help="reuse this earlier `pagesim live` output directory instead of serving again")
     add_output_args(val)
