@@ -241,11 +241,21 @@ def environment(runner: ModelRunner, model_name: str) -> dict:
         device["name"] = _cpu_name()
     attn = runner.attention
     software = {"python": platform.python_version(), "torch": torch.__version__,
+                "pagesim": _version("pagesim"), "triton": _version("triton"),
                 "attention": f"{getattr(attn, '__module__', '')}.{getattr(attn, '__name__', type(attn).__name__)}"}
     model = {"name": model_name, "arch": cfg.arch, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
              "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
              "vocab_size": cfg.vocab_size}
     return {"model": model, "device": device, "software": software, "dtype": str(runner.dtype).removeprefix("torch.")}
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def _cpu_name() -> str:

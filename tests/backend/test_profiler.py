@@ -72,6 +72,7 @@ def test_profile_command_writes_a_profile_and_its_plot(tmp_path, capsys):
                      "--quiet"]) == 0
     p = json.loads(out.read_text())
     assert p["format"] == "pagesim-profile" and p["model"]["num_layers"] == 2 and p["dtype"] == "float32"
+    assert p["software"]["torch"] == torch.__version__ and p["software"]["pagesim"]
     grid = [m for m in p["measurements"] if m.get("source") != "served"]
     assert len(grid) == len(ProfileGrid.quick().points()) < p["fit"]["num_points"] == len(p["measurements"])
     assert p["device"]["type"] == "cpu" and "served_cv_mape" in p["fit"]
