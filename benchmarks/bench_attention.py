@@ -1,7 +1,7 @@
 """Paged decode attention vs contiguous scaled_dot_product_attention.
 
 CPU: the torch paged path, batch 32, contexts 256..2048, for SmolLM2-135M and Llama-3-8B head
-shapes (float32). `ratio` is paged / SDPA (enable_gqa=True); `ratio_packed` compares with SDPA fed
+shapes (float32), then over block sizes 1..256 at context 1024. `ratio` is paged / SDPA (enable_gqa=True); `ratio_packed` compares with SDPA fed
 the GQA-packed query layout [B, Hkv, H / Hkv, D] that the paged path itself uses. CUDA (when present): the Triton paged decode kernel for Llama-3-8B shapes
 (32 query heads, 8 KV heads, head_dim 128, bf16), batch 1..256, contexts 128..8192, with achieved
 bandwidth against a measured device-to-device copy bandwidth, and the kernel over block sizes 1..256.
@@ -94,6 +94,18 @@ def bench_cpu(reps: int = 7, batch: int = 32, block_size: int = 16) -> list[dict
             for name, shape in CPU_SHAPES.items() for ctx in CPU_CONTEXTS]
 
 
+def bench_cpu_block_sizes(reps: int = 7, batch: int = 32, ctx: int = 1024,
+                          block_sizes=(1, 4, 16, 64, 256)) -> list[dict]:
+    """The torch paged path over block sizes (SmolLM2 and Llama-3-8B head shapes, one context)."""
+    rows = []
+    for name, shape in CPU_SHAPES.items():
+        for bs in block_sizes:
+            r = _cpu_case(name, shape, batch, ctx, bs, reps)
+            r["shape"] = f"{name} bs={bs}"
+            rows.append(r)
+    return rows
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read + written)."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda")
@@ -175,6 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
         result["cpu"] = bench_cpu(args.reps)
         print_table(result["cpu"], f"CPU decode, torch paged vs contiguous SDPA (float32, {torch.get_num_threads()} "
                                    "threads; ratio = paged / sdpa)")
+        result["cpu_block_sizes"] = bench_cpu_block_sizes(args.reps)
+        print_table(result["cpu_block_sizes"], "CPU decode by KV block size (batch 32, context 1024)")
     if args.device in ("cuda", "all") and torch.cuda.is_available():
         result["cuda"], result["copy_gbs"] = bench_cuda()
         result["gpu"] = torch.cuda.get_device_name()
