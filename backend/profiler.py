@@ -31,6 +31,7 @@ import torch
 
 from backend.model_runner import Batch, ModelRunner, SeqInput
 from backend.sampler import Sampler, SamplingParams, log_softmax
+from policies.metrics import iteration_compositions
 from policies.plan import ScheduledSeq, StepComposition, StepPlan
 
 
@@ -85,11 +86,14 @@ class ProfileGrid:
         pts += [ProfilePoint(f"copy {k} blocks", (side,) * 8, copy_blocks=k) for k in self.copy_blocks]
         return [p for p in pts if p.kv_tokens() <= self.max_kv_tokens]
 
+    def served_blocks_needed(self, block_size: int) -> int:
+        """Device blocks the served workload can hold at once (every request at its longest)."""
+        return self.serve_requests * -(-(self.serve_prompt[1] + self.serve_output[1]) // block_size)
+
     def blocks_needed(self, block_size: int) -> tuple[int, int]:
         """(device blocks, CPU blocks) a runner needs for every point and the served workload."""
         pts = self.points()
-        served = self.serve_requests * -(-(self.serve_prompt[1] + self.serve_output[1]) // block_size)
-        return (max([p.blocks_needed(block_size) for p in pts] + [served]),
+        return (max([p.blocks_needed(block_size) for p in pts] + [self.served_blocks_needed(block_size)]),
                 max([p.swap_blocks for p in pts] + [1]))
 
     @classmethod
@@ -128,7 +132,7 @@ def profile_model(runner: ModelRunner, grid: ProfileGrid, seed: int = 0,
         run.measurements.append(m)
         if on_point is not None:
             on_point(i, total, m)
-    need = grid.blocks_needed(runner.block_size)[0]
+    need = grid.served_blocks_needed(runner.block_size)
     if grid.serve_requests and need > runner.num_gpu_blocks:
         run.skipped.append(f"served workload: needs up to {need} device blocks; the cache has {runner.num_gpu_blocks}")
     elif grid.serve_requests:
@@ -137,21 +141,6 @@ def profile_model(runner: ModelRunner, grid: ProfileGrid, seed: int = 0,
         if on_point is not None and served:
             on_point(total - 1, total, served[-1])
     return run
-
-
-class _Recorder:
-    """Wraps an executor and keeps each executed plan's composition, in order."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.compositions: list[StepComposition] = []
-
-    def execute(self, plan: StepPlan):
-        self.compositions.append(plan.composition())
-        return self.inner.execute(plan)
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
 
 
 def calibration_requests(grid: ProfileGrid, vocab_size: int, seed: int = 0) -> list:
@@ -179,10 +168,10 @@ def serve_calibration(runner: ModelRunner, grid: ProfileGrid, seed: int = 0) -> 
     requests = calibration_requests(grid, runner.config.vocab_size, seed)
     sched = make_scheduler("vllm", runner.num_gpu_blocks, runner.block_size)
     sched.max_model_len = runner.config.max_position
-    executor = _Recorder(LiveExecutor(sched, runner, [runner.config.eos_token_id], seed=seed))
-    log = serve(sched, executor, requests, realtime=False).log.frame()
+    executor = LiveExecutor(sched, runner, [runner.config.eos_token_id], seed=seed)
+    log = serve(sched, executor, requests, realtime=False).log.frame()  # it records each composition
     return [{"label": "served", **_composition_fields(c), "time_s": float(t), "source": "served"}
-            for c, t in zip(executor.compositions, log.duration, strict=True)]
+            for c, t in zip(iteration_compositions(log, runner.block_size), log.duration, strict=True)]
 
 
 def _build(point: ProfilePoint, runner: ModelRunner, rng: np.random.Generator) -> tuple[StepPlan, Batch]:
