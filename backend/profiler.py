@@ -24,7 +24,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ import torch
 from backend.model_runner import Batch, ModelRunner, SeqInput
 from backend.sampler import Sampler, SamplingParams, log_softmax
 from policies.metrics import iteration_compositions
-from policies.plan import ScheduledSeq, StepComposition, StepPlan
+from policies.plan import ScheduledSeq, StepPlan
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def profile_model(runner: ModelRunner, grid: ProfileGrid, seed: int = 0,
             continue
         plan, batch = _build(point, runner, rng)
         times = _time_point(runner, batch, sampler, grid.reps)
-        m = {"label": point.label, **_composition_fields(plan.composition()),
+        m = {"label": point.label, **plan.composition().counts(),
              "time_s": statistics.median(times), "times_s": times}
         run.measurements.append(m)
         if on_point is not None:
@@ -170,7 +170,7 @@ def serve_calibration(runner: ModelRunner, grid: ProfileGrid, seed: int = 0) -> 
     sched.max_model_len = runner.config.max_position
     executor = LiveExecutor(sched, runner, [runner.config.eos_token_id], seed=seed)
     log = serve(sched, executor, requests, realtime=False).log.frame()  # it records each composition
-    return [{"label": "served", **_composition_fields(c), "time_s": float(t), "source": "served"}
+    return [{"label": "served", **c.counts(), "time_s": float(t), "source": "served"}
             for c, t in zip(iteration_compositions(log, runner.block_size), log.duration, strict=True)]
 
 
@@ -210,12 +210,6 @@ def _time_point(runner: ModelRunner, batch: Batch, sampler: Sampler, reps: int) 
         if r:
             times.append(time.perf_counter() - t0)
     return times
-
-
-def _composition_fields(c: StepComposition) -> dict[str, int]:
-    d = asdict(c)
-    d.pop("block_size")
-    return d
 
 
 def environment(runner: ModelRunner, model_name: str) -> dict:

@@ -558,7 +558,7 @@ def _profile_from_runs(args: argparse.Namespace) -> int:
 
     from analysis.plots import profile_fit_plot
     from policies.metrics import iteration_compositions
-    from sim.profiled import COMPOSITION_FIELDS, make_profile, save_profile
+    from sim.profiled import make_profile, save_profile
 
     measurements, runs, meta = [], [], {}
     for d in map(Path, args.from_run):
@@ -578,9 +578,8 @@ def _profile_from_runs(args: argparse.Namespace) -> int:
         if meta and meta["model"]["name"] != _spec_of(model):
             raise ValueError(f"{d}: model {model!r}; the other runs are {meta['model']['name']!r}")
         meta = {"model": {"name": _spec_of(model)}, "device": {"type": summary.get("device", "?")}}
-        for c, t in zip(iteration_compositions(its, bs), its.duration):
-            m = {f: getattr(c, f) for f in COMPOSITION_FIELDS}
-            measurements.append({"label": f"run {d.name}", **m, "time_s": float(t), "source": "served"})
+        measurements += [{"label": f"run {d.name}", **c.counts(), "time_s": float(t), "source": "served"}
+                         for c, t in zip(iteration_compositions(its, bs), its.duration)]
         runs.append(str(d))
     meta.update(created=_now(), runs=runs, command="pagesim profile --from-run " + " ".join(args.from_run))
     profile = make_profile(measurements, args.block_size, meta)

@@ -7,7 +7,7 @@ token counts, never of tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,13 @@ class StepComposition:
     @property
     def is_empty(self) -> bool:
         return self.num_tokens == 0 and self.swap_in_blocks == 0 and self.swap_out_blocks == 0
+
+    def counts(self) -> dict[str, int]:
+        """The work counts (every field but block_size), as profile measurements record them."""
+        return {f: getattr(self, f) for f in COMPOSITION_COUNTS}
+
+
+COMPOSITION_COUNTS: tuple[str, ...] = tuple(f.name for f in fields(StepComposition) if f.name != "block_size")
 
 
 @dataclass(slots=True)

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.plan import StepComposition
+from policies.plan import COMPOSITION_COUNTS, StepComposition
 from sim.cost_model import CostModel
 
 PROFILE_FORMAT = "pagesim-profile"
@@ -45,9 +45,7 @@ SHIPPED_DIR = Path(__file__).parent / "profiles"
 
 FEATURES: tuple[str, ...] = ("base", "tokens", "sampled", "prefill_attn_pairs", "prefill_context_tokens",
                              "decode_context_tokens", "swap_blocks", "copy_blocks", "loop", "loop_seqs")
-COMPOSITION_FIELDS: tuple[str, ...] = ("num_prefill_seqs", "prefill_tokens", "prefill_attn_pairs",
-                                       "prefill_context_tokens", "num_decode_seqs", "decode_context_tokens",
-                                       "swap_in_blocks", "swap_out_blocks", "copy_blocks")
+COMPOSITION_FIELDS = COMPOSITION_COUNTS  # a measurement's composition: StepComposition.counts()
 
 
 def features(c: StepComposition, in_loop: bool = True) -> list[float]:

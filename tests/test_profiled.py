@@ -48,9 +48,7 @@ def _measurements(model: ProfiledCostModel, noise: float = 0.0, seed: int = 0) -
     rng = np.random.default_rng(seed)
     ms = []
     for c in _grid():
-        d = {f: getattr(c, f) for f in ("num_prefill_seqs", "prefill_tokens", "prefill_attn_pairs",
-                                        "prefill_context_tokens", "num_decode_seqs", "decode_context_tokens",
-                                        "swap_in_blocks", "swap_out_blocks", "copy_blocks")}
+        d = c.counts()
         d["time_s"] = model.step_time(c) * float(np.exp(noise * rng.standard_normal()))
         ms.append(d)
     return ms
