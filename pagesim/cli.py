@@ -456,10 +456,7 @@ def cmd_beams(args: argparse.Namespace) -> int:
         cfg = SimConfig(model=_spec_of(args.model), num_gpu_blocks=blocks, beam_width=width, beam_rank_decay=q,
                         seed=args.seed)
         sim_rule, _ = sharing_saving(same, cfg)
-        vec = [[int(x) for x in key.split(",")] for key in ranks.pick_vectors]
-        freq = np.array(list(ranks.pick_vectors.values()), dtype=float)
-        table = {width: BeamPicks(np.array(vec), freq / freq.sum())}
-        sim_picks, _ = sharing_saving(same, cfg, beam_picks=table)
+        sim_picks, _ = sharing_saving(same, cfg, beam_picks={width: BeamPicks.from_counts(width, ranks.pick_vectors)})
         total = sum(ranks.counts)
         rule = [q ** r for r in range(width)]
         shares = "  ".join(f"{c / total:.3f} ({w / sum(rule):.3f})" for c, w in zip(ranks.counts, rule))
@@ -662,6 +659,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         validation_summary,
         validation_table,
     )
+    from sim.profiled import ProfiledCostModel, load_profile
     from sim.run import SimConfig, run_simulation
 
     out = Path(args.out)
@@ -674,15 +672,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
                     cost_model="profiled", profile=args.profile)
     sim = run_simulation(cfg, trace, progress=not args.quiet)  # first: a bad profile fails fast
     write_run(out / "sim", sim.requests, sim.iterations, sim.summary)
+    profile = load_profile(args.profile)
     drift = {}
     if args.live_run:
         live_requests = pd.read_csv(Path(args.live_run) / "requests.csv")
     else:
         from backend.profiler import drift as machine_drift
-        from sim.profiled import load_profile
-        measured = load_profile(args.profile)["measurements"]
-        live_requests, it_df, live_summary = _serve_live(args, trace, realtime=True,
-                                                         check=lambda runner: machine_drift(runner, measured))
+        live_requests, it_df, live_summary = _serve_live(
+            args, trace, realtime=True, check=lambda runner: machine_drift(runner, profile["measurements"]))
         write_run(out / "live", live_requests, it_df, live_summary)
         drift = {"before": live_summary["check_before"], "after": live_summary["check_after"]}
     table = compare_runs(live_requests, sim.requests)
@@ -691,10 +688,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     live_dir = Path(args.live_run) if args.live_run else out / "live"
     steps = None
     if (live_dir / "iterations.parquet").is_file():
-        from sim.profiled import ProfiledCostModel
         its = pd.read_parquet(live_dir / "iterations.parquet")
         if "prefill_attn_pairs" in its.columns:  # runs written before the column existed cannot be repriced
-            steps = step_time_errors(its, ProfiledCostModel.from_profile(args.profile), args.block_size)
+            steps = step_time_errors(its, ProfiledCostModel.from_profile(profile), args.block_size)
             summary["step_time"] = steps
     summary.update(profile=str(args.profile), trace=trace.name, num_requests=len(trace), policy=args.policy,
                    machine_speed=drift)

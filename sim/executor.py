@@ -42,6 +42,19 @@ class BeamPicks:
     vectors: np.ndarray
     probs: np.ndarray
 
+    @classmethod
+    def from_counts(cls, width: int, pick_vectors: dict[str, int]) -> BeamPicks:
+        """From counted steps: "c0,c1,...,c{k-1}" (children per parent rank) -> number of steps."""
+        vectors, freq = [], []
+        for key, n in pick_vectors.items():
+            v = [int(x) for x in key.split(",")]
+            if len(v) != width or sum(v) != width or min(v) < 0 or n <= 0:
+                raise ValueError(f"pick_vectors[{key!r}]: expected {width} counts summing to {width}")
+            vectors.append(v)
+            freq.append(float(n))
+        p = np.asarray(freq)
+        return cls(np.asarray(vectors, dtype=np.int64), p / p.sum())
+
 
 def load_beam_picks(path: str | Path) -> dict[int, BeamPicks]:
     """Pick tables by width from a `pagesim beams --out` file; errors name the file and field."""
@@ -59,15 +72,10 @@ def load_beam_picks(path: str | Path) -> dict[int, BeamPicks]:
         counts = w.get("pick_vectors")
         if not isinstance(k, int) or k < 2 or not isinstance(counts, dict) or not counts:
             raise ValueError(f"{path}: widths[{i}] needs an integer 'width' >= 2 and a non-empty 'pick_vectors'")
-        vectors, freq = [], []
-        for key, n in counts.items():
-            v = [int(x) for x in key.split(",")]
-            if len(v) != k or sum(v) != k or min(v) < 0 or n <= 0:
-                raise ValueError(f"{path}: widths[{i}].pick_vectors[{key!r}]: expected {k} counts summing to {k}")
-            vectors.append(v)
-            freq.append(float(n))
-        p = np.asarray(freq)
-        tables[k] = BeamPicks(np.asarray(vectors, dtype=np.int64), p / p.sum())
+        try:
+            tables[k] = BeamPicks.from_counts(k, counts)
+        except ValueError as exc:
+            raise ValueError(f"{path}: widths[{i}].{exc}") from exc
     return tables
 
 
