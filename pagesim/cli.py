@@ -553,9 +553,7 @@ def _profile_from_runs(args: argparse.Namespace) -> int:
 
     import pandas as pd
 
-    from analysis.plots import profile_fit_plot
     from policies.metrics import iteration_compositions
-    from sim.profiled import make_profile, save_profile
 
     measurements, runs, meta = [], [], {}
     for d in map(Path, args.from_run):
@@ -578,28 +576,36 @@ def _profile_from_runs(args: argparse.Namespace) -> int:
         measurements += [{"label": f"run {d.name}", **c.counts(), "time_s": float(t), "source": "served"}
                          for c, t in zip(iteration_compositions(its, bs), its.duration)]
         runs.append(str(d))
-    meta.update(created=_now(), runs=runs, command="pagesim profile --from-run " + " ".join(args.from_run))
-    profile = make_profile(measurements, args.block_size, meta)
-    path = save_profile(profile, args.out)
-    plot = profile_fit_plot(profile, Path(path).with_suffix(".png"))
-    fit = profile["fit"]
+    meta.update(runs=runs)
+    fit, path, plot = _write_profile(measurements, meta, args)
     print(f"fitted to {fit['num_points']} live iterations of {len(runs)} run(s): mean error {fit['mape']:.1%}, "
           f"held-out (5-fold) {fit['cv_mape']:.1%}")
     print(f"wrote {path} and {plot}")
     return 0
 
 
+def _write_profile(measurements: list[dict], meta: dict, args: argparse.Namespace):
+    """Fit, write the profile file and its fit plot beside it; (fit, profile path, plot path)."""
+    from pathlib import Path
+
+    from analysis.plots import profile_fit_plot
+    from sim.profiled import make_profile, save_profile
+
+    meta.update(created=_now(), command="pagesim " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["profile"]
+                else "pagesim profile")
+    profile = make_profile(measurements, args.block_size, meta)
+    path = save_profile(profile, args.out)
+    return profile["fit"], path, profile_fit_plot(profile, Path(path).with_suffix(".png"))
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     import dataclasses
-    from pathlib import Path
 
     if args.from_run:
         return _profile_from_runs(args)
     live = _backend()
-    from analysis.plots import profile_fit_plot
     from backend.model_runner import ModelRunner
     from backend.profiler import ProfileGrid, environment, profile_model
-    from sim.profiled import make_profile, save_profile
 
     grid = ProfileGrid.quick() if args.grid == "quick" else ProfileGrid()
     if args.reps is not None:
@@ -628,13 +634,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         bar.close()
     for why in run.skipped:
         print(f"skipped {why}")
-    meta = environment(runner, model.config.name or args.model)
-    meta["created"] = _now()
-    meta["command"] = "pagesim " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["profile"] else "pagesim profile"
-    profile = make_profile(run.measurements, args.block_size, meta)
-    path = save_profile(profile, args.out)
-    plot = profile_fit_plot(profile, Path(path).with_suffix(".png"))
-    fit = profile["fit"]
+    fit, path, plot = _write_profile(run.measurements, environment(runner, model.config.name or args.model), args)
     print("fitted step model (seconds per unit):")
     for k, v in fit["coef"].items():
         print(f"  {k:<24} {v:.4g}")
