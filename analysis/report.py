@@ -17,6 +17,7 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("e2e latency mean / p90 (s)", "e2e_latency.mean|e2e_latency.p90", "{:.2f}"),
     ("goodput (req/s)", "goodput", "{:.3f}"),
     ("preemptions", "num_preemptions", "{:,.0f}"),
+    ("prefix cache hits (tokens)", "prefix_hit_tokens", "{:,.0f}"),
     ("mean batched sequences", "mean_batched_seqs", "{:.1f}"),
     ("allocated KV holding token states", "kv_token_state_fraction", "{:.1%}"),
     ("KV allocated (of capacity)", "kv_usage", "{:.1%}"),
@@ -53,4 +54,21 @@ def summary_table(summaries: dict[str, dict[str, Any]]) -> str:
     lines.append("  ".join(["-" * label_w] + ["-" * w for w in widths]))
     for (label, _, _), row in zip(ROWS, cells):
         lines.append("  ".join([label.ljust(label_w)] + [c.rjust(w) for c, w in zip(row, widths)]))
+    return "\n".join(lines)
+
+
+def replica_table(summary: dict[str, Any]) -> str:
+    """A multi-replica run's spread: one row per replica (requests, busy share, latency, hits)."""
+    router = summary.get("router")
+    if not router:
+        return ""
+    head = f"router {router['name']}: {len(router['replicas'])} replicas, requests max/mean {router['imbalance']:.2f}"
+    if "affinity_routed" in router:
+        head += f", {router['affinity_routed']:,} routed by prefix match"
+    lines = [head, f"{'replica':>7}  {'requests':>8}  {'busy':>6}  {'norm. latency':>13}  {'prefix hits':>11}  {'preempted':>9}"]
+    for r in router["replicas"]:
+        lat = r["mean_normalized_latency"]
+        lat_s = "-" if isinstance(lat, float) and math.isnan(lat) else f"{lat:.4f}"
+        lines.append(f"{r['replica']:>7}  {r['requests']:>8,}  {r['busy_fraction']:>6.1%}  {lat_s:>13}  "
+                     f"{r['prefix_hit_tokens']:>11,}  {r['preemptions']:>9,}")
     return "\n".join(lines)

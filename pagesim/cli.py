@@ -6,9 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from analysis.report import summary_table
+from analysis.report import replica_table, summary_table
 from policies.metrics import write_run
 from policies.registry import POLICIES
+from policies.router import ROUTERS
 from sim.specs import HARDWARE, MODELS
 from traces.cli import add_trace_parser
 from traces.loaders import KNOWN_FORMATS
@@ -37,6 +38,24 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=4096)
     g.add_argument("--chunked-prefill", action="store_true")
     g.add_argument("--prefix-caching", action="store_true")
+
+
+def add_replica_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("replicas (simulation only)")
+    g.add_argument("--replicas", type=int, default=1, help="model replicas, each with its own KV cache (default 1)")
+    g.add_argument("--router", default="round-robin", choices=list(ROUTERS),
+                   help="how arrivals are spread over replicas (default round-robin)")
+    g.add_argument("--max-imbalance", type=int,
+                   help="prefix-affinity: the most outstanding requests a matched replica may hold above the "
+                        "least loaded (default 8)")
+
+
+def _router_options(args: argparse.Namespace) -> dict:
+    if getattr(args, "max_imbalance", None) is None:
+        return {}
+    if args.router != "prefix-affinity":
+        raise ValueError(f"--max-imbalance applies to --router prefix-affinity, not {args.router}")
+    return {"max_imbalance": args.max_imbalance}
 
 
 def add_live_model_args(p: argparse.ArgumentParser) -> None:
@@ -114,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="roofline (analytic, from --model and --hardware) or profiled (fitted, needs --profile)")
     h.add_argument("--profile", help="a profile file from `pagesim profile`, or a shipped profile's name "
                                      "(implies --cost-model profiled)")
+    add_replica_args(sim)
     o = add_output_args(sim)
     o.add_argument("--no-skip-ahead", action="store_true", help="step every iteration (slower, same results)")
     o.add_argument("--debug", action="store_true", help="check block and request conservation every iteration")
@@ -264,7 +284,9 @@ def _sim_config(args: argparse.Namespace, policy: str | None = None):
                      num_gpu_blocks=args.num_gpu_blocks, n=args.n, beam_width=args.beam_width, seed=args.seed,
                      slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, fast_forward=not args.no_skip_ahead,
                      debug=args.debug, num_cpu_blocks=args.num_cpu_blocks,
-                     cost_model="profiled" if args.profile else args.cost_model, profile=args.profile)
+                     cost_model="profiled" if args.profile else args.cost_model, profile=args.profile,
+                     replicas=getattr(args, "replicas", 1), router=getattr(args, "router", "round-robin"),
+                     router_options=_router_options(args))
 
 
 def _load_workload(args: argparse.Namespace):
@@ -280,6 +302,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     result = run_simulation(cfg, trace, progress=not args.quiet)
     out = write_run(args.out, result.requests, result.iterations, result.summary)
     print(summary_table({cfg.policy: result.summary}))
+    if cfg.replicas > 1:
+        print("\n" + replica_table(result.summary))
     print(f"\nwrote {out}/requests.csv, iterations.parquet, summary.json")
     return 0
 

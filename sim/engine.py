@@ -1,12 +1,16 @@
-"""The SimPy model: an arrival process feeding a replica whose engine process runs the serving
+"""The SimPy model: an arrival process feeding replicas whose engine processes each run the serving
 loop of DESIGN.md with a scheduler from policies/ and a simulated executor.
 
-    arrivals ──> scheduler.waiting ──> engine: plan -> execute (cost model) -> on_step_done
+    arrivals ──> router ──> replica r: scheduler.waiting ──> engine: plan -> execute (cost model) -> on_step_done
+
+With one replica there is no router: every request goes to it.
 
 When nothing can change for the next k iterations (pure decodes, no arrival that could be admitted,
 no finish, no memory pressure), the engine skips ahead k iterations at once, and through the
 iteration after them too when that one runs out of blocks (it preempts, so it admits nothing); the
 result is the same, bit for bit, as stepping them one by one (tests/test_sim.py checks this).
+With several replicas a window also ends before the next arrival anywhere: the router reads every
+replica's state at each arrival, and must find it where stepping would have left it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import simpy
 from policies.metrics import IterationLog
 from policies.plan import StepComposition
 from policies.request import Request
+from policies.router import Router
 from policies.scheduler import Scheduler
 from policies.vllm_scheduler import VllmScheduler
 from sim.executor import SimulatedExecutor
@@ -54,8 +59,12 @@ class Replica:
     def __init__(self, env: simpy.Environment, scheduler: Scheduler, executor: SimulatedExecutor,
                  fast_forward: bool = True, debug: bool = False,
                  on_progress: Callable[[float, int], None] | None = None,
-                 observer: Callable[[float, float, Scheduler], None] | None = None) -> None:
+                 observer: Callable[[float, float, Scheduler], None] | None = None,
+                 index: int = 0, routed: bool = False) -> None:
         self.env = env
+        self.index = index
+        # behind a router, other replicas' arrivals read this one's state: windows stop before them
+        self.routed = routed
         self.scheduler = scheduler
         self.executor = executor
         # an observer sees every iteration (start, duration, scheduler after it), so nothing is skipped
@@ -76,14 +85,20 @@ class Replica:
             self.wakeup.succeed()
 
 
-def arrival_process(env: simpy.Environment, feed: ArrivalFeed, replica: Replica):
-    """Each request enters the replica's waiting queue at its arrival time."""
+def arrival_process(env: simpy.Environment, feed: ArrivalFeed, replicas: list[Replica],
+                    router: Router | None = None):
+    """Each request enters a replica's waiting queue at its arrival time: the router's pick, or the
+    only replica."""
+    schedulers = [r.scheduler for r in replicas]
     while not feed.exhausted:
         request = feed.requests[feed.next_index]
         if request.arrival > env.now:
             yield env.timeout(request.arrival - env.now)
         feed.next_index += 1
-        replica.deliver(request)
+        i = router.route(request, schedulers) if router is not None else 0
+        if not 0 <= i < len(replicas):
+            raise RuntimeError(f"router {router.name if router else '-'} picked replica {i} of {len(replicas)}")
+        replicas[i].deliver(request)
 
 
 def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
@@ -141,7 +156,14 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
     b = len(sched.running)
     durations = ex.decode_step_times(b, horizon.context_tokens, k)
     ends = np.cumsum(np.concatenate(([start], durations)))[1:]
-    if not sched.waiting and k:  # an arrival could be admitted at the first iteration starting after it
+    if replica.routed:  # every arrival reads this replica's state: finish the window before it
+        safe = int(np.searchsorted(ends, feed.next_arrival(), side="left"))
+        exhausts = False  # stepped instead: its end may pass an arrival
+        if safe < k:
+            k, ends, durations = safe, ends[:safe], durations[:safe]
+        if k < 2:
+            return False
+    elif not sched.waiting and k:  # an arrival could be admitted at the first iteration starting after it
         safe = int(np.searchsorted(ends[:-1], feed.next_arrival(), side="left")) + 1
         if safe < k:
             k, exhausts = safe, False

@@ -18,6 +18,7 @@ import simpy
 from policies.metrics import request_frame, summarize
 from policies.registry import make_scheduler, scheduler_options
 from policies.request import Request, SamplingParams
+from policies.router import PrefixAffinityRouter, Router, make_router
 from policies.scheduler import Scheduler
 from sim.cost_model import CostModel, RooflineCostModel
 from sim.engine import ArrivalFeed, Replica, arrival_process, engine_process
@@ -32,6 +33,9 @@ class SimConfig:
     hardware: str = "a100-40gb"
     tp: int = 1
     policy: str = "vllm"
+    replicas: int = 1                      # model replicas serving the trace, each with its own KV cache
+    router: str = "round-robin"            # how arrivals are spread over replicas (policies.router)
+    router_options: dict[str, Any] = field(default_factory=dict)
     block_size: int = 16
     preemption: str = "recompute"
     max_num_seqs: int = 256
@@ -140,42 +144,101 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
     """Simulate the trace under the configuration; every request appears in the result.
     `observer(start, duration, scheduler)` is called after every iteration (which turns skipping
     ahead off: each iteration is stepped so that it can be seen). `beam_picks` (pick tables by
-    width, sim.executor.BeamPicks) overrides the file named by cfg.beam_picks."""
+    width, sim.executor.BeamPicks) overrides the file named by cfg.beam_picks.
+
+    With cfg.replicas > 1, each replica has its own scheduler, KV cache (cfg's size each) and
+    executor, the router spreads arrivals, and the tables gain a `replica` column."""
     t0 = time.perf_counter()
+    if cfg.replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {cfg.replicas}")
     model = get_model(cfg.model)
     gpu_blocks, cpu_blocks = num_blocks_for(cfg)
-    kw = scheduler_options(cfg.policy, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.preemption,
-                           cfg.chunked_prefill, cfg.prefix_caching, cpu_blocks)
-    sched = make_scheduler(cfg.policy, gpu_blocks, cfg.block_size, **kw)
-    sched.max_model_len = model.max_position
     cost = cost_model or build_cost_model(cfg)
     picks = beam_picks if beam_picks is not None else (load_beam_picks(cfg.beam_picks) if cfg.beam_picks else None)
-    executor = SimulatedExecutor(sched, cost, seed=cfg.seed, beam_rank_decay=cfg.beam_rank_decay, beam_picks=picks)
+    router = _router(cfg) if cfg.replicas > 1 else None
     env = simpy.Environment()
     with _gc_paused():
         feed = ArrivalFeed(requests_from_trace(trace, model.max_position, cfg.n, cfg.beam_width))
         bar = _progress_bar(len(feed.requests)) if progress else None
-        replica = Replica(env, sched, executor, cfg.fast_forward, cfg.debug,
-                          on_progress=(lambda now, done: _tick(bar, now, done)) if bar else None,
-                          observer=observer)
-        env.process(arrival_process(env, feed, replica))
-        env.process(engine_process(env, replica, feed))
+        replicas: list[Replica] = []
+        tick = (lambda now, _: _tick(bar, now, sum(len(r.scheduler.done) for r in replicas))) if bar else None
+        for i in range(cfg.replicas):
+            kw = scheduler_options(cfg.policy, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.preemption,
+                                   cfg.chunked_prefill, cfg.prefix_caching, cpu_blocks)
+            sched = make_scheduler(cfg.policy, gpu_blocks, cfg.block_size, **kw)
+            sched.max_model_len = model.max_position
+            # replica 0 keeps the run's seed, so that one replica is exactly the single-engine run
+            seed = cfg.seed if i == 0 else np.random.SeedSequence([cfg.seed, i])
+            executor = SimulatedExecutor(sched, cost, seed=seed, beam_rank_decay=cfg.beam_rank_decay, beam_picks=picks)
+            replicas.append(Replica(env, sched, executor, cfg.fast_forward, cfg.debug, on_progress=tick,
+                                    observer=observer, index=i, routed=router is not None))
+        env.process(arrival_process(env, feed, replicas, router))
+        for replica in replicas:
+            env.process(engine_process(env, replica, feed))
         env.run()
         if bar is not None:
             bar.close()
-        _final_checks(sched, len(feed.requests))
-        requests = request_frame(sched.done)
-        iterations = replica.log.frame()
+        for replica in replicas:
+            _final_checks(replica.scheduler, replica.scheduler.num_added)
+        requests, iterations = _tables(replicas)
+        if len(requests) != len(feed.requests):
+            raise AssertionError(f"{len(feed.requests)} requests in, {len(requests)} out")
         summary = summarize(requests, iterations, cfg.slo_ttft, cfg.slo_tpot)
     summary["num_gpu_blocks"] = gpu_blocks
     summary["num_cpu_blocks"] = cpu_blocks
     summary["kv_capacity_tokens"] = gpu_blocks * cfg.block_size
     summary["wall_time_s"] = time.perf_counter() - t0
-    summary["engine"] = {"stepped_iterations": replica.stepped, "skip_windows": replica.windows,
-                         "skipped_iterations": replica.skipped, "preempting_in_windows": replica.exhaustions}
+    summary["engine"] = {"stepped_iterations": sum(r.stepped for r in replicas),
+                         "skip_windows": sum(r.windows for r in replicas),
+                         "skipped_iterations": sum(r.skipped for r in replicas),
+                         "preempting_in_windows": sum(r.exhaustions for r in replicas)}
+    if router is not None:
+        summary["router"] = _router_summary(router, requests, iterations, cfg)
     summary["trace"] = trace.name
     summary["config"] = cfg.to_dict()
     return SimResult(requests, iterations, summary, cfg)
+
+
+def _router(cfg: SimConfig) -> Router:
+    opts = dict(cfg.router_options)
+    opts.setdefault("seed", cfg.seed)
+    if cfg.router == PrefixAffinityRouter.name:
+        opts.setdefault("block", cfg.block_size)  # token-id prompts are keyed in KV blocks
+    return make_router(cfg.router, **opts)
+
+
+def _tables(replicas: list[Replica]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Request and iteration tables of all replicas (one replica: exactly its own tables)."""
+    if len(replicas) == 1:
+        return request_frame(replicas[0].scheduler.done), replicas[0].log.frame()
+    reqs, its = [], []
+    for r in replicas:
+        reqs.append(request_frame(r.scheduler.done).assign(replica=r.index))
+        its.append(r.log.frame().assign(replica=r.index))
+    requests = pd.concat(reqs, ignore_index=True).sort_values("request_id", kind="stable", ignore_index=True)
+    iterations = pd.concat(its, ignore_index=True)
+    return requests, iterations
+
+
+def _router_summary(router: Router, requests: pd.DataFrame, iterations: pd.DataFrame, cfg: SimConfig) -> dict:
+    """Per replica: its share of the requests, how busy it was, its latency and prefix hits; and how
+    even the spread was (max over mean of requests per replica)."""
+    span = max(float(requests.finish_time.max() - requests.arrival.min()), 1e-12) if len(requests) else 1e-12
+    rows = []
+    for i in range(cfg.replicas):
+        mine = requests[requests.replica == i]
+        done = mine[mine.status == "finished"]
+        busy = float(iterations.duration[iterations.replica == i].sum())
+        rows.append({"replica": i, "requests": len(mine), "finished": len(done),
+                     "busy_fraction": busy / span, "prefix_hit_tokens": int(mine.prefix_hit_tokens.sum()),
+                     "preemptions": int(mine.num_preemptions.sum()),
+                     "mean_normalized_latency": float(done.normalized_latency.mean()) if len(done) else float("nan")})
+    counts = np.array([r["requests"] for r in rows], dtype=float)
+    out: dict[str, Any] = {"name": router.name, "replicas": rows,
+                           "imbalance": float(counts.max() / counts.mean()) if counts.sum() else float("nan")}
+    if isinstance(router, PrefixAffinityRouter):
+        out["affinity_routed"] = router.affinity_hits
+    return out
 
 
 @contextlib.contextmanager

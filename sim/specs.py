@@ -169,6 +169,9 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("llama-13b", "llama", 40, 5120, 40, 40, 128, 13824, 32000, 2048),
         ModelSpec("llama-3-8b", "llama", 32, 4096, 32, 8, 128, 14336, 128256, 8192),
         ModelSpec("llama-3-70b", "llama", 80, 8192, 64, 8, 128, 28672, 128256, 8192),
+        # Llama 3.1: the same shapes as Llama 3, with a 128K context (max_position_embeddings 131072)
+        ModelSpec("llama-3.1-8b", "llama", 32, 4096, 32, 8, 128, 14336, 128256, 131072),
+        ModelSpec("llama-3.1-70b", "llama", 80, 8192, 64, 8, 128, 28672, 128256, 131072),
         ModelSpec("smollm2-135m", "llama", 30, 576, 9, 3, 64, 1536, 49152, 8192, tied_embeddings=True),
     ]
 }
@@ -176,6 +179,8 @@ MODELS: dict[str, ModelSpec] = {
 _MODEL_ALIASES = {
     "meta-llama-3-8b": "llama-3-8b", "llama3-8b": "llama-3-8b",
     "meta-llama-3-70b": "llama-3-70b", "llama3-70b": "llama-3-70b",
+    "meta-llama-3.1-8b": "llama-3.1-8b", "llama3.1-8b": "llama-3.1-8b", "llama-3.1-8b-instruct": "llama-3.1-8b",
+    "meta-llama-3.1-70b": "llama-3.1-70b", "llama3.1-70b": "llama-3.1-70b",
     "llama-1-7b": "llama-7b", "llama-1-13b": "llama-13b",
 }
 

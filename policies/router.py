@@ -1,0 +1,183 @@
+"""Routers: which replica a new request goes to, when several serve one stream of requests.
+
+A router sees the request and the replicas' schedulers at the request's arrival, and answers an
+index. It reads only what a real front end could know: each replica's outstanding requests
+(waiting + running + swapped) and what the router itself sent where. Routers are policies like the
+schedulers: plain classes with constructor parameters and a registry name (`make_router`).
+
+    round-robin      replica i, i+1, ... in turn
+    random           uniformly at random (seeded)
+    least-loaded     fewest outstanding requests (Vidur's "least outstanding requests")
+    prefix-affinity  the replica already sent the longest run of this prompt's leading blocks,
+                     unless that one is more than `max_imbalance` requests busier than the least
+                     loaded (a cache-aware router in the manner of SGLang's or Mooncake's)
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from policies.request import Request
+from policies.scheduler import Scheduler
+
+
+def outstanding(replica: Scheduler) -> int:
+    """Requests a replica holds and has not finished: waiting, running and swapped out."""
+    return len(replica.waiting) + len(replica.running) + len(replica.swapped)
+
+
+class Router(ABC):
+    """Picks a replica for each arriving request. Invariant: `route` returns an index into the
+    replicas it is given, and is called exactly once per request, in arrival order."""
+
+    name = "base"
+
+    @abstractmethod
+    def route(self, request: Request, replicas: Sequence[Scheduler]) -> int: ...
+
+
+class RoundRobinRouter(Router):
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def route(self, request: Request, replicas: Sequence[Scheduler]) -> int:
+        i = self._next % len(replicas)
+        self._next = i + 1
+        return i
+
+
+class RandomRouter(Router):
+    name = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = np.random.default_rng(seed)
+
+    def route(self, request: Request, replicas: Sequence[Scheduler]) -> int:
+        return int(self._rng.integers(len(replicas)))
+
+
+class LeastLoadedRouter(Router):
+    """Fewest outstanding requests; ties go to the first tied replica after the last one picked,
+    so that an idle cluster is filled in turn rather than always from replica 0."""
+
+    name = "least-loaded"
+
+    def __init__(self) -> None:
+        self._last = -1
+
+    def route(self, request: Request, replicas: Sequence[Scheduler]) -> int:
+        i = self._pick(replicas, range(len(replicas)))
+        self._last = i
+        return i
+
+    def _pick(self, replicas: Sequence[Scheduler], candidates: Sequence[int]) -> int:
+        n = len(replicas)
+        return min(candidates, key=lambda i: (outstanding(replicas[i]), (i - self._last - 1) % n))
+
+
+def prefix_keys(request: Request, block: int) -> tuple[int, ...]:
+    """Chained keys naming the prompt's leading content, one per block: the trace's prefix hashes
+    when it has them (their own block size), else hashes of the token ids in blocks of `block`
+    tokens (full blocks only). Empty when the request says nothing about its content."""
+    if request.prefix_hashes is not None:
+        return tuple(request.prefix_hashes)
+    ids = request.prompt_token_ids
+    if ids is None:
+        return ()
+    keys, parent = [], 0
+    for j in range(len(ids) // block):
+        parent = hash((parent, tuple(ids[j * block:(j + 1) * block])))
+        keys.append(parent)
+    return tuple(keys)
+
+
+class PrefixAffinityRouter(LeastLoadedRouter):
+    """Send a request where its prompt's leading blocks were sent before, so that the replica's
+    prefix cache can serve them; fall back to least loaded when no replica has seen any of them,
+    or when the best match is more than `max_imbalance` outstanding requests above the least
+    loaded replica (affinity must not pile a popular prefix onto one replica).
+
+    Each replica's memory is the keys the router sent it, most recent last, at most
+    `memory_blocks` of them (None: unbounded). It approximates the replica's cache: it knows
+    nothing of evictions, as a front end would not."""
+
+    name = "prefix-affinity"
+
+    def __init__(self, max_imbalance: int = 8, memory_blocks: int | None = None, block: int = 16) -> None:
+        if max_imbalance < 0:
+            raise ValueError(f"max_imbalance must be >= 0, got {max_imbalance}")
+        if memory_blocks is not None and memory_blocks < 1:
+            raise ValueError(f"memory_blocks must be >= 1 or None, got {memory_blocks}")
+        if block < 1:
+            raise ValueError(f"block must be >= 1, got {block}")
+        super().__init__()
+        self.max_imbalance = max_imbalance
+        self.memory_blocks = memory_blocks
+        self.block = block
+        self._seen: list[OrderedDict[int, None]] = []
+        self.affinity_hits = 0   # requests routed by a match (the rest went to the least loaded)
+
+    def route(self, request: Request, replicas: Sequence[Scheduler]) -> int:
+        while len(self._seen) < len(replicas):
+            self._seen.append(OrderedDict())
+        keys = prefix_keys(request, self.block)
+        matches = [self._match(self._seen[i], keys) for i in range(len(replicas))]
+        best = max(matches, default=0)
+        least = min(outstanding(r) for r in replicas)
+        fits = [i for i, m in enumerate(matches) if m == best and outstanding(replicas[i]) <= least + self.max_imbalance]
+        if best > 0 and fits:
+            i = self._pick(replicas, fits)
+            self.affinity_hits += 1
+        else:
+            i = self._pick(replicas, range(len(replicas)))
+        self._last = i
+        self._remember(self._seen[i], keys)
+        return i
+
+    @staticmethod
+    def _match(seen: OrderedDict[int, None], keys: tuple[int, ...]) -> int:
+        n = 0
+        for k in keys:
+            if k not in seen:
+                break
+            n += 1
+        return n
+
+    def _remember(self, seen: OrderedDict[int, None], keys: tuple[int, ...]) -> None:
+        for k in keys:
+            seen[k] = None
+            seen.move_to_end(k)
+        if self.memory_blocks is not None:
+            while len(seen) > self.memory_blocks:
+                seen.popitem(last=False)
+
+
+ROUTERS: dict[str, Callable[..., Router]] = {
+    RoundRobinRouter.name: RoundRobinRouter,
+    RandomRouter.name: RandomRouter,
+    LeastLoadedRouter.name: LeastLoadedRouter,
+    PrefixAffinityRouter.name: PrefixAffinityRouter,
+}
+
+
+def make_router(name: str, **kw: Any) -> Router:
+    """Create a router by registry name with keyword parameters (`seed` is passed only to routers
+    that take one)."""
+    if name not in ROUTERS:
+        raise ValueError(f"unknown router {name!r}; known routers: {', '.join(ROUTERS)}")
+    factory = ROUTERS[name]
+    known = set(inspect.signature(factory).parameters)
+    if "seed" in kw and "seed" not in known:
+        kw = {k: v for k, v in kw.items() if k != "seed"}
+    for k in kw:
+        if k not in known:
+            raise ValueError(f"unknown parameter {k!r} for router {name!r}; known: {', '.join(sorted(known)) or 'none'}")
+    return factory(**kw)

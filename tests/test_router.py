@@ -1,0 +1,217 @@
+"""Routers (policies/router.py) and the multi-replica simulation they drive."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagesim.cli import main as cli_main
+from policies.registry import make_scheduler
+from policies.request import Request, SamplingParams
+from policies.router import (
+    LeastLoadedRouter,
+    PrefixAffinityRouter,
+    RandomRouter,
+    RoundRobinRouter,
+    make_router,
+    outstanding,
+    prefix_keys,
+)
+from sim.run import SimConfig, run_simulation
+from traces import apply_arrivals, resolve_trace
+from traces.synthetic import shared_prefix
+
+
+def replicas_with_loads(loads: list[int]):
+    """Schedulers holding `loads[i]` waiting requests each."""
+    out = []
+    rid = 0
+    for n in loads:
+        s = make_scheduler("vllm", 64, 16)
+        for _ in range(n):
+            s.add_request(Request(rid, 0.0, 8, SamplingParams(max_tokens=4)))
+            rid += 1
+        out.append(s)
+    return out
+
+
+def req(rid: int, hashes: tuple[int, ...] | None = None, ids: list[int] | None = None) -> Request:
+    plen = len(ids) if ids is not None else 16 * max(len(hashes or ()), 1)
+    return Request(rid, 0.0, plen, SamplingParams(max_tokens=4), prompt_token_ids=ids, prefix_hashes=hashes)
+
+
+def test_round_robin_cycles():
+    reps = replicas_with_loads([5, 0, 9])
+    r = RoundRobinRouter()
+    assert [r.route(req(i), reps) for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_random_is_seeded_and_in_range():
+    reps = replicas_with_loads([0] * 5)
+    a = [RandomRouter(seed=3).route(req(i), reps) for i in range(1)]
+    r1, r2 = RandomRouter(seed=3), RandomRouter(seed=3)
+    picks = [r1.route(req(i), reps) for i in range(200)]
+    assert picks == [r2.route(req(i), reps) for i in range(200)]
+    assert set(picks) == set(range(5)) and a[0] == picks[0]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(loads=st.lists(st.integers(0, 6), min_size=1, max_size=6), calls=st.integers(1, 5))
+def test_least_loaded_picks_a_least_loaded_replica(loads, calls):
+    reps = replicas_with_loads(loads)
+    router = LeastLoadedRouter()
+    for i in range(calls):
+        pick = router.route(req(1000 + i), reps)
+        assert outstanding(reps[pick]) == min(outstanding(s) for s in reps)
+        reps[pick].add_request(req(1000 + i))
+
+
+def test_least_loaded_fills_an_idle_cluster_in_turn():
+    reps = replicas_with_loads([0, 0, 0])
+    router = LeastLoadedRouter()
+    picks = []
+    for i in range(6):  # nothing is ever added: every replica stays tied
+        picks.append(router.route(req(i), reps))
+    assert picks == [0, 1, 2, 0, 1, 2]
+
+
+def test_prefix_keys_from_hashes_or_token_ids():
+    assert prefix_keys(req(0, hashes=(7, 8, 9)), 16) == (7, 8, 9)
+    a = prefix_keys(req(0, ids=list(range(40))), 16)
+    b = prefix_keys(req(1, ids=list(range(32)) + [99] * 8), 16)
+    c = prefix_keys(req(2, ids=[5] + list(range(1, 40))), 16)
+    assert len(a) == 2 and a == b  # full blocks only; equal leading content, equal keys
+    assert c[0] != a[0] and c[1] != a[1]  # chained: a different first block changes every key
+    assert prefix_keys(req(3), 16) == ()
+
+
+def test_prefix_affinity_follows_the_prefix_and_falls_back_to_least_loaded():
+    reps = replicas_with_loads([0, 0, 0])
+    router = PrefixAffinityRouter(max_imbalance=2)
+    first = router.route(req(0, hashes=(1, 2, 3)), reps)
+    reps[first].add_request(req(0))
+    other = router.route(req(1, hashes=(50, 51)), reps)  # unseen: the least loaded, not `first`
+    assert other != first
+    reps[other].add_request(req(1))
+    # a longer match beats a shorter one; a shared first block alone still counts
+    assert router.route(req(2, hashes=(1, 2, 4)), reps) == first
+    assert router.route(req(3, hashes=(50, 99)), reps) == other
+    assert router.affinity_hits == 2
+    # the matched replica grows 3 busier than the least loaded: the cap sends elsewhere
+    for j in range(3):
+        reps[first].add_request(req(10 + j))
+    assert router.route(req(4, hashes=(1, 2, 3)), reps) != first
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(prefixes=st.lists(st.integers(0, 5), min_size=1, max_size=40), cap=st.integers(0, 4),
+       n=st.integers(1, 4))
+def test_prefix_affinity_never_exceeds_its_imbalance_cap(prefixes, cap, n):
+    reps = replicas_with_loads([0] * n)
+    router = PrefixAffinityRouter(max_imbalance=cap)
+    for i, p in enumerate(prefixes):
+        r = req(i, hashes=(p, 100 + p))
+        least = min(outstanding(s) for s in reps)
+        pick = router.route(r, reps)
+        assert outstanding(reps[pick]) <= least + cap
+        reps[pick].add_request(r)
+    assert sum(outstanding(s) for s in reps) == len(prefixes)
+
+
+def test_prefix_affinity_memory_is_bounded():
+    reps = replicas_with_loads([0, 0])
+    router = PrefixAffinityRouter(memory_blocks=3)
+    router.route(req(0, hashes=(1, 2, 3, 4, 5)), reps)
+    assert max(len(s) for s in router._seen) == 3
+
+
+def test_make_router_errors_name_the_problem():
+    with pytest.raises(ValueError, match="unknown router 'nope'.*round-robin"):
+        make_router("nope")
+    with pytest.raises(ValueError, match="unknown parameter 'max_imbalance' for router 'round-robin'"):
+        make_router("round-robin", max_imbalance=3)
+    with pytest.raises(ValueError, match="max_imbalance must be >= 0"):
+        make_router("prefix-affinity", max_imbalance=-1)
+    assert isinstance(make_router("least-loaded", seed=4), LeastLoadedRouter)  # seed only where taken
+
+
+# ---------------------------------------------------------------- the multi-replica simulation
+
+@pytest.mark.parametrize("router", ["round-robin", "random", "least-loaded", "prefix-affinity"])
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_multi_replica_skip_ahead_equals_stepping(router, preemption):
+    # a small cache per replica and a high rate: windows, preemptions and arrivals interleave
+    tr = resolve_trace("sharegpt-like", num_requests=160, rate=80.0, seed=5)
+    cfg = SimConfig(num_gpu_blocks=250, replicas=3, router=router, preemption=preemption, debug=True)
+    a = run_simulation(cfg, tr)
+    b = run_simulation(SimConfig(**{**cfg.to_dict(), "fast_forward": False}), tr)
+    pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
+    pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
+    assert a.summary["num_preemptions"] > 0 and a.summary["engine"]["skipped_iterations"] > 0
+    assert a.summary["num_finished"] == 160
+
+
+def test_round_robin_spreads_requests_in_turn_and_accounts_for_all():
+    tr = resolve_trace("sharegpt-like", num_requests=90, rate=20.0, seed=2)
+    res = run_simulation(SimConfig(num_gpu_blocks=400, replicas=3), tr)
+    r = res.requests
+    assert r.request_id.tolist() == list(range(90))
+    order = np.argsort(tr.arrival, kind="stable")
+    assert r.replica.to_numpy()[order].tolist() == [i % 3 for i in range(90)]
+    assert sorted(res.iterations.replica.unique().tolist()) == [0, 1, 2]
+    rows = res.summary["router"]["replicas"]
+    assert [x["requests"] for x in rows] == [30, 30, 30] and res.summary["router"]["imbalance"] == 1.0
+
+
+def test_one_replica_is_the_single_engine_run():
+    tr = resolve_trace("sharegpt-like", num_requests=60, rate=10.0, seed=1)
+    one = run_simulation(SimConfig(num_gpu_blocks=300, replicas=1, router="random"), tr)
+    assert "replica" not in one.requests and "router" not in one.summary
+    # two replicas at twice the rate each see about the load of one: latency in the same range
+    two = run_simulation(SimConfig(num_gpu_blocks=300, replicas=2), apply_arrivals(tr, rate=20.0, seed=1))
+    assert two.summary["num_finished"] == 60
+
+
+def test_rejected_requests_appear_with_their_replica():
+    tr = resolve_trace("sharegpt-like", num_requests=20, rate=5.0, seed=0)
+    tr.prompt_len[3] = 5000  # more than the cache of 100 blocks of 16 holds
+    res = run_simulation(SimConfig(num_gpu_blocks=100, replicas=2, router="least-loaded"), tr)
+    row = res.requests.set_index("request_id").loc[3]
+    assert row.status == "rejected" and row.replica in (0, 1)
+    assert res.summary["num_finished"] == 19
+
+
+def test_prefix_affinity_raises_prefix_hits_when_one_cache_cannot_hold_every_prefix():
+    # 24 prefixes of 1,024 tokens; each replica's cache holds about 6 of them: round robin makes
+    # every replica cycle through all 24 (evicting), affinity gives each replica its own few
+    tr = apply_arrivals(shared_prefix(600, seed=0, num_prefixes=24, prefix_len=1024, suffix_len=32, output_len=16),
+                        rate=30.0, seed=0)
+    base = SimConfig(model="llama-3-8b", hardware="a100-80gb", num_gpu_blocks=400, replicas=4, prefix_caching=True)
+    runs = {r: run_simulation(SimConfig(**{**base.to_dict(), "router": r}), tr).summary
+            for r in ("round-robin", "least-loaded", "prefix-affinity")}
+    hits = {r: s["prefix_hit_tokens"] for r, s in runs.items()}
+    assert hits["prefix-affinity"] > 1.5 * max(hits["round-robin"], hits["least-loaded"])
+    assert runs["prefix-affinity"]["ttft"]["mean"] < runs["round-robin"]["ttft"]["mean"]
+    assert runs["prefix-affinity"]["router"]["affinity_routed"] > 500
+
+
+def test_bad_replica_count_and_router_are_clear_errors():
+    tr = resolve_trace("sharegpt-like", num_requests=5, rate=1.0, seed=0)
+    with pytest.raises(ValueError, match="replicas must be >= 1"):
+        run_simulation(SimConfig(num_gpu_blocks=100, replicas=0), tr)
+    with pytest.raises(ValueError, match="unknown router 'fastest'"):
+        run_simulation(SimConfig(num_gpu_blocks=100, replicas=2, router="fastest"), tr)
+
+
+def test_cli_simulate_with_replicas(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = cli_main(["simulate", "--trace", "sharegpt-like", "--num-requests", "40", "--rate", "8",
+                   "--replicas", "2", "--router", "least-loaded", "--num-gpu-blocks", "300", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "least-loaded" in text and "replica" in text
+    reqs = pd.read_csv(out / "requests.csv")
+    assert len(reqs) == 40 and set(reqs.replica) == {0, 1}
