@@ -30,13 +30,7 @@ def sweep(trace: Trace, base: SimConfig, policies: Sequence[str], rates: Sequenc
         for policy in policies:
             cfg = dataclasses.replace(base, policy=policy, **({} if policy == "vllm" else PAGED_ONLY))
             res = run_simulation(cfg, timed)
-            s = res.summary
-            row = {"policy": policy, "rate": rate, "throughput": s["request_throughput"],
-                   "mean_normalized_latency": s["mean_normalized_latency"], "ttft_p90": s["ttft"]["p90"],
-                   "tpot_p90": s["tpot"]["p90"], "e2e_p90": s["e2e_latency"]["p90"],
-                   "goodput": s["goodput"], "preemptions": s["num_preemptions"],
-                   "rejected": s["num_rejected"], "kv_token_state_fraction": s["kv_token_state_fraction"],
-                   "mean_batched_seqs": s["mean_batched_seqs"], "wall_s": s["wall_time_s"]}
+            row = {"policy": policy, "rate": rate, **headline(res.summary)}
             rows.append(row)
             if rate == max(rates):
                 it = res.iterations
@@ -45,6 +39,16 @@ def sweep(trace: Trace, base: SimConfig, policies: Sequence[str], rates: Sequenc
             if on_result is not None:
                 on_result(row)
     return pd.DataFrame(rows), memory
+
+
+def headline(s: dict) -> dict:
+    """The numbers a sweep row keeps from a run's summary."""
+    return {"throughput": s["request_throughput"], "mean_normalized_latency": s["mean_normalized_latency"],
+            "ttft_mean": s["ttft"]["mean"], "ttft_p90": s["ttft"]["p90"], "tpot_p90": s["tpot"]["p90"],
+            "e2e_p90": s["e2e_latency"]["p90"], "goodput": s["goodput"], "preemptions": s["num_preemptions"],
+            "rejected": s["num_rejected"], "kv_token_state_fraction": s["kv_token_state_fraction"],
+            "mean_batched_seqs": s["mean_batched_seqs"], "prefix_hit_tokens": s["prefix_hit_tokens"],
+            "wall_s": s["wall_time_s"]}
 
 
 def max_sustainable_rate(table: pd.DataFrame, latency_limit: float) -> dict[str, float]:

@@ -241,6 +241,28 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--out", help="write sharing.csv here")
     sh.set_defaults(func=cmd_sharing)
 
+    rt = sub.add_parser("routing", help="compare routers across replicas over request rates (simulated)",
+                        description="Serve one trace with several replicas under each router at each rate; "
+                                    "writes routing.csv and routing.png (TTFT, normalized latency and prefix-cache "
+                                    "hits against rate) to --out. The default workload: 200 shared 4,096-token "
+                                    "prefixes, more than one replica's cache holds.")
+    add_study_args(rt, "shared-prefix", [4.0, 8.0, 12.0, 16.0, 24.0])
+    rt.set_defaults(model="llama-3.1-8b", hardware="a100-80gb")
+    rt.add_argument("--replicas", type=int, default=4, help="replicas (default 4)")
+    rt.add_argument("--routers", nargs="+", default=["round-robin", "least-loaded", "prefix-affinity"],
+                    choices=list(ROUTERS))
+    rt.add_argument("--max-imbalance", type=int, help="prefix-affinity's load cap (default 8)")
+    rt.add_argument("--no-prefix-caching", action="store_true", help="turn the replicas' prefix caches off")
+    rt.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget (default 8192)")
+    rt.add_argument("--no-chunked-prefill", action="store_true", help="prefill whole prompts (default: chunked)")
+    sp = rt.add_argument_group("the shared-prefix workload (when --trace shared-prefix)")
+    sp.add_argument("--num-prefixes", type=int, default=200)
+    sp.add_argument("--prefix-len", type=int, default=4096)
+    sp.add_argument("--suffix-len", type=int, default=128)
+    sp.add_argument("--output-len", type=int, default=256)
+    rt.add_argument("--out", required=True)
+    rt.set_defaults(func=cmd_routing)
+
     pre = sub.add_parser("preemption", help="recompute or swap: cost per block size, and end to end (simulated)",
                          description="The vLLM paper's Figure 19: swap vs recompute time per block size from the "
                                      "roofline model, then one trace simulated with each preemption mode at each "
@@ -358,6 +380,47 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(f"\nhighest swept rate with mean normalized latency <= {args.latency_limit} s/token: "
           + ", ".join(f"{p} {r:g}" for p, r in best.items()))
     print(f"wrote {out}/sweep.csv, latency_vs_rate.png, memory_breakdown.png")
+    return 0
+
+
+def cmd_routing(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from analysis.routing import router_sweep, routing_plot
+    from sim.run import SimConfig
+    from traces import apply_arrivals
+    from traces.synthetic import make_synthetic
+
+    if args.trace == "shared-prefix":
+        trace = apply_arrivals(make_synthetic("shared-prefix", args.num_requests, seed=args.seed,
+                                              num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
+                                              suffix_len=args.suffix_len, output_len=args.output_len),
+                               rate=args.rates[0], seed=args.seed)
+    else:
+        trace = _study_trace(args)
+    opts = {} if args.max_imbalance is None else {"max_imbalance": args.max_imbalance}
+    if opts and "prefix-affinity" not in args.routers:
+        raise ValueError("--max-imbalance applies to the prefix-affinity router, which is not in --routers")
+    base = SimConfig(model=args.model, hardware=args.hardware, block_size=args.block_size, seed=args.seed,
+                     replicas=args.replicas, prefix_caching=not args.no_prefix_caching,
+                     chunked_prefill=not args.no_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
+                     **_study_costs(args))
+    print(f"routing: {len(trace)} requests of {trace.name}, {args.replicas} replicas of {_study_title(args)}, "
+          f"prefix caching {'off' if args.no_prefix_caching else 'on'}")
+    print(f"{'router':<16} {'rate':>6} {'req/s':>7} {'TTFT':>8} {'norm lat':>9} {'cache hit':>9} {'spread':>7} "
+          f"{'wall s':>7}")
+
+    def show(r: dict) -> None:
+        print(f"{r['router']:<16} {r['rate']:>6.2f} {r['throughput']:>7.3f} {r['ttft_mean']:>8.3f} "
+              f"{r['mean_normalized_latency']:>9.4f} {r['prefix_hit_fraction']:>9.1%} {r['imbalance']:>7.2f} "
+              f"{r['wall_s']:>7.2f}", flush=True)
+
+    table = router_sweep(trace, base, args.routers, args.rates, on_result=show, router_options=opts)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / "routing.csv", index=False)
+    routing_plot(table, out / "routing.png", f"{trace.name}, {args.replicas} x {_study_title(args)}")
+    print(f"wrote {out}/routing.csv, routing.png")
     return 0
 
 

@@ -1,0 +1,71 @@
+"""Routers compared: one trace served by several replicas, each router at several request rates
+-> a table and curves of TTFT, normalized latency and prefix-cache hits against rate."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from analysis.sweep import headline
+from sim.run import SimConfig, run_simulation
+from traces import apply_arrivals
+from traces.trace import Trace
+
+
+def router_sweep(trace: Trace, base: SimConfig, routers: Sequence[str], rates: Sequence[float],
+                 on_result: Callable[[dict], None] | None = None,
+                 router_options: dict | None = None) -> pd.DataFrame:
+    """Simulate every (router, rate) with base.replicas replicas. Arrivals are Poisson at the rate
+    (or the trace's timestamps rescaled to it) with the config's seed, the same for every router.
+    Each row also says which share of the finished requests' prompt tokens the prefix caches
+    served, and how uneven the spread was (requests per replica, max over mean). `router_options`
+    go to the routers that take them (the others run with their defaults)."""
+    if base.replicas < 2:
+        raise ValueError(f"a router study needs replicas >= 2, got {base.replicas}")
+    rows = []
+    for rate in rates:
+        timed = apply_arrivals(trace, rate=rate, seed=base.seed)
+        for router in routers:
+            opts = (router_options or {}) if router == "prefix-affinity" else {}
+            res = run_simulation(dataclasses.replace(base, router=router, router_options=opts), timed)
+            done = res.requests[res.requests.status == "finished"]
+            prompt_tokens = int(done.prompt_len.sum())
+            router_info = res.summary["router"]
+            row = {"router": router, "rate": rate, **headline(res.summary),
+                   "prefix_hit_fraction": res.summary["prefix_hit_tokens"] / max(prompt_tokens, 1),
+                   "imbalance": router_info["imbalance"],
+                   "busiest_replica": max(r["busy_fraction"] for r in router_info["replicas"])}
+            rows.append(row)
+            if on_result is not None:
+                on_result(row)
+    return pd.DataFrame(rows)
+
+
+def routing_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
+    """Three panels against request rate, one line per router: mean TTFT, mean normalized latency,
+    and the share of prompt tokens served from prefix caches."""
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    panels = (("ttft_mean", "mean TTFT (s)", True), ("mean_normalized_latency", "mean normalized latency (s/token)", True),
+              ("prefix_hit_fraction", "prompt tokens from prefix cache", False))
+    for ax, (col, label, log) in zip(axes, panels):
+        for router, g in table.groupby("router", sort=False):
+            ax.plot(g.rate, g[col], marker="o", label=router)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(label)
+        if log and (table[col] > 0).all():
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[2].set_ylim(0, 1)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
