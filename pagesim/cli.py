@@ -222,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     paged.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
     paged.add_argument("--chunked-prefill", action="store_true")
     paged.add_argument("--prefix-caching", action="store_true")
+    add_replica_args(sw)
     sw.add_argument("--latency-limit", type=float, default=1.0,
                     help="normalized latency (s/token) for the max-sustainable-rate line (default 1.0)")
     sw.add_argument("--out", required=True)
@@ -357,8 +358,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     base = SimConfig(model=args.model, hardware=args.hardware, tp=args.tp, block_size=args.block_size,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      n=args.n, beam_width=args.beam_width, seed=args.seed, preemption=args.preemption,
-                     chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching, **_study_costs(args))
-    print(f"sweep: {len(trace)} requests of {trace.name}, {_study_title(args)}")
+                     chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching,
+                     replicas=args.replicas, router=args.router, router_options=_router_options(args),
+                     **_study_costs(args))
+    replicas = f"{args.replicas} replicas ({args.router}) of " if args.replicas > 1 else ""
+    print(f"sweep: {len(trace)} requests of {trace.name}, {replicas}{_study_title(args)}")
     vllm_opts = [o for o, on in (("--chunked-prefill", args.chunked_prefill), ("--prefix-caching", args.prefix_caching),
                                  (f"--preemption {args.preemption}", args.preemption != "recompute")) if on]
     if vllm_opts:

@@ -91,3 +91,17 @@ def test_sweep_with_the_shipped_profile_prices_iterations_from_it(tmp_path, caps
     model = ProfiledCostModel.from_profile("smollm2-135m-cpu")
     assert model.decode_step_time(1, 100) > 0.03
     assert table.tpot_p90.iloc[0] > model.decode_step_time(1, 100) * 0.9
+
+
+def test_sweep_over_replicas_behind_a_router(tmp_path, capsys):
+    # the same 80 requests at 6 req/s: two least-loaded replicas keep latency below one replica's
+    rows = {}
+    for replicas in (1, 2):
+        out = tmp_path / f"sw{replicas}"
+        code = cli_main(["sweep", "--num-requests", "80", "--rates", "6", "--policies", "vllm", "orca-max",
+                         "--replicas", str(replicas), "--router", "least-loaded", "--out", str(out)])
+        assert code == 0
+        rows[replicas] = pd.read_csv(out / "sweep.csv").set_index("policy")
+    assert "2 replicas (least-loaded)" in capsys.readouterr().out
+    for policy in ("vllm", "orca-max"):
+        assert rows[2].mean_normalized_latency[policy] < rows[1].mean_normalized_latency[policy]
