@@ -2,8 +2,10 @@
 
 Each case runs in its own process so that its peak memory (max RSS) is its own. Targets on a
 2-core machine: 10,000 requests in <= 3 s wall and <= 1 GB peak; 100,000 in <= 30 s (linear).
+Replicas: the smallest size again over R replicas at R times the rate (each replica as loaded as
+the one), least-loaded routing; target: at most 2x the one replica's wall time.
 
-    python -m benchmarks.bench_sim [--sizes 10000 100000] [--rate 100]
+    python -m benchmarks.bench_sim [--sizes 10000 100000] [--rate 100] [--replicas 4]
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from traces import resolve_trace
 from sim.run import SimConfig, run_simulation
 trace = resolve_trace("sharegpt-like", num_requests={n}, rate={rate}, seed=0)
 t0 = time.perf_counter()
-res = run_simulation(SimConfig(policy="vllm", model="opt-13b", hardware="a100-40gb", fast_forward={ff}), trace)
+res = run_simulation(SimConfig(policy="vllm", model="opt-13b", hardware="a100-40gb", fast_forward={ff},
+                              replicas={replicas}, router="least-loaded"), trace)
 wall = time.perf_counter() - t0
 s = res.summary
 print(json.dumps({{"wall": wall, "sim": s["duration_s"], "iters": s["num_iterations"],
@@ -30,8 +33,8 @@ print(json.dumps({{"wall": wall, "sim": s["duration_s"], "iters": s["num_iterati
 TARGET_WALL = {10_000: 3.0, 100_000: 30.0}
 
 
-def run_case(n: int, rate: float, ff: bool = True) -> dict:
-    out = subprocess.run([sys.executable, "-c", CASE.format(n=n, rate=rate, ff=ff)], check=True,
+def run_case(n: int, rate: float, ff: bool = True, replicas: int = 1) -> dict:
+    out = subprocess.run([sys.executable, "-c", CASE.format(n=n, rate=rate, ff=ff, replicas=replicas)], check=True,
                          capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -41,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
     ap.add_argument("--rate", type=float, default=100.0, help="arrival rate, far above capacity (saturation)")
     ap.add_argument("--no-step-baseline", action="store_true", help="skip the one-iteration-at-a-time run")
+    ap.add_argument("--replicas", type=int, default=4, help="replicas for the multi-replica case (0: skip it)")
     args = ap.parse_args(argv)
     print("Simulator speed (vllm, OPT-13B / A100-40GB, sharegpt-like at saturation)")
     print(f"{'requests':>9} {'mode':>10} {'wall s':>8} {'target s':>8} {'ratio':>6} {'peak MB':>8} "
@@ -59,6 +63,12 @@ def main(argv: list[str] | None = None) -> None:
     if len(ff_rows) >= 2:
         (n0, r0), (n1, r1) = ff_rows[0], ff_rows[-1]
         print(f"growth: {n1 / n0:.0f}x requests -> {r1['wall'] / r0['wall']:.1f}x wall time")
+    if args.replicas > 1 and ff_rows:
+        n0, r0 = ff_rows[0]
+        r = run_case(n0, args.rate * args.replicas, True, args.replicas)
+        print(f"{n0:,} requests on {args.replicas} replicas (least-loaded) at {args.rate * args.replicas:g} req/s: "
+              f"{r['wall']:.2f} s wall, {r['wall'] / r0['wall']:.2f}x one replica (target <= 2x), "
+              f"{r['iters']:,} iterations, peak {r['rss_mb']:.0f} MB, {r['finished']:,} finished")
 
 
 if __name__ == "__main__":
