@@ -41,7 +41,9 @@ def router_sweep(trace: Trace, base: SimConfig, routers: Sequence[str], rates: S
             row = {"router": router, "rate": rate, **headline(res.summary),
                    "prefix_hit_fraction": res.summary["prefix_hit_tokens"] / max(prompt_tokens, 1),
                    "imbalance": router_info["imbalance"],
-                   "busiest_replica": max(r["busy_fraction"] for r in router_info["replicas"])}
+                   "busiest_replica": max(r["busy_fraction"] for r in router_info["replicas"]),
+                   # prefix-affinity only: the share of requests sent by a prefix match
+                   "affinity_share": router_info.get("affinity_routed", float("nan")) / max(len(res.requests), 1)}
             rows.append(row)
             if on_result is not None:
                 on_result(row)
