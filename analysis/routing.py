@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from analysis.sweep import headline
+from policies.router import MATCH_ROUTERS
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
@@ -33,7 +34,7 @@ def router_sweep(trace: Trace, base: SimConfig, routers: Sequence[str], rates: S
     for rate in rates:
         timed = apply_arrivals(trace, rate=rate, seed=base.seed)
         for router in routers:
-            opts = (router_options or {}) if router == "prefix-affinity" else {}
+            opts = (router_options or {}) if router in MATCH_ROUTERS else {}
             res = run_simulation(dataclasses.replace(base, router=router, router_options=opts), timed)
             done = res.requests[res.requests.status == "finished"]
             prompt_tokens = int(done.prompt_len.sum())
@@ -42,7 +43,7 @@ def router_sweep(trace: Trace, base: SimConfig, routers: Sequence[str], rates: S
                    "prefix_hit_fraction": res.summary["prefix_hit_tokens"] / max(prompt_tokens, 1),
                    "imbalance": router_info["imbalance"],
                    "busiest_replica": max(r["busy_fraction"] for r in router_info["replicas"]),
-                   # prefix-affinity only: the share of requests sent by a prefix match
+                   # prefix-affinity and cache-aware: the share of requests sent by a prefix match
                    "affinity_share": router_info.get("affinity_routed", float("nan")) / max(len(res.requests), 1)}
             rows.append(row)
             if on_result is not None:

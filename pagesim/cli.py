@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from analysis.report import replica_table, summary_table
 from policies.metrics import write_run
 from policies.registry import POLICIES
-from policies.router import ROUTERS
+from policies.router import MATCH_ROUTERS, ROUTERS
 from sim.specs import HARDWARE, MODELS
 from traces.cli import add_trace_parser
 from traces.loaders import KNOWN_FORMATS
@@ -46,15 +46,15 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--router", default="round-robin", choices=list(ROUTERS),
                    help="how arrivals are spread over replicas (default round-robin)")
     g.add_argument("--max-imbalance", type=int,
-                   help="prefix-affinity: the most outstanding requests a matched replica may hold above the "
-                        "least loaded (default 8)")
+                   help="prefix-affinity, cache-aware: the most outstanding requests a matched replica may hold "
+                        "above the least loaded (default 8)")
 
 
 def _router_options(args: argparse.Namespace) -> dict:
     if getattr(args, "max_imbalance", None) is None:
         return {}
-    if args.router != "prefix-affinity":
-        raise ValueError(f"--max-imbalance applies to --router prefix-affinity, not {args.router}")
+    if args.router not in MATCH_ROUTERS:
+        raise ValueError(f"--max-imbalance applies to --router {' or '.join(MATCH_ROUTERS)}, not {args.router}")
     return {"max_imbalance": args.max_imbalance}
 
 
@@ -250,9 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_study_args(rt, "shared-prefix", [4.0, 8.0, 12.0, 16.0, 24.0])
     rt.set_defaults(model="llama-3.1-8b", hardware="a100-80gb")
     rt.add_argument("--replicas", type=int, default=4, help="replicas (default 4)")
-    rt.add_argument("--routers", nargs="+", default=["round-robin", "least-loaded", "prefix-affinity"],
+    rt.add_argument("--routers", nargs="+", default=["round-robin", "least-loaded", "prefix-affinity", "cache-aware"],
                     choices=list(ROUTERS))
-    rt.add_argument("--max-imbalance", type=int, help="prefix-affinity's load cap (default 8)")
+    rt.add_argument("--max-imbalance", type=int, help="prefix-affinity's and cache-aware's load cap (default 8)")
     rt.add_argument("--no-prefix-caching", action="store_true", help="turn the replicas' prefix caches off")
     rt.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget (default 8192)")
     rt.add_argument("--no-chunked-prefill", action="store_true", help="prefill whole prompts (default: chunked)")
@@ -403,8 +403,8 @@ def cmd_routing(args: argparse.Namespace) -> int:
     else:
         trace = _study_trace(args)
     opts = {} if args.max_imbalance is None else {"max_imbalance": args.max_imbalance}
-    if opts and "prefix-affinity" not in args.routers:
-        raise ValueError("--max-imbalance applies to the prefix-affinity router, which is not in --routers")
+    if opts and not set(MATCH_ROUTERS) & set(args.routers):
+        raise ValueError(f"--max-imbalance applies to the {' and '.join(MATCH_ROUTERS)} routers, neither in --routers")
     base = SimConfig(model=args.model, hardware=args.hardware, block_size=args.block_size, seed=args.seed,
                      replicas=args.replicas, prefix_caching=not args.no_prefix_caching,
                      chunked_prefill=not args.no_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,

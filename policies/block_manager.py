@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from policies.memory import MemoryBreakdown
-from policies.request import Sequence, SequenceGroup
+from policies.request import Request, Sequence, SequenceGroup
 
 
 class AllocStatus(enum.Enum):
@@ -225,6 +225,14 @@ class PagedBlockManager:
                 content = ("h", ph[k], end - k * hbs)
             hashes.append(hash((parent, content)))
         return hashes[i]
+
+    def cached_prefix_blocks(self, request: Request) -> int:
+        """How many of the request's leading full blocks the prefix cache holds now (0 with prefix
+        caching off). A pure query: nothing is taken, touched or counted."""
+        if not self.enable_prefix_caching:
+            return 0
+        probe = SequenceGroup(request, -1).seqs[0]
+        return self._lookup_prefix(probe)[0]
 
     def _lookup_prefix(self, seq: Sequence) -> tuple[int, int]:
         """(cached full blocks at the start of the sequence, how many of them are idle). The last

@@ -2,7 +2,8 @@
 
 A router sees the request and the replicas' schedulers at the request's arrival, and answers an
 index. It reads only what a real front end could know: each replica's outstanding requests
-(waiting + running + swapped) and what the router itself sent where. Routers are policies like the
+(waiting + running + swapped), what the router itself sent where, and (cache-aware) what each
+replica's prefix cache holds, which vLLM publishes as KV-cache events. Routers are policies like the
 schedulers: plain classes with constructor parameters and a registry name (`make_router`).
 
     round-robin      replica i, i+1, ... in turn
@@ -10,7 +11,9 @@ schedulers: plain classes with constructor parameters and a registry name (`make
     least-loaded     fewest outstanding requests (Vidur's "least outstanding requests")
     prefix-affinity  the replica already sent the longest run of this prompt's leading blocks,
                      unless that one is more than `max_imbalance` requests busier than the least
-                     loaded (a cache-aware router in the manner of SGLang's or Mooncake's)
+                     loaded (the router's own record stands in for the caches)
+    cache-aware      the replica whose prefix cache holds most of the prompt now, with the same
+                     cap (a router fed by the replicas' KV-cache events)
 """
 
 from __future__ import annotations
@@ -99,37 +102,26 @@ def prefix_keys(request: Request, block: int) -> tuple[int, ...]:
     return tuple(keys)
 
 
-class PrefixAffinityRouter(LeastLoadedRouter):
-    """Send a request where its prompt's leading blocks were sent before, so that the replica's
-    prefix cache can serve them; fall back to least loaded when no replica has seen any of them,
-    or when the best match is more than `max_imbalance` outstanding requests above the least
-    loaded replica (affinity must not pile a popular prefix onto one replica).
+class _MatchRouter(LeastLoadedRouter):
+    """Send a request to the replica with the largest match (`_matches`, > 0), unless that one
+    holds more than `max_imbalance` outstanding requests above the least loaded replica (affinity
+    must not pile a popular prefix onto one replica); else to the least loaded."""
 
-    Each replica's memory is the keys the router sent it, most recent last, at most
-    `memory_blocks` of them (None: unbounded). It approximates the replica's cache: it knows
-    nothing of evictions, as a front end would not."""
-
-    name = "prefix-affinity"
-
-    def __init__(self, max_imbalance: int = 8, memory_blocks: int | None = None, block: int = 16) -> None:
+    def __init__(self, max_imbalance: int = 8) -> None:
         if max_imbalance < 0:
             raise ValueError(f"max_imbalance must be >= 0, got {max_imbalance}")
-        if memory_blocks is not None and memory_blocks < 1:
-            raise ValueError(f"memory_blocks must be >= 1 or None, got {memory_blocks}")
-        if block < 1:
-            raise ValueError(f"block must be >= 1, got {block}")
         super().__init__()
         self.max_imbalance = max_imbalance
-        self.memory_blocks = memory_blocks
-        self.block = block
-        self._seen: list[OrderedDict[int, None]] = []
         self.affinity_hits = 0   # requests routed by a match (the rest went to the least loaded)
 
+    def _matches(self, request: Request, replicas: Sequence[Scheduler]) -> list[int]:
+        raise NotImplementedError
+
+    def _routed(self, request: Request, i: int) -> None:
+        """Called with the pick, after it is made."""
+
     def route(self, request: Request, replicas: Sequence[Scheduler]) -> int:
-        while len(self._seen) < len(replicas):
-            self._seen.append(OrderedDict())
-        keys = prefix_keys(request, self.block)
-        matches = [self._match(self._seen[i], keys) for i in range(len(replicas))]
+        matches = self._matches(request, replicas)
         best = max(matches, default=0)
         least = min(outstanding(r) for r in replicas)
         fits = [i for i, m in enumerate(matches) if m == best and outstanding(replicas[i]) <= least + self.max_imbalance]
@@ -139,8 +131,44 @@ class PrefixAffinityRouter(LeastLoadedRouter):
         else:
             i = self._pick(replicas, range(len(replicas)))
         self._last = i
-        self._remember(self._seen[i], keys)
+        self._routed(request, i)
         return i
+
+
+class PrefixAffinityRouter(_MatchRouter):
+    """Match: how many of the prompt's leading blocks the router sent to the replica before.
+
+    Each replica's memory is the keys the router sent it, most recent last, at most
+    `memory_blocks` of them (None: unbounded). It approximates the replica's cache: it knows
+    nothing of evictions, as a front end without cache events would not."""
+
+    name = "prefix-affinity"
+
+    def __init__(self, max_imbalance: int = 8, memory_blocks: int | None = None, block: int = 16) -> None:
+        if memory_blocks is not None and memory_blocks < 1:
+            raise ValueError(f"memory_blocks must be >= 1 or None, got {memory_blocks}")
+        if block < 1:
+            raise ValueError(f"block must be >= 1, got {block}")
+        super().__init__(max_imbalance)
+        self.memory_blocks = memory_blocks
+        self.block = block
+        self._seen: list[OrderedDict[int, None]] = []
+        self._keys: tuple[int, ...] = ()
+
+    def _matches(self, request: Request, replicas: Sequence[Scheduler]) -> list[int]:
+        while len(self._seen) < len(replicas):
+            self._seen.append(OrderedDict())
+        self._keys = prefix_keys(request, self.block)
+        return [self._match(self._seen[i], self._keys) for i in range(len(replicas))]
+
+    def _routed(self, request: Request, i: int) -> None:
+        seen = self._seen[i]
+        for k in self._keys:
+            seen[k] = None
+            seen.move_to_end(k)
+        if self.memory_blocks is not None:
+            while len(seen) > self.memory_blocks:
+                seen.popitem(last=False)
 
     @staticmethod
     def _match(seen: OrderedDict[int, None], keys: tuple[int, ...]) -> int:
@@ -151,13 +179,15 @@ class PrefixAffinityRouter(LeastLoadedRouter):
             n += 1
         return n
 
-    def _remember(self, seen: OrderedDict[int, None], keys: tuple[int, ...]) -> None:
-        for k in keys:
-            seen[k] = None
-            seen.move_to_end(k)
-        if self.memory_blocks is not None:
-            while len(seen) > self.memory_blocks:
-                seen.popitem(last=False)
+
+class CacheAwareRouter(_MatchRouter):
+    """Match: the prompt tokens each replica's prefix cache holds now (`cached_prefix_tokens`), as
+    a front end fed by the replicas' KV-cache events would know them: exact, evictions included."""
+
+    name = "cache-aware"
+
+    def _matches(self, request: Request, replicas: Sequence[Scheduler]) -> list[int]:
+        return [r.cached_prefix_tokens(request) for r in replicas]
 
 
 ROUTERS: dict[str, Callable[..., Router]] = {
@@ -165,7 +195,11 @@ ROUTERS: dict[str, Callable[..., Router]] = {
     RandomRouter.name: RandomRouter,
     LeastLoadedRouter.name: LeastLoadedRouter,
     PrefixAffinityRouter.name: PrefixAffinityRouter,
+    CacheAwareRouter.name: CacheAwareRouter,
 }
+
+# the routers that follow a prefix match (and take max_imbalance)
+MATCH_ROUTERS = (PrefixAffinityRouter.name, CacheAwareRouter.name)
 
 
 def make_router(name: str, **kw: Any) -> Router:

@@ -74,6 +74,11 @@ class Scheduler(ABC):
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """Prompt tokens of `request` this replica's prefix cache could serve now (what a cache-aware
+        router asks; policies without a prefix cache hold none)."""
+        return 0
+
     @property
     def num_running_seqs(self) -> int:
         return sum(len(g.seqs) for g in self.running)

@@ -19,7 +19,7 @@ import numpy as np
 from policies.block_manager import AllocStatus, PagedBlockManager
 from policies.memory import MemoryBreakdown
 from policies.plan import ScheduledSeq, StepComposition, StepPlan
-from policies.request import SeqStatus, Sequence, SequenceGroup
+from policies.request import Request, SeqStatus, Sequence, SequenceGroup
 from policies.scheduler import Scheduler
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -73,6 +73,9 @@ class VllmScheduler(Scheduler):
 
     def memory(self) -> MemoryBreakdown:
         return self.bm.memory()
+
+    def cached_prefix_tokens(self, request: Request) -> int:
+        return self.bm.cached_prefix_blocks(request) * self.block_size
 
     # ---------------------------------------------------------------- scheduling
     def schedule(self, now: float) -> StepPlan:

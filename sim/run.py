@@ -236,7 +236,7 @@ def _router_summary(router: Router, requests: pd.DataFrame, iterations: pd.DataF
     counts = np.array([r["requests"] for r in rows], dtype=float)
     out: dict[str, Any] = {"name": router.name, "replicas": rows,
                            "imbalance": float(counts.max() / counts.mean()) if counts.sum() else float("nan")}
-    if isinstance(router, PrefixAffinityRouter):
+    if hasattr(router, "affinity_hits"):  # the routers that follow a prefix match
         out["affinity_routed"] = router.affinity_hits
     return out
 

@@ -12,6 +12,7 @@ from pagesim.cli import main as cli_main
 from policies.registry import make_scheduler
 from policies.request import Request, SamplingParams
 from policies.router import (
+    CacheAwareRouter,
     LeastLoadedRouter,
     PrefixAffinityRouter,
     RandomRouter,
@@ -128,6 +129,35 @@ def test_prefix_affinity_memory_is_bounded():
     assert max(len(s) for s in router._seen) == 3
 
 
+def test_cached_prefix_tokens_is_a_pure_query_of_the_cache():
+    s = make_scheduler("vllm", 64, 16, prefix_caching=True)
+    first = req(0, ids=list(range(40)))
+    assert s.cached_prefix_tokens(first) == 0
+    s.add_request(first)
+    s.schedule(0.0)  # the prefill allocates and registers the two full blocks
+    same = req(1, ids=list(range(32)) + [7] * 20)
+    hits, queries = s.bm.prefix_hits, s.bm.prefix_queries
+    assert s.cached_prefix_tokens(same) == 32
+    assert s.cached_prefix_tokens(req(2, ids=[9] + list(range(1, 40)))) == 0
+    assert (s.bm.prefix_hits, s.bm.prefix_queries) == (hits, queries)  # nothing counted or taken
+    s.bm.check_invariants()
+    assert make_scheduler("vllm", 64, 16).cached_prefix_tokens(same) == 0  # prefix caching off
+    assert make_scheduler("orca-max", 64, 16).cached_prefix_tokens(same) == 0
+
+
+def test_cache_aware_goes_where_the_cache_holds_the_prefix():
+    reps = [make_scheduler("vllm", 64, 16, prefix_caching=True) for _ in range(3)]
+    warm = req(0, ids=list(range(48)))
+    reps[2].add_request(warm)
+    reps[2].schedule(0.0)
+    router = CacheAwareRouter(max_imbalance=1)
+    assert router.route(req(1, ids=list(range(48)) + [5]), reps) == 2   # 1 outstanding, cap 1: fits
+    assert router.route(req(2, ids=[3] * 40), reps) in (0, 1)          # no hits anywhere: least loaded
+    reps[2].add_request(req(3, ids=[1] * 20))                           # now 2 above the others
+    assert router.route(req(4, ids=list(range(48)) + [5]), reps) != 2
+    assert router.affinity_hits == 1
+
+
 def test_make_router_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"unknown router 'nope'.*round-robin"):
         make_router("nope")
@@ -140,12 +170,15 @@ def test_make_router_errors_name_the_problem():
 
 # ---------------------------------------------------------------- the multi-replica simulation
 
-@pytest.mark.parametrize("router", ["round-robin", "random", "least-loaded", "prefix-affinity"])
+@pytest.mark.parametrize("router", ["round-robin", "random", "least-loaded", "prefix-affinity", "cache-aware"])
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_multi_replica_skip_ahead_equals_stepping(router, preemption):
-    # a small cache per replica and a high rate: windows, preemptions and arrivals interleave
-    tr = resolve_trace("sharegpt-like", num_requests=160, rate=80.0, seed=5)
-    cfg = SimConfig(num_gpu_blocks=250, replicas=3, router=router, preemption=preemption, debug=True)
+    # a small cache per replica and a high rate: windows, preemptions and arrivals interleave; the
+    # shared prefixes give the cache-reading routers something to read
+    tr = apply_arrivals(shared_prefix(160, seed=5, num_prefixes=6, prefix_len=256, suffix_len=100, output_len=120),
+                        rate=80.0, seed=5)
+    cfg = SimConfig(num_gpu_blocks=120, replicas=3, router=router, preemption=preemption, prefix_caching=True,
+                    debug=True)
     a = run_simulation(cfg, tr)
     b = run_simulation(SimConfig(**{**cfg.to_dict(), "fast_forward": False}), tr)
     pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
@@ -191,11 +224,12 @@ def test_prefix_affinity_raises_prefix_hits_when_one_cache_cannot_hold_every_pre
                         rate=30.0, seed=0)
     base = SimConfig(model="llama-3-8b", hardware="a100-80gb", num_gpu_blocks=400, replicas=4, prefix_caching=True)
     runs = {r: run_simulation(SimConfig(**{**base.to_dict(), "router": r}), tr).summary
-            for r in ("round-robin", "least-loaded", "prefix-affinity")}
+            for r in ("round-robin", "least-loaded", "prefix-affinity", "cache-aware")}
     hits = {r: s["prefix_hit_tokens"] for r, s in runs.items()}
-    assert hits["prefix-affinity"] > 1.5 * max(hits["round-robin"], hits["least-loaded"])
-    assert runs["prefix-affinity"]["ttft"]["mean"] < runs["round-robin"]["ttft"]["mean"]
-    assert runs["prefix-affinity"]["router"]["affinity_routed"] > 500
+    for r in ("prefix-affinity", "cache-aware"):
+        assert hits[r] > 1.5 * max(hits["round-robin"], hits["least-loaded"])
+        assert runs[r]["ttft"]["mean"] < runs["round-robin"]["ttft"]["mean"]
+        assert runs[r]["router"]["affinity_routed"] > 400
 
 
 def test_bad_replica_count_and_router_are_clear_errors():
@@ -223,7 +257,7 @@ def test_cli_routing_writes_table_and_plot(tmp_path, capsys):
                    "--output-len", "16", "--replicas", "2", "--max-imbalance", "4", "--out", str(out)])
     assert rc == 0
     table = pd.read_csv(out / "routing.csv")
-    assert table.router.tolist() == ["round-robin", "least-loaded", "prefix-affinity"]
+    assert table.router.tolist() == ["round-robin", "least-loaded", "prefix-affinity", "cache-aware"]
     assert (table.prefix_hit_fraction >= 0).all() and (table.prefix_hit_fraction <= 1).all()
     assert (out / "routing.png").stat().st_size > 0
     assert "prefix-affinity" in capsys.readouterr().out
