@@ -187,6 +187,22 @@ def test_multi_replica_skip_ahead_equals_stepping(router, preemption):
     assert a.summary["num_finished"] == 160
 
 
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(router=st.sampled_from(["round-robin", "random", "least-loaded", "prefix-affinity", "cache-aware"]),
+       replicas=st.integers(2, 4), rate=st.sampled_from([2.0, 40.0, 200.0]), blocks=st.integers(60, 300),
+       chunked=st.booleans(), seed=st.integers(0, 2**16))
+def test_multi_replica_skip_ahead_equals_stepping_property(router, replicas, rate, blocks, chunked, seed):
+    tr = apply_arrivals(shared_prefix(40, seed=seed, num_prefixes=3, prefix_len=200, suffix_len=60, output_len=90),
+                        rate=rate, seed=seed)
+    cfg = SimConfig(num_gpu_blocks=blocks, replicas=replicas, router=router, prefix_caching=True,
+                    chunked_prefill=chunked, max_num_batched_tokens=256 if chunked else 4096, seed=seed)
+    a = run_simulation(cfg, tr)
+    b = run_simulation(SimConfig(**{**cfg.to_dict(), "fast_forward": False}), tr)
+    pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
+    pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
+    assert len(a.requests) == 40 and sum(r["requests"] for r in a.summary["router"]["replicas"]) == 40
+
+
 def test_round_robin_spreads_requests_in_turn_and_accounts_for_all():
     tr = resolve_trace("sharegpt-like", num_requests=90, rate=20.0, seed=2)
     res = run_simulation(SimConfig(num_gpu_blocks=400, replicas=3), tr)
