@@ -68,7 +68,7 @@ def profile_fit_plot(profile: dict, path: str | Path) -> Path:
     model = ProfiledCostModel.from_profile(profile)
     ms = profile["measurements"]
     measured = [m["time_s"] * 1e3 for m in ms]
-    fitted = [model.step_time(composition_of(m, i)) * 1e3 for i, m in enumerate(ms)]
+    fitted = [model.step_time(composition_of(m, i, int(profile["block_size"]))) * 1e3 for i, m in enumerate(ms)]
     kinds = [m.get("label", "point").split()[0] for m in ms]
     fig, ax = plt.subplots(figsize=(5.5, 5))
     for kind in dict.fromkeys(kinds):

@@ -9,6 +9,7 @@ all sequences' tokens flattened together, and returns float32 logits for the sam
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -75,6 +76,14 @@ class ModelRunner:
             config, block_size=block_size, num_blocks=num_gpu_blocks, memory_budget=memory_budget,
             num_cpu_blocks=num_cpu_blocks, dtype=self.dtype, device=self.device)
         self.attention = get_attention(self.device, attention)
+
+    def with_cache(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> ModelRunner:
+        """The same model (shared, not copied) over a new KV cache of `block_size`-token blocks."""
+        other = copy.copy(self)
+        other.block_size = block_size
+        other.kv_cache = PagedKVCache.for_model(self.config, block_size=block_size, num_blocks=num_gpu_blocks,
+                                                num_cpu_blocks=num_cpu_blocks, dtype=self.dtype, device=self.device)
+        return other
 
     def _load(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
         """Build on the meta device, allocate once in the target dtype, then copy the weights in."""

@@ -68,6 +68,7 @@ class ProfileGrid:
     swap_blocks: tuple[int, ...] = (16, 64)
     copy_blocks: tuple[int, ...] = (64,)
     side_context: int = 256
+    block_sizes: tuple[int, ...] = ()  # more block sizes at which every decode point is timed again
     reps: int = 3
     max_kv_tokens: int = 32768  # points holding more KV than this are skipped
     serve_requests: int = 24    # the served calibration workload (0: none)
@@ -85,6 +86,10 @@ class ProfileGrid:
         pts += [ProfilePoint(f"swap {k} blocks out+in", (side,) * 8, swap_blocks=k) for k in self.swap_blocks]
         pts += [ProfilePoint(f"copy {k} blocks", (side,) * 8, copy_blocks=k) for k in self.copy_blocks]
         return [p for p in pts if p.kv_tokens() <= self.max_kv_tokens]
+
+    def decode_points(self) -> list[ProfilePoint]:
+        """The points --block-sizes times again: plain decodes (no prefill, swap or copy)."""
+        return [p for p in self.points() if p.label.startswith("decode ")]
 
     def served_blocks_needed(self, block_size: int) -> int:
         """Device blocks the served workload can hold at once (every request at its longest)."""
@@ -119,17 +124,24 @@ def profile_model(runner: ModelRunner, grid: ProfileGrid, seed: int = 0,
     points = grid.points()
     run = ProfileRun([])
     total = len(points) + (1 if grid.serve_requests else 0)
+    # the same model over caches of the other block sizes; each decode point is timed at all of
+    # them back to back, so that the machine's drift does not pass for a block-size effect
+    decodes = grid.decode_points()
+    others = [runner.with_cache(bs, max(p.blocks_needed(bs) for p in decodes))
+              for bs in dict.fromkeys(grid.block_sizes) if bs != runner.block_size] if decodes else []
     for i, point in enumerate(points):
         need = point.blocks_needed(runner.block_size)
         if need > runner.num_gpu_blocks or point.swap_blocks > runner.kv_cache.num_cpu_blocks:
             run.skipped.append(f"{point.label}: needs {need} device blocks and {point.swap_blocks} CPU blocks; "
                                f"the cache has {runner.num_gpu_blocks} and {runner.kv_cache.num_cpu_blocks}")
             continue
-        plan, batch = _build(point, runner, rng)
-        times = _time_point(runner, batch, sampler, grid.reps)
-        m = {"label": point.label, **plan.composition().counts(),
-             "time_s": statistics.median(times), "times_s": times}
-        run.measurements.append(m)
+        for r in [runner] + (others if point in decodes else []):
+            plan, batch = _build(point, r, rng)
+            times = _time_point(r, batch, sampler, grid.reps)
+            label = point.label if r is runner else f"{point.label} bs={r.block_size}"
+            m = {"label": label, **plan.composition().counts(), "block_size": r.block_size,
+                 "time_s": statistics.median(times), "times_s": times}
+            run.measurements.append(m)
         if on_point is not None:
             on_point(i, total, m)
     need = grid.served_blocks_needed(runner.block_size)

@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--grid", choices=("default", "quick"), default="default",
                       help="default (35 points, about 2 minutes for SmolLM2 on 2 CPU cores) or quick (a dozen tiny ones, for smoke tests)")
     prof.add_argument("--reps", type=int, help="timed repetitions per point (median kept; default 3)")
+    prof.add_argument("--block-sizes", type=int, nargs="+", default=[], metavar="BS",
+                      help="also time every decode point at these block sizes, so that the fit can price "
+                           "KV blocks apart from tokens (what makes small blocks slow)")
     prof.add_argument("--seed", type=int, default=0)
     prof.add_argument("--from-run", nargs="+", metavar="DIR",
                       help="fit to the iterations of earlier `pagesim live` runs instead of running a grid "
@@ -703,12 +706,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
         if args.reps < 1:
             raise ValueError(f"--reps: must be >= 1, got {args.reps}")
         grid = dataclasses.replace(grid, reps=args.reps)
+    if any(bs < 1 for bs in args.block_sizes):
+        raise ValueError(f"--block-sizes: must be >= 1, got {args.block_sizes}")
+    grid = dataclasses.replace(grid, block_sizes=tuple(args.block_sizes))
     points = grid.points()
     model = live.load_model(args.model, seed=args.seed)
     gpu_blocks, cpu_blocks = grid.blocks_needed(args.block_size)
     runner = ModelRunner(model.config, model.weights, args.device, block_size=args.block_size,
                          num_gpu_blocks=gpu_blocks, num_cpu_blocks=cpu_blocks)
-    print(f"profile: {len(points)} points on {args.model} ({runner.dtype}, {args.device}), "
+    extra = sorted(set(grid.block_sizes) - {args.block_size})
+    again = f" (decodes also at block sizes {', '.join(map(str, extra))})" if extra else ""
+    print(f"profile: {len(points)} points on {args.model} ({runner.dtype}, {args.device}){again}, "
           f"{grid.reps} timed reps each, then {grid.serve_requests} requests served")
     bar = None
     if not args.quiet:
@@ -781,7 +789,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if (live_dir / "iterations.parquet").is_file():
         its = pd.read_parquet(live_dir / "iterations.parquet")
         if "prefill_attn_pairs" in its.columns:  # runs written before the column existed cannot be repriced
-            steps = step_time_errors(its, ProfiledCostModel.from_profile(profile), args.block_size)
+            steps = step_time_errors(its, ProfiledCostModel.from_profile(profile, args.block_size), args.block_size)
             summary["step_time"] = steps
     summary.update(profile=str(args.profile), trace=trace.name, num_requests=len(trace), policy=args.policy,
                    machine_speed=drift)

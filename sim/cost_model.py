@@ -263,12 +263,13 @@ def make_cost_model(name: str, **kw: Any) -> CostModel:
     """Build a registered cost model by name ("roofline", "linear" or "profiled"), case-insensitively.
 
     For "roofline", `model` and `hardware` may be spec objects or names ("opt-13b", "a100-40gb").
-    For "profiled", `profile` is a profile file's path or a shipped profile's name.
+    For "profiled", `profile` is a profile file's path or a shipped profile's name, `block_size` the
+    simulation's block size (default the profile's).
     """
     key = name.strip().lower()
     if key == "profiled":
         from sim.profiled import ProfiledCostModel  # it subclasses CostModel, so imported here
-        return ProfiledCostModel.from_profile(kw["profile"])
+        return ProfiledCostModel.from_profile(kw["profile"], sim_block_size=kw.get("block_size"))
     if key not in _REGISTRY:
         raise ValueError(f"unknown cost model {name!r}; known: {', '.join(sorted([*_REGISTRY, 'profiled']))}")
     if key == "roofline":

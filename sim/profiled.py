@@ -10,8 +10,15 @@ iterations from it.
 
     time = base + tokens * c_tokens + sampled * c_sampled + prefill_attn_pairs * c_pairs
            + prefill_context_tokens * c_prefix + decode_context_tokens * c_decode_ctx
+           + decode_context_tokens / block_size * c_decode_blocks
            + swap_blocks * c_swap + copy_blocks * c_copy
            + [in the serving loop] (loop + seqs * c_loop_seqs)
+
+The decode_blocks term is what paged decode attention pays per KV block it reads, beyond the
+tokens in it (a table lookup and a gather per block, a short tile for the kernel): it is what makes
+small blocks slow. At one block size it cannot be told apart from decode_context_tokens, so it is
+fitted only when decodes were measured at two or more block sizes (`pagesim profile
+--block-sizes`; each measurement records its `block_size`), and is 0 otherwise.
 
 Coefficients are non-negative (a fit that makes work cheaper with more of it extrapolates badly)
 and are fitted on relative error (weights 1 / measured time), since a step's time spans orders of
@@ -44,7 +51,7 @@ PROFILE_VERSION = 1
 SHIPPED_DIR = Path(__file__).parent / "profiles"
 
 FEATURES: tuple[str, ...] = ("base", "tokens", "sampled", "prefill_attn_pairs", "prefill_context_tokens",
-                             "decode_context_tokens", "swap_blocks", "copy_blocks", "loop", "loop_seqs")
+                             "decode_context_tokens", "decode_blocks", "swap_blocks", "copy_blocks", "loop", "loop_seqs")
 COMPOSITION_FIELDS = COMPOSITION_COUNTS  # a measurement's composition: StepComposition.counts()
 
 
@@ -54,14 +61,18 @@ def features(c: StepComposition, in_loop: bool = True) -> list[float]:
     seqs = float(c.num_prefill_seqs + c.num_decode_seqs)
     return [1.0, float(c.prefill_tokens + c.num_decode_seqs), seqs,
             float(c.prefill_attn_pairs), float(c.prefill_context_tokens), float(c.decode_context_tokens),
+            c.decode_context_tokens / c.block_size,
             float(c.swap_in_blocks + c.swap_out_blocks), float(c.copy_blocks), float(in_loop), seqs * in_loop]
 
 
 class ProfiledCostModel(CostModel):
     """A fitted linear step model (see the module docstring). `block_size` is the block size the
-    blocks were measured at; transfers of other block sizes scale with their bytes."""
+    profile was measured at (transfers of other block sizes scale with their bytes);
+    `sim_block_size` the one the simulation runs at (default the same), which prices the
+    decode_blocks term of every decode step."""
 
-    def __init__(self, coef: dict[str, float], block_size: int = 16, source: str = "") -> None:
+    def __init__(self, coef: dict[str, float], block_size: int = 16, source: str = "",
+                 sim_block_size: int | None = None) -> None:
         unknown = set(coef) - set(FEATURES)
         if unknown:
             raise ValueError(f"unknown coefficients {sorted(unknown)}; known: {', '.join(FEATURES)}")
@@ -70,26 +81,32 @@ class ProfiledCostModel(CostModel):
             raise ValueError(f"coefficients must be finite and >= 0, got {bad}")
         self.coef = {k: float(coef.get(k, 0.0)) for k in FEATURES}
         self.block_size = block_size
+        self.sim_block_size = sim_block_size or block_size
         self.source = source
         c = self.coef
         # a simulated iteration is a loop iteration: its loop terms fold into the constant and the
         # per-sequence term (sampled rows and sequences are the same count)
         self._base, self._tok, self._samp = c["base"] + c["loop"], c["tokens"], c["sampled"] + c["loop_seqs"]
-        self._pairs, self._prefix, self._dctx = c["prefill_attn_pairs"], c["prefill_context_tokens"], \
-            c["decode_context_tokens"]
+        self._pairs, self._prefix = c["prefill_attn_pairs"], c["prefill_context_tokens"]
+        self._dctx = self._decode_ctx_coef(self.sim_block_size)
+
+    def _decode_ctx_coef(self, block_size: int) -> float:
+        """Seconds per decode context token at a block size (its share of a block's cost included)."""
+        return self.coef["decode_context_tokens"] + self.coef["decode_blocks"] / block_size
 
     @classmethod
-    def from_profile(cls, profile: str | Path | dict[str, Any]) -> ProfiledCostModel:
+    def from_profile(cls, profile: str | Path | dict[str, Any], sim_block_size: int | None = None) -> ProfiledCostModel:
         """From a profile file's path, a shipped profile's name, or a loaded profile dict."""
         p = profile if isinstance(profile, dict) else load_profile(profile)
-        return cls(p["fit"]["coef"], int(p["block_size"]), p.get("source", ""))
+        return cls(p["fit"]["coef"], int(p["block_size"]), p.get("source", ""), sim_block_size)
 
     def step_time(self, c: StepComposition) -> float:
         if c.is_empty:
             return 0.0
         # the same additions in the same order as _decode_time, so pure decodes agree bit for bit
+        dctx = self._dctx if c.block_size == self.sim_block_size else self._decode_ctx_coef(c.block_size)
         t = (self._base + self._tok * (c.prefill_tokens + c.num_decode_seqs)
-             + self._samp * (c.num_prefill_seqs + c.num_decode_seqs) + self._dctx * c.decode_context_tokens)
+             + self._samp * (c.num_prefill_seqs + c.num_decode_seqs) + dctx * c.decode_context_tokens)
         if c.num_prefill_seqs:
             t += self._pairs * c.prefill_attn_pairs + self._prefix * c.prefill_context_tokens
         if c.swap_in_blocks or c.swap_out_blocks:
@@ -130,8 +147,9 @@ def _nnls_relative(X: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
     return coef
 
 
-def fit_measurements(measurements: Sequence[dict[str, Any]], folds: int = 5) -> dict[str, Any]:
-    """Fit FEATURES to measurements (dicts of COMPOSITION_FIELDS plus `time_s`).
+def fit_measurements(measurements: Sequence[dict[str, Any]], folds: int = 5, block_size: int = 16) -> dict[str, Any]:
+    """Fit FEATURES to measurements (dicts of COMPOSITION_FIELDS plus `time_s`, and `block_size`
+    where it is not `block_size`).
 
     Returns {"coef", "mape", "max_ape", "cv_mape", "num_points"}: in-sample mean (weighted as the
     fit is) and max absolute percentage errors, and the mean of each point's error when it is held
@@ -140,7 +158,10 @@ def fit_measurements(measurements: Sequence[dict[str, Any]], folds: int = 5) -> 
     if len(measurements) < len(FEATURES):
         raise ValueError(f"need at least {len(FEATURES)} measurements to fit, got {len(measurements)}")
     served = np.array([m.get("source", "grid") == "served" for m in measurements])
-    X = np.array([features(composition_of(m, i), bool(s)) for i, (m, s) in enumerate(zip(measurements, served))])
+    comps = [composition_of(m, i, block_size) for i, m in enumerate(measurements)]
+    X = np.array([features(c, bool(s)) for c, s in zip(comps, served)])
+    if len({c.block_size for c in comps if c.decode_context_tokens}) < 2:
+        X[:, FEATURES.index("decode_blocks")] = 0.0  # one block size cannot tell blocks from tokens
     y = np.array([_time_of(m, i) for i, m in enumerate(measurements)])
     w = np.ones_like(y)
     if served.any() and not served.all():
@@ -164,9 +185,13 @@ def _wmean(x: np.ndarray, w: np.ndarray) -> float:
     return float(np.average(x, weights=w))
 
 
-def composition_of(m: dict[str, Any], index: int = 0) -> StepComposition:
-    """The StepComposition a measurement records (missing fields are 0)."""
-    kw = {}
+def composition_of(m: dict[str, Any], index: int = 0, block_size: int = 16) -> StepComposition:
+    """The StepComposition a measurement records (missing fields are 0; its block size is its
+    `block_size` field, else `block_size`)."""
+    bs = m.get("block_size", block_size)
+    if not isinstance(bs, int) or bs < 1:
+        raise ValueError(f"measurements[{index}].block_size: expected a positive integer, got {bs!r}")
+    kw = {"block_size": bs}
     for f in COMPOSITION_FIELDS:
         v = m.get(f, 0)
         if not isinstance(v, (int, float)) or v < 0 or v != int(v):
@@ -189,7 +214,7 @@ def _time_of(m: dict[str, Any], index: int) -> float:
 def make_profile(measurements: list[dict[str, Any]], block_size: int, meta: dict[str, Any]) -> dict[str, Any]:
     """A profile dict: `meta` (model, device, software, dtype, ...), the measurements and their fit."""
     return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **meta, "block_size": block_size,
-            "fit": fit_measurements(measurements), "measurements": measurements}
+            "fit": fit_measurements(measurements, block_size=block_size), "measurements": measurements}
 
 
 def save_profile(profile: dict[str, Any], path: str | Path) -> Path:

@@ -115,7 +115,7 @@ def build_cost_model(cfg: SimConfig) -> CostModel:
     if cfg.num_gpu_blocks is None:  # the hardware spec's capacity would not be the profiled machine's
         raise ValueError("num_gpu_blocks: a profiled simulation needs the KV cache size in blocks (--num-gpu-blocks; "
                          "`pagesim live` uses 512 unless told otherwise)")
-    return ProfiledCostModel.from_profile(profile)
+    return ProfiledCostModel.from_profile(profile, sim_block_size=cfg.block_size)
 
 
 def _spec_name(model: str) -> str:

@@ -73,13 +73,13 @@ def test_fit_separates_the_serving_loop_from_the_executor():
     from sim.profiled import features
 
     coef = {**TRUE, "loop": 0.006, "loop_seqs": 2e-4}
-    vec = np.array([coef[k] for k in FEATURES])
+    vec = np.array([coef.get(k, 0.0) for k in FEATURES])
     grid = _measurements(ProfiledCostModel(TRUE))
     served = [{**m, "time_s": float(np.dot(features(c), vec)), "source": "served", "label": "served"}
               for m, c in zip(grid, _grid())]
     fit = fit_measurements(grid + served)
     for k in FEATURES:
-        assert fit["coef"][k] == pytest.approx(coef[k], rel=1e-6), k
+        assert fit["coef"][k] == pytest.approx(coef.get(k, 0.0), rel=1e-6), k
     assert fit["served_mape"] < 1e-9
     model = ProfiledCostModel(fit["coef"])
     c = StepComposition(num_decode_seqs=8, decode_context_tokens=800)
@@ -111,6 +111,45 @@ def test_pure_decode_prices_agree_bit_for_bit():
         c = StepComposition(num_decode_seqs=int(seqs[i]), decode_context_tokens=int(ctx[i]))
         assert m.step_time(c) == vec[i] == m.decode_step_time(int(seqs[i]), int(ctx[i]))
     assert m.step_time(StepComposition()) == 0.0 and m.decode_step_times(np.array([0]), np.array([0]))[0] == 0.0
+
+
+def _decodes_at(model: ProfiledCostModel, block_sizes: tuple[int, ...]) -> list[dict]:
+    """The grid, plus its decode points again at each of `block_sizes` (as --block-sizes times them)."""
+    ms = _measurements(model)
+    for bs in block_sizes:
+        for c in _grid():
+            if c.num_decode_seqs and not c.num_prefill_seqs and not c.swap_in_blocks and not c.copy_blocks:
+                c = StepComposition(num_decode_seqs=c.num_decode_seqs, decode_context_tokens=c.decode_context_tokens,
+                                    block_size=bs)
+                ms.append({**c.counts(), "block_size": bs, "time_s": model.step_time(c)})
+    return ms
+
+
+def test_block_term_is_fitted_from_decodes_at_several_block_sizes():
+    true = {**TRUE, "decode_blocks": 2e-5}
+    fit = fit_measurements(_decodes_at(ProfiledCostModel(true), (4, 64)))
+    for k in FEATURES:
+        assert fit["coef"][k] == pytest.approx(true.get(k, 0.0), rel=1e-6), k
+    m = ProfiledCostModel(fit["coef"], block_size=16, sim_block_size=4)
+    # smaller blocks: more of them per context token, each paying the block term
+    assert m.decode_step_time(8, 8000) - ProfiledCostModel(fit["coef"]).decode_step_time(8, 8000) == \
+        pytest.approx(8000 * 2e-5 * (1 / 4 - 1 / 16))
+
+
+def test_block_term_stays_zero_at_one_block_size():
+    # at one block size blocks and tokens are the same regressor up to scale: the fit must not split
+    # them (that would price other block sizes by chance), so the token term takes it all
+    true = {**TRUE, "decode_blocks": 2e-5}
+    fit = fit_measurements(_measurements(ProfiledCostModel(true)))
+    assert fit["coef"]["decode_blocks"] == 0.0
+    assert fit["coef"]["decode_context_tokens"] == pytest.approx(TRUE["decode_context_tokens"] + 2e-5 / 16, rel=1e-6)
+
+
+def test_decode_prices_at_the_simulated_block_size_agree_bit_for_bit():
+    m = ProfiledCostModel({**TRUE, "decode_blocks": 3e-5}, block_size=16, sim_block_size=4)
+    for seqs, ctx in ((1, 5), (17, 4321), (256, 99_999)):
+        c = StepComposition(num_decode_seqs=seqs, decode_context_tokens=ctx, block_size=4)
+        assert m.step_time(c) == m.decode_step_time(seqs, ctx) == m.decode_step_times(np.array([seqs]), np.array([ctx]))[0]
 
 
 def test_transfers_scale_with_block_bytes():
@@ -211,5 +250,5 @@ def test_shipped_profiles_load_and_their_fit_is_reproducible(name):
     p = load_profile(name)
     refit = fit_measurements(p["measurements"])
     for k in FEATURES:
-        assert refit["coef"][k] == pytest.approx(p["fit"]["coef"][k], rel=1e-6, abs=1e-15), k
+        assert refit["coef"][k] == pytest.approx(p["fit"]["coef"].get(k, 0.0), rel=1e-6, abs=1e-15), k
     assert refit["cv_mape"] == pytest.approx(p["fit"]["cv_mape"], rel=1e-6)

@@ -56,6 +56,27 @@ def test_served_iterations_account_for_every_token_of_the_calibration_workload()
     assert sum(m["num_prefill_seqs"] for m in served) == len(reqs)
 
 
+def test_decode_points_are_timed_again_at_each_extra_block_size():
+    import dataclasses
+    grid = dataclasses.replace(ProfileGrid.quick(), block_sizes=(4, 16, 32), serve_requests=0)
+    runner = _runner()
+    run = profile_model(runner, grid)
+    decodes = grid.decode_points()
+    by_bs = {}
+    for m in run.measurements:
+        by_bs.setdefault(m["block_size"], []).append(m)
+    assert sorted(by_bs) == [4, 16, 32]  # 16 is the runner's own: not timed twice
+    assert len(by_bs[16]) == len(grid.points()) and len(by_bs[4]) == len(by_bs[32]) == len(decodes)
+    for m in by_bs[4]:
+        assert m["label"].startswith("decode ") and m["label"].endswith(" bs=4") and m["prefill_tokens"] == 0
+    # the same work at every block size: the counts match the runner's own decode point
+    same = {m["label"]: m for m in by_bs[16]}
+    for m in by_bs[32]:
+        base = same[m["label"].removesuffix(" bs=32")]
+        assert (m["num_decode_seqs"], m["decode_context_tokens"]) == (base["num_decode_seqs"], base["decode_context_tokens"])
+    assert runner.kv_cache.block_size == 16 and runner.block_size == 16  # the runner itself is untouched
+
+
 def test_points_that_do_not_fit_are_skipped_with_a_reason():
     grid = ProfileGrid.quick()
     run = profile_model(_runner(num_gpu_blocks=4, num_cpu_blocks=1), grid)
