@@ -63,12 +63,14 @@ def memory_breakdown(memory: dict[str, dict[str, float]], path: str | Path, titl
 def profile_fit_plot(profile: dict, path: str | Path) -> Path:
     """Measured against fitted step times of a profile's grid (log-log), one colour per point kind,
     with the fit's in-sample and held-out errors in the title."""
-    from sim.profiled import ProfiledCostModel, composition_of
+    from sim.profiled import FEATURES, composition_of, features
 
-    model = ProfiledCostModel.from_profile(profile)
+    coef = [profile["fit"]["coef"].get(f, 0.0) for f in FEATURES]
     ms = profile["measurements"]
     measured = [m["time_s"] * 1e3 for m in ms]
-    fitted = [model.step_time(composition_of(m, i, int(profile["block_size"]))) * 1e3 for i, m in enumerate(ms)]
+    # as fitted: grid points are the executor alone, served iterations also pay the loop terms
+    fitted = [sum(a * b for a, b in zip(features(composition_of(m, i, int(profile["block_size"])),
+                                                 m.get("source") == "served"), coef)) * 1e3 for i, m in enumerate(ms)]
     kinds = [m.get("label", "point").split()[0] for m in ms]
     fig, ax = plt.subplots(figsize=(5.5, 5))
     for kind in dict.fromkeys(kinds):

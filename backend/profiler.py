@@ -135,9 +135,9 @@ def profile_model(runner: ModelRunner, grid: ProfileGrid, seed: int = 0,
             run.skipped.append(f"{point.label}: needs {need} device blocks and {point.swap_blocks} CPU blocks; "
                                f"the cache has {runner.num_gpu_blocks} and {runner.kv_cache.num_cpu_blocks}")
             continue
-        for r in [runner] + (others if point in decodes else []):
-            plan, batch = _build(point, r, rng)
-            times = _time_point(r, batch, sampler, grid.reps)
+        built = [(r, *_build(point, r, rng)) for r in [runner] + (others if point in decodes else [])]
+        timed = _time_interleaved([(r, batch) for r, _, batch in built], sampler, grid.reps)
+        for (r, plan, _), times in zip(built, timed):
             label = point.label if r is runner else f"{point.label} bs={r.block_size}"
             m = {"label": label, **plan.composition().counts(), "block_size": r.block_size,
                  "time_s": statistics.median(times), "times_s": times}
@@ -209,19 +209,30 @@ def _build(point: ProfilePoint, runner: ModelRunner, rng: np.random.Generator) -
 def _time_point(runner: ModelRunner, batch: Batch, sampler: Sampler, reps: int) -> list[float]:
     """Wall times of `reps` executions after one warm-up: swaps, copies, forward pass, then greedy
     sampling and the chosen tokens' log-probabilities, as the live executor does per step."""
-    cuda = runner.device.type == "cuda"
-    params = [SamplingParams(temperature=0.0)] * len(batch.seqs)
-    times = []
-    for r in range(reps + 1):
-        t0 = time.perf_counter()
-        logits = runner.execute(batch)
-        tokens = sampler(logits, params)
-        log_softmax(logits).gather(-1, tokens[:, None]).tolist()
-        if cuda:
-            torch.cuda.synchronize()
-        if r:
-            times.append(time.perf_counter() - t0)
+    return _time_interleaved([(runner, batch)], sampler, reps)[0]
+
+
+def _time_interleaved(runs: list[tuple[ModelRunner, Batch]], sampler: Sampler, reps: int) -> list[list[float]]:
+    """`_time_point` for several (runner, batch) pairs, repetitions taken in turn (one of each, then
+    again), so that a slow spell of the machine falls on all of them alike."""
+    for runner, batch in runs:
+        _execute(runner, batch, sampler)  # warm-up
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(reps):
+        for i, (runner, batch) in enumerate(runs):
+            times[i].append(_execute(runner, batch, sampler))
     return times
+
+
+def _execute(runner: ModelRunner, batch: Batch, sampler: Sampler) -> float:
+    params = [SamplingParams(temperature=0.0)] * len(batch.seqs)
+    t0 = time.perf_counter()
+    logits = runner.execute(batch)
+    tokens = sampler(logits, params)
+    log_softmax(logits).gather(-1, tokens[:, None]).tolist()
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def environment(runner: ModelRunner, model_name: str) -> dict:

@@ -154,7 +154,9 @@ def fit_measurements(measurements: Sequence[dict[str, Any]], folds: int = 5, blo
     Returns {"coef", "mape", "max_ape", "cv_mape", "num_points"}: in-sample mean (weighted as the
     fit is) and max absolute percentage errors, and the mean of each point's error when it is held
     out (`folds`-fold, points dealt to folds in turn, so deterministic); with served iterations,
-    also their own in-sample and held-out means ("served_mape", "served_cv_mape")."""
+    also their own in-sample and held-out means ("served_mape", "served_cv_mape"); and each
+    coefficient's range over the held-out fits ("coef_folds": [min, max]; a wide one is poorly
+    determined by the measurements)."""
     if len(measurements) < len(FEATURES):
         raise ValueError(f"need at least {len(FEATURES)} measurements to fit, got {len(measurements)}")
     served = np.array([m.get("source", "grid") == "served" for m in measurements])
@@ -170,11 +172,15 @@ def fit_measurements(measurements: Sequence[dict[str, Any]], folds: int = 5, blo
     ape = np.abs(X @ coef - y) / y
     held = np.empty_like(y)
     k = min(folds, len(y))
+    fold_coefs = []
     for f in range(k):
         test = np.arange(len(y)) % k == f
-        held[test] = np.abs(X[test] @ _nnls_relative(X[~test], y[~test], w[~test]) - y[test]) / y[test]
+        fold_coefs.append(_nnls_relative(X[~test], y[~test], w[~test]))
+        held[test] = np.abs(X[test] @ fold_coefs[-1] - y[test]) / y[test]
+    span = np.array(fold_coefs)
     out = {"coef": dict(zip(FEATURES, coef.tolist())), "mape": _wmean(ape, w), "max_ape": float(ape.max()),
-           "cv_mape": _wmean(held, w), "num_points": len(y)}
+           "cv_mape": _wmean(held, w), "num_points": len(y),
+           "coef_folds": {f: [float(span[:, j].min()), float(span[:, j].max())] for j, f in enumerate(FEATURES)}}
     if served.any():
         out["served_mape"] = float(ape[served].mean())
         out["served_cv_mape"] = float(held[served].mean())

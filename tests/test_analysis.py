@@ -105,3 +105,38 @@ def test_sweep_over_replicas_behind_a_router(tmp_path, capsys):
     assert "2 replicas (least-loaded)" in capsys.readouterr().out
     for policy in ("vllm", "orca-max"):
         assert rows[2].mean_normalized_latency[policy] < rows[1].mean_normalized_latency[policy]
+
+
+def test_block_size_study_holds_capacity_and_prices_small_blocks_only_with_a_block_term(tmp_path, capsys):
+    import json
+
+    from analysis.block_size import best_block_sizes, block_size_sweep
+    from sim.profiled import FEATURES
+    from sim.run import SimConfig
+    from traces import resolve_trace
+
+    # short requests (Alpaca-like) in a small cache: a 256-token block holds one request and wastes
+    # most of itself; one-token blocks pay the block term on every token of context
+    trace = resolve_trace("alpaca-like", num_requests=150, rate=20.0, seed=1)
+    coef = {"base": 0.004, "tokens": 2e-4, "sampled": 1e-4, "prefill_attn_pairs": 1e-9,
+            "decode_context_tokens": 2e-7, "decode_blocks": 4e-6}
+    profile = {"format": "pagesim-profile", "version": 1, "model": {"name": "smollm2-135m"}, "block_size": 16,
+               "fit": {"coef": {k: coef.get(k, 0.0) for k in FEATURES}}, "measurements": []}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    base = SimConfig(model="smollm2-135m", cost_model="profiled", profile=str(path))
+    table = block_size_sweep(trace, base, (1, 16, 256), (20.0,), kv_tokens=2048)
+    t = table.set_index("block_size")
+    assert (t.num_gpu_blocks * t.index).tolist() == [2048, 2048, 2048]
+    assert t.decode_ms_per_seq[1] > t.decode_ms_per_seq[16]      # the block term at work
+    assert t.internal_frag[256] > 0.5 > t.internal_frag[16] > t.internal_frag[1] == 0.0
+    assert best_block_sizes(table) == {20.0: 16}
+    # the study on the command line: capacity in tokens is required with a profile
+    code = cli_main(["block-size", "--profile", str(path), "--model", "smollm2-135m", "--num-requests", "40",
+                     "--block-sizes", "4", "16", "--rates", "2", "--out", str(tmp_path / "b")])
+    assert code == 2 and "--kv-tokens" in capsys.readouterr().err
+    code = cli_main(["block-size", "--profile", str(path), "--model", "smollm2-135m", "--num-requests", "40",
+                     "--block-sizes", "4", "16", "--rates", "2", "--kv-tokens", "4096", "--out", str(tmp_path / "b")])
+    assert code == 0 and len(pd.read_csv(tmp_path / "b" / "block_size.csv")) == 2
+    assert (tmp_path / "b" / "block_size.png").read_bytes()[:4] == b"\x89PNG"
+    assert "lowest mean normalized latency" in capsys.readouterr().out

@@ -1,0 +1,97 @@
+"""Which block size? The vLLM paper's Figure 18b: one trace simulated at each block size, the KV
+cache's capacity in tokens held fixed.
+
+Two costs pull apart. Small blocks: each decode step reads more blocks, which a profile measured at
+several block sizes prices (its decode_blocks term, `pagesim profile --block-sizes`); the roofline
+model has no such term, so there small blocks cost nothing extra. Large blocks: a sequence's last
+block is partly empty (internal fragmentation), so fewer sequences fit, batches shrink and
+preemptions grow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from sim.run import SimConfig, num_blocks_for, run_simulation
+from traces import apply_arrivals
+from traces.trace import Trace
+
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def block_size_sweep(trace: Trace, base: SimConfig, block_sizes: Sequence[int] = BLOCK_SIZES,
+                     rates: Sequence[float] = (1.0,), kv_tokens: int | None = None,
+                     on_row: Callable[[dict], None] | None = None) -> pd.DataFrame:
+    """Simulate `trace` (vllm) at each block size and rate. The cache holds `kv_tokens` tokens at
+    every block size (kv_tokens // block_size blocks); without it, what base's model and hardware
+    leave for the cache (the same token count at every block size, up to rounding)."""
+    if kv_tokens is not None and kv_tokens < max(block_sizes):
+        raise ValueError(f"kv_tokens: {kv_tokens} holds not one block of {max(block_sizes)} tokens")
+    rows = []
+    for rate in rates:
+        timed = apply_arrivals(trace, rate=rate, seed=base.seed)
+        for bs in block_sizes:
+            if bs < 1:
+                raise ValueError(f"block sizes must be >= 1, got {bs}")
+            cfg = dataclasses.replace(base, policy="vllm", block_size=bs,
+                                      num_gpu_blocks=kv_tokens // bs if kv_tokens else None)
+            res = run_simulation(cfg, timed)
+            s, it = res.summary, res.iterations
+            busy = it.duration.sum()
+            allocated = it[["kv_token_states", "kv_internal_frag"]].sum(axis=1).clip(lower=1)
+            decodes = it[(it.decode_tokens > 0) & (it.prefill_tokens == 0)]
+            row = {"rate": rate, "block_size": bs, "num_gpu_blocks": num_blocks_for(cfg)[0],
+                   "mean_normalized_latency": s["mean_normalized_latency"], "ttft_mean": s["ttft"]["mean"],
+                   "throughput": s["request_throughput"], "preemptions": s["num_preemptions"],
+                   "rejected": s["num_rejected"], "mean_batched_seqs": s["mean_batched_seqs"],
+                   # time-averaged share of allocated slots left empty in partly filled blocks
+                   "internal_frag": float((it.kv_internal_frag / allocated * it.duration).sum() / busy) if busy else 0.0,
+                   "decode_ms_per_seq": float((decodes.duration / decodes.num_seqs).mean() * 1e3) if len(decodes) else
+                   float("nan")}
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+    return pd.DataFrame(rows)
+
+
+def best_block_sizes(table: pd.DataFrame) -> dict[float, int]:
+    """Per rate, the block size with the lowest mean normalized latency."""
+    return {float(rate): int(g.loc[g.mean_normalized_latency.idxmin(), "block_size"])
+            for rate, g in table.groupby("rate", sort=False)}
+
+
+def block_size_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
+    """Left: mean normalized latency against block size, one line per rate; right: what moves it,
+    internal fragmentation and the decode time per sequence."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for rate, g in table.groupby("rate", sort=False):
+        ax.plot(g.block_size, g.mean_normalized_latency, marker="o", label=f"{rate:g} req/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("block size (tokens)")
+    ax.set_ylabel("mean normalized latency (s/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    first = table[table.rate == table.rate.iloc[0]]
+    ax2.plot(first.block_size, 100 * first.internal_frag, marker="o", color="#c44e52", label="internal fragmentation")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("block size (tokens)")
+    ax2.set_ylabel("allocated KV slots empty (%)", color="#c44e52")
+    ax3 = ax2.twinx()
+    ax3.plot(first.block_size, first.decode_ms_per_seq, marker="s", color="#4c72b0", label="decode time per sequence")
+    ax3.set_ylabel("decode step time per sequence (ms)", color="#4c72b0")
+    ax2.set_title(f"at {first.rate.iloc[0]:g} req/s")
+    ax2.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
