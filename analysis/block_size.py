@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from sim.run import SimConfig, num_blocks_for, run_simulation
+from sim.run import SimConfig, build_cost_model, num_blocks_for, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+REFERENCE_DECODE = (16, 512)  # a decode step of 16 sequences of 512 tokens: the cost model's price per block size
 
 
 def block_size_sweep(trace: Trace, base: SimConfig, block_sizes: Sequence[int] = BLOCK_SIZES,
@@ -39,34 +40,38 @@ def block_size_sweep(trace: Trace, base: SimConfig, block_sizes: Sequence[int] =
                 raise ValueError(f"block sizes must be >= 1, got {bs}")
             cfg = dataclasses.replace(base, policy="vllm", block_size=bs,
                                       num_gpu_blocks=kv_tokens // bs if kv_tokens else None)
-            res = run_simulation(cfg, timed)
+            cost = build_cost_model(cfg)
+            res = run_simulation(cfg, timed, cost_model=cost)
             s, it = res.summary, res.iterations
             busy = it.duration.sum()
             allocated = it[["kv_token_states", "kv_internal_frag"]].sum(axis=1).clip(lower=1)
-            decodes = it[(it.decode_tokens > 0) & (it.prefill_tokens == 0)]
+            seqs, ctx = REFERENCE_DECODE
             row = {"rate": rate, "block_size": bs, "num_gpu_blocks": num_blocks_for(cfg)[0],
                    "mean_normalized_latency": s["mean_normalized_latency"], "ttft_mean": s["ttft"]["mean"],
                    "throughput": s["request_throughput"], "preemptions": s["num_preemptions"],
                    "rejected": s["num_rejected"], "mean_batched_seqs": s["mean_batched_seqs"],
                    # time-averaged share of allocated slots left empty in partly filled blocks
                    "internal_frag": float((it.kv_internal_frag / allocated * it.duration).sum() / busy) if busy else 0.0,
-                   "decode_ms_per_seq": float((decodes.duration / decodes.num_seqs).mean() * 1e3) if len(decodes) else
-                   float("nan")}
+                   "reference_decode_ms": cost.decode_step_time(seqs, seqs * ctx) * 1e3}
             rows.append(row)
             if on_row is not None:
                 on_row(row)
     return pd.DataFrame(rows)
 
 
-def best_block_sizes(table: pd.DataFrame) -> dict[float, int]:
-    """Per rate, the block size with the lowest mean normalized latency."""
-    return {float(rate): int(g.loc[g.mean_normalized_latency.idxmin(), "block_size"])
-            for rate, g in table.groupby("rate", sort=False)}
+def best_block_sizes(table: pd.DataFrame, tolerance: float = 0.01) -> dict[float, list[int]]:
+    """Per rate, the block sizes whose mean normalized latency is within `tolerance` (relative) of
+    the lowest: differences smaller than that are not worth naming a winner for."""
+    out = {}
+    for rate, g in table.groupby("rate", sort=False):
+        best = g.mean_normalized_latency.min()
+        out[float(rate)] = [int(b) for b in g.block_size[g.mean_normalized_latency <= best * (1 + tolerance)]]
+    return out
 
 
 def block_size_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
     """Left: mean normalized latency against block size, one line per rate; right: what moves it,
-    internal fragmentation and the decode time per sequence."""
+    internal fragmentation and the cost model's price of a reference decode step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -74,20 +79,24 @@ def block_size_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> P
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for rate, g in table.groupby("rate", sort=False):
-        ax.plot(g.block_size, g.mean_normalized_latency, marker="o", label=f"{rate:g} req/s")
-    ax.set_xscale("log", base=2)
+        best = g.mean_normalized_latency.min()
+        ax.plot(g.block_size, g.mean_normalized_latency / best, marker="o",
+                label=f"{rate:g} req/s (best {best:.3g} s/token)")
     ax.set_xlabel("block size (tokens)")
-    ax.set_ylabel("mean normalized latency (s/token)")
+    ax.set_ylabel("mean normalized latency / the best block size's")
     ax.grid(alpha=0.3)
     ax.legend()
     first = table[table.rate == table.rate.iloc[0]]
     ax2.plot(first.block_size, 100 * first.internal_frag, marker="o", color="#c44e52", label="internal fragmentation")
-    ax2.set_xscale("log", base=2)
+    sizes = sorted(table.block_size.unique())
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        a.set_xticks(sizes, [str(b) for b in sizes])
     ax2.set_xlabel("block size (tokens)")
     ax2.set_ylabel("allocated KV slots empty (%)", color="#c44e52")
     ax3 = ax2.twinx()
-    ax3.plot(first.block_size, first.decode_ms_per_seq, marker="s", color="#4c72b0", label="decode time per sequence")
-    ax3.set_ylabel("decode step time per sequence (ms)", color="#4c72b0")
+    ax3.plot(first.block_size, first.reference_decode_ms, marker="s", color="#4c72b0")
+    ax3.set_ylabel(f"decode step, {REFERENCE_DECODE[0]} seqs x {REFERENCE_DECODE[1]} tokens (ms)", color="#4c72b0")
     ax2.set_title(f"at {first.rate.iloc[0]:g} req/s")
     ax2.grid(alpha=0.3)
     fig.suptitle(title)
