@@ -4,7 +4,9 @@
 #   1. install the project over the preinstalled torch/triton (no dependencies, no build isolation),
 #   2. run the backend tests that are not marked slow, with CUDA (Triton kernels compiled natively),
 #   3. run the attention benchmark (Triton paged decode vs SDPA, Llama-3-8B shapes; the CPU table too),
-#   4. calibrate: `pagesim profile --device cuda` on SmolLM2-135M's shapes (random weights), then
+#   4. calibrate: `pagesim profile --device cuda --block-sizes 1 4 64` on SmolLM2-135M's shapes
+#      (random weights; decodes also at block sizes 1, 4 and 64 price the Triton kernel's cost per
+#      KV block, which decides whether small blocks are slow on the GPU), then
 #      benchmarks.bench_validate with that profile (simulator vs live on the GPU), if time allows.
 # Everything is written under $OUT (default: out/gpu_check; at most 8 files come back): env.txt,
 # setup.txt, pytest.txt, bench_attention.txt, bench_attention.json, profile_smollm2-135m_cuda.json
@@ -53,7 +55,8 @@ mkdir -p /tmp/cfg
 PROFILE="$OUT/profile_smollm2-135m_cuda.json"
 rc=1
 if [ "$SECONDS" -lt 400 ]; then  # the whole script must end well inside the device's 10-minute limit
-  timeout 150 "$PY" -m pagesim profile --model /tmp/cfg/smollm2-135m.json --device cuda --out "$PROFILE" --quiet 2>&1 \
+  timeout 150 "$PY" -m pagesim profile --model /tmp/cfg/smollm2-135m.json --device cuda --block-sizes 1 4 64 \
+    --out "$PROFILE" --quiet 2>&1 \
     | tee "$OUT/calibration.txt"
   rc=${PIPESTATUS[0]}
   [ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc
