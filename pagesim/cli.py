@@ -267,6 +267,24 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--out", required=True)
     rt.set_defaults(func=cmd_routing)
 
+    cap = sub.add_parser("capacity", help="the fewest replicas that serve a trace within latency SLOs (simulated)",
+                         description="Capacity planning: for each router and rate, the fewest replicas with at least "
+                                     "--attainment of the requests within --slo-ttft and --slo-tpot (doubling, then "
+                                     "bisecting). Writes capacity.csv (the answers), capacity_runs.csv (every "
+                                     "configuration simulated) and capacity.png to --out.")
+    add_study_args(cap, "sharegpt-like", [10.0, 20.0, 40.0])
+    cap.add_argument("--routers", nargs="+", default=["least-loaded"], choices=list(ROUTERS))
+    cap.add_argument("--slo-ttft", type=float, help="TTFT SLO, seconds")
+    cap.add_argument("--slo-tpot", type=float, help="TPOT SLO, seconds")
+    cap.add_argument("--attainment", type=float, default=0.9, help="share of requests within the SLOs (default 0.9)")
+    cap.add_argument("--max-replicas", type=int, default=64)
+    cap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of each replica (GPUs = replicas x tp)")
+    cap.add_argument("--prefix-caching", action="store_true")
+    cap.add_argument("--chunked-prefill", action="store_true")
+    cap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    cap.add_argument("--out", required=True)
+    cap.set_defaults(func=cmd_capacity)
+
     bsz = sub.add_parser("block-size", help="one trace at each block size, the KV capacity held fixed (simulated)",
                          description="The vLLM paper's Figure 18b: mean normalized latency against block size at "
                                      "one or more rates, with what moves it (internal fragmentation, decode time per "
@@ -515,6 +533,46 @@ def cmd_preemption(args: argparse.Namespace) -> int:
     preemption_plot(micro, e2e, out / "preemption.png", f"{args.model} on {args.hardware}")
     print(f"wrote {out}/preemption_micro.csv" + (", preemption_e2e.csv" if e2e is not None else "")
           + ", preemption.png")
+    return 0
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from analysis.capacity import capacity_plot, capacity_table
+    from sim.run import SimConfig
+
+    if args.slo_ttft is None and args.slo_tpot is None:
+        raise ValueError("--slo-ttft and/or --slo-tpot: capacity is the fewest replicas meeting an SLO")
+    trace = _study_trace(args)
+    base = SimConfig(model=args.model, hardware=args.hardware, tp=args.tp, block_size=args.block_size, seed=args.seed,
+                     prefix_caching=args.prefix_caching, chunked_prefill=args.chunked_prefill,
+                     max_num_batched_tokens=args.max_num_batched_tokens, slo_ttft=args.slo_ttft,
+                     slo_tpot=args.slo_tpot, **_study_costs(args))
+    slo = " and ".join(s for s in (args.slo_ttft and f"TTFT <= {args.slo_ttft:g} s",
+                                   args.slo_tpot and f"TPOT <= {args.slo_tpot:g} s") if s)
+    print(f"capacity: {len(trace)} requests of {trace.name} on {_study_title(args)}, {args.attainment:.0%} of "
+          f"requests within {slo}")
+    print(f"{'router':<16} {'rate':>6} {'replicas':>8} {'in SLO':>7} {'p90 TTFT':>9} {'p90 TPOT':>9} {'wall s':>7}")
+
+    def run(r: dict) -> None:
+        print(f"{r['router']:<16} {r['rate']:>6g} {r['replicas']:>8} {r['slo_attainment']:>7.1%} {r['ttft_p90']:>9.3f} "
+              f"{r['tpot_p90']:>9.4f} {r['wall_s']:>7.2f}", flush=True)
+
+    def answer(r: dict) -> None:
+        n = r["min_replicas"]
+        print(f"  -> {r['router']} at {r['rate']:g} req/s: "
+              + (f"{n} replicas ({r['gpus']} GPUs)" if n is not None else f"more than {args.max_replicas} replicas"),
+              flush=True)
+
+    answers, tried = capacity_table(trace, base, args.routers, args.rates, args.attainment, args.max_replicas,
+                                    on_result=answer, on_run=run)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    answers.to_csv(out / "capacity.csv", index=False)
+    tried.to_csv(out / "capacity_runs.csv", index=False)
+    capacity_plot(answers, out / "capacity.png", f"{trace.name}, {_study_title(args)}, {slo}")
+    print(f"wrote {out}/capacity.csv, capacity_runs.csv, capacity.png")
     return 0
 
 

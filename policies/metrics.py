@@ -178,6 +178,8 @@ def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float 
         "normalized_latency": _stats(done.normalized_latency),
         "mean_normalized_latency": float(done.normalized_latency.mean()) if len(done) else float("nan"),
         "goodput": len(ok) / span,
+        # the share of all requests (rejected ones count as missing) that finished within the SLOs
+        "slo_attainment": len(ok) / len(requests) if len(requests) else float("nan"),
         "slo": {"ttft": slo_ttft, "tpot": slo_tpot},
         "num_preemptions": int(requests.num_preemptions.sum()),
         "num_iterations": len(iterations),

@@ -1,0 +1,105 @@
+"""Capacity planning: the fewest replicas that serve a trace at a rate within latency SLOs.
+
+A configuration meets the SLOs when at least `attainment` of all requests (rejected ones count as
+missing) finish with TTFT <= slo_ttft and TPOT <= slo_tpot, the attainment measure of DistServe and
+Vidur's configuration search. The search doubles the replica count until the SLOs are met, then
+bisects between the last miss and the first hit; it assumes that adding a replica never hurts
+(true of the routers here up to noise) and reports every configuration it simulated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from sim.run import SimConfig, run_simulation
+from traces import apply_arrivals
+from traces.trace import Trace
+
+
+def meets(summary: dict, attainment: float) -> bool:
+    return summary["slo_attainment"] >= attainment
+
+
+def min_replicas(trace: Trace, base: SimConfig, attainment: float = 0.9, max_replicas: int = 64,
+                 on_run: Callable[[dict], None] | None = None) -> tuple[int | None, list[dict]]:
+    """(the fewest replicas meeting base's SLOs on the timed `trace`, or None if even
+    `max_replicas` do not; one row per simulated replica count)."""
+    if base.slo_ttft is None and base.slo_tpot is None:
+        raise ValueError("capacity planning needs an SLO: slo_ttft and/or slo_tpot")
+    if not 0 < attainment <= 1:
+        raise ValueError(f"attainment must be in (0, 1], got {attainment}")
+    if max_replicas < 1:
+        raise ValueError(f"max_replicas must be >= 1, got {max_replicas}")
+    rows: dict[int, dict] = {}
+
+    def ok(n: int) -> bool:
+        if n not in rows:
+            s = run_simulation(dataclasses.replace(base, replicas=n), trace).summary
+            rows[n] = {"replicas": n, "slo_attainment": s["slo_attainment"], "meets": meets(s, attainment),
+                       "ttft_p90": s["ttft"]["p90"], "tpot_p90": s["tpot"]["p90"],
+                       "mean_normalized_latency": s["mean_normalized_latency"],
+                       "prefix_hit_tokens": s["prefix_hit_tokens"], "wall_s": s["wall_time_s"]}
+            if on_run is not None:
+                on_run(rows[n])
+        return rows[n]["meets"]
+
+    lo, hi = 0, 1  # lo: the largest count known to miss (0: none tried), hi: the count to try
+    while not ok(hi):
+        if hi >= max_replicas:
+            return None, [rows[n] for n in sorted(rows)]
+        lo, hi = hi, min(2 * hi, max_replicas)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi, [rows[n] for n in sorted(rows)]
+
+
+def capacity_table(trace: Trace, base: SimConfig, routers: Sequence[str], rates: Sequence[float],
+                   attainment: float = 0.9, max_replicas: int = 64,
+                   on_result: Callable[[dict], None] | None = None,
+                   on_run: Callable[[dict], None] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """For every (router, rate): the fewest replicas meeting the SLOs. Returns (one row per
+    (router, rate) with the answer and GPUs = replicas x tp, every simulated configuration)."""
+    answers, tried = [], []
+    for rate in rates:
+        timed = apply_arrivals(trace, rate=rate, seed=base.seed)
+        for router in routers:
+            tag = {"router": router, "rate": rate}
+            n, rows = min_replicas(timed, dataclasses.replace(base, router=router), attainment, max_replicas,
+                                   on_run=None if on_run is None else (lambda r, tag=tag: on_run({**tag, **r})))
+            tried += [{"router": router, "rate": rate, **r} for r in rows]
+            row = {"router": router, "rate": rate, "min_replicas": n,
+                   "gpus": None if n is None else n * base.tp, "simulations": len(rows)}
+            answers.append(row)
+            if on_result is not None:
+                on_result(row)
+    return pd.DataFrame(answers), pd.DataFrame(tried)
+
+
+def capacity_plot(answers: pd.DataFrame, path: str | Path, title: str = "") -> Path:
+    """Fewest replicas meeting the SLOs against request rate, one line per router."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for router, g in answers.groupby("router", sort=False):
+        ax.plot(g.rate, g.min_replicas, marker="o", label=router)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("fewest replicas meeting the SLOs")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
