@@ -89,16 +89,18 @@ def capacity_plot(answers: pd.DataFrame, path: str | Path, title: str = "") -> P
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     for router, g in answers.groupby("router", sort=False):
         ax.plot(g.rate, g.min_replicas, marker="o", label=router)
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("fewest replicas meeting the SLOs")
     ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title(title)
+    ax.set_title(title, fontsize=9, wrap=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
