@@ -223,7 +223,8 @@ def _tables(replicas: list[Replica]) -> tuple[pd.DataFrame, pd.DataFrame]:
 def _router_summary(router: Router, requests: pd.DataFrame, iterations: pd.DataFrame, cfg: SimConfig) -> dict:
     """Per replica: its share of the requests, how busy it was, its latency and prefix hits; and how
     even the spread was (max over mean of requests per replica)."""
-    span = max(float(requests.finish_time.max() - requests.arrival.min()), 1e-12) if len(requests) else 1e-12
+    end = requests.finish_time.max()  # NaN when nothing finished
+    span = max(float(end - requests.arrival.min()), 1e-12) if len(requests) and end == end else 1e-12
     rows = []
     for i in range(cfg.replicas):
         mine = requests[requests.replica == i]

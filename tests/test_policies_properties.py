@@ -413,3 +413,37 @@ test_random_workloads_orca_pow2 = _make_test("orca-pow2", 80)
 test_random_workloads_orca_oracle = _make_test("orca-oracle", 80)
 test_random_workloads_static = _make_test("static", 100)
 assert set(POLICIES) == {"vllm", "orca-max", "orca-pow2", "orca-oracle", "static"}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(num_blocks=st.integers(4, 24), bs=st.integers(1, 4),
+       prompts=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 20)), min_size=1, max_size=12))
+def test_cached_prefix_query_predicts_admission_and_changes_nothing(num_blocks, bs, prompts):
+    """`cached_prefix_blocks` (what a cache-aware router asks) is a pure query, and the cached
+    blocks an admission right after it maps are exactly the ones it counted."""
+    bm = PagedBlockManager(num_blocks, bs, enable_prefix_caching=True)
+    seq_ids = iter(range(10**6))
+    live: list[Sequence] = []
+    for i, (prefix, n) in enumerate(prompts):
+        ids = [100 + prefix] * 8 + list(range(n))  # four prefixes of 8 tokens, then private tokens
+        r = Request(i, 0.0, len(ids), SamplingParams(max_tokens=1), prompt_token_ids=ids)
+        before = (dict(bm.pool.cached), bm.num_free_blocks, bm.prefix_hits, bm.prefix_queries)
+        predicted = bm.cached_prefix_blocks(r)
+        assert (dict(bm.pool.cached), bm.num_free_blocks, bm.prefix_hits, bm.prefix_queries) == before
+        bm.check_invariants()
+        seq = SequenceGroup(r, next(seq_ids)).seqs[0]
+        if bm.can_allocate(seq.group) != AllocStatus.OK:
+            if live:  # make room: free the oldest (its full blocks stay cached until evicted)
+                bm.free(live.pop(0))
+            continue
+        cached = bm.allocate(seq)  # as the vllm scheduler admits: map the cached prefix, then the rest
+        assert cached == predicted * bs
+        seq.num_computed = cached
+        if bm.append_slots(seq, seq.num_tokens - cached) is None:
+            bm.free(seq)
+            continue
+        seq.num_computed = seq.num_tokens
+        live.append(seq)
+    for s in live:
+        bm.free(s)
+    bm.check_invariants()
