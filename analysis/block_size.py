@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from analysis.parallel import run_tasks
 from sim.run import SimConfig, build_cost_model, num_blocks_for, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
@@ -26,37 +27,39 @@ REFERENCE_DECODE = (16, 512)  # a decode step of 16 sequences of 512 tokens: the
 
 def block_size_sweep(trace: Trace, base: SimConfig, block_sizes: Sequence[int] = BLOCK_SIZES,
                      rates: Sequence[float] = (1.0,), kv_tokens: int | None = None,
-                     on_row: Callable[[dict], None] | None = None) -> pd.DataFrame:
+                     on_row: Callable[[dict], None] | None = None, jobs: int = 1) -> pd.DataFrame:
     """Simulate `trace` (vllm) at each block size and rate. The cache holds `kv_tokens` tokens at
     every block size (kv_tokens // block_size blocks); without it, what base's model and hardware
-    leave for the cache (the same token count at every block size, up to rounding)."""
+    leave for the cache (the same token count at every block size, up to rounding). `jobs` worker
+    processes run the simulations (the same table for any number)."""
     if kv_tokens is not None and kv_tokens < max(block_sizes):
         raise ValueError(f"kv_tokens: {kv_tokens} holds not one block of {max(block_sizes)} tokens")
-    rows = []
+    if min(block_sizes) < 1:
+        raise ValueError(f"block sizes must be >= 1, got {min(block_sizes)}")
+    tasks = []
     for rate in rates:
         timed = apply_arrivals(trace, rate=rate, seed=base.seed)
-        for bs in block_sizes:
-            if bs < 1:
-                raise ValueError(f"block sizes must be >= 1, got {bs}")
-            cfg = dataclasses.replace(base, policy="vllm", block_size=bs,
-                                      num_gpu_blocks=kv_tokens // bs if kv_tokens else None)
-            cost = build_cost_model(cfg)
-            res = run_simulation(cfg, timed, cost_model=cost)
-            s, it = res.summary, res.iterations
-            busy = it.duration.sum()
-            allocated = it[["kv_token_states", "kv_internal_frag"]].sum(axis=1).clip(lower=1)
-            seqs, ctx = REFERENCE_DECODE
-            row = {"rate": rate, "block_size": bs, "num_gpu_blocks": num_blocks_for(cfg)[0],
-                   "mean_normalized_latency": s["mean_normalized_latency"], "ttft_mean": s["ttft"]["mean"],
-                   "throughput": s["request_throughput"], "preemptions": s["num_preemptions"],
-                   "rejected": s["num_rejected"], "mean_batched_seqs": s["mean_batched_seqs"],
-                   # time-averaged share of allocated slots left empty in partly filled blocks
-                   "internal_frag": float((it.kv_internal_frag / allocated * it.duration).sum() / busy) if busy else 0.0,
-                   "reference_decode_ms": cost.decode_step_time(seqs, seqs * ctx) * 1e3}
-            rows.append(row)
-            if on_row is not None:
-                on_row(row)
+        tasks += [(dataclasses.replace(base, policy="vllm", block_size=bs,
+                                       num_gpu_blocks=kv_tokens // bs if kv_tokens else None), timed, rate)
+                  for bs in block_sizes]
+    rows = run_tasks(_block_size_run, tasks, jobs, None if on_row is None else (lambda i, r: on_row(r)))
     return pd.DataFrame(rows)
+
+
+def _block_size_run(cfg: SimConfig, timed: Trace, rate: float) -> dict:
+    cost = build_cost_model(cfg)
+    res = run_simulation(cfg, timed, cost_model=cost)
+    s, it = res.summary, res.iterations
+    busy = it.duration.sum()
+    allocated = it[["kv_token_states", "kv_internal_frag"]].sum(axis=1).clip(lower=1)
+    seqs, ctx = REFERENCE_DECODE
+    return {"rate": rate, "block_size": cfg.block_size, "num_gpu_blocks": num_blocks_for(cfg)[0],
+            "mean_normalized_latency": s["mean_normalized_latency"], "ttft_mean": s["ttft"]["mean"],
+            "throughput": s["request_throughput"], "preemptions": s["num_preemptions"],
+            "rejected": s["num_rejected"], "mean_batched_seqs": s["mean_batched_seqs"],
+            # time-averaged share of allocated slots left empty in partly filled blocks
+            "internal_frag": float((it.kv_internal_frag / allocated * it.duration).sum() / busy) if busy else 0.0,
+            "reference_decode_ms": cost.decode_step_time(seqs, seqs * ctx) * 1e3}
 
 
 def best_block_sizes(table: pd.DataFrame, tolerance: float = 0.01) -> dict[float, list[int]]:

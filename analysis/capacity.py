@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from analysis.parallel import run_tasks
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
@@ -64,23 +65,31 @@ def min_replicas(trace: Trace, base: SimConfig, attainment: float = 0.9, max_rep
 def capacity_table(trace: Trace, base: SimConfig, routers: Sequence[str], rates: Sequence[float],
                    attainment: float = 0.9, max_replicas: int = 64,
                    on_result: Callable[[dict], None] | None = None,
-                   on_run: Callable[[dict], None] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+                   on_run: Callable[[dict], None] | None = None, jobs: int = 1) -> tuple[pd.DataFrame, pd.DataFrame]:
     """For every (router, rate): the fewest replicas meeting the SLOs. Returns (one row per
-    (router, rate) with the answer and GPUs = replicas x tp, every simulated configuration)."""
-    answers, tried = [], []
+    (router, rate) with the answer and GPUs = replicas x tp, every simulated configuration).
+    `jobs` worker processes search different (router, rate) pairs at once; `on_run` then sees a
+    pair's configurations together when its search ends."""
+    tasks = []
     for rate in rates:
         timed = apply_arrivals(trace, rate=rate, seed=base.seed)
-        for router in routers:
-            tag = {"router": router, "rate": rate}
-            n, rows = min_replicas(timed, dataclasses.replace(base, router=router), attainment, max_replicas,
-                                   on_run=None if on_run is None else (lambda r, tag=tag: on_run({**tag, **r})))
-            tried += [{"router": router, "rate": rate, **r} for r in rows]
-            row = {"router": router, "rate": rate, "min_replicas": n,
-                   "gpus": None if n is None else n * base.tp, "simulations": len(rows)}
-            answers.append(row)
-            if on_result is not None:
-                on_result(row)
-    return pd.DataFrame(answers), pd.DataFrame(tried)
+        tasks += [(timed, dataclasses.replace(base, router=router), attainment, max_replicas) for router in routers]
+    answers: list[dict] = [{} for _ in tasks]
+    tried: list[list[dict]] = [[] for _ in tasks]
+
+    def done(i: int, result: tuple[int | None, list[dict]]) -> None:
+        n, rows = result
+        cfg = tasks[i][1]
+        tag = {"router": cfg.router, "rate": rates[i // len(routers)]}
+        tried[i] = [{**tag, **r} for r in rows]
+        answers[i] = {**tag, "min_replicas": n, "gpus": None if n is None else n * cfg.tp, "simulations": len(rows)}
+        for r in tried[i] if on_run is not None else ():
+            on_run(r)
+        if on_result is not None:
+            on_result(answers[i])
+
+    run_tasks(min_replicas, tasks, jobs, done)
+    return pd.DataFrame(answers), pd.DataFrame([r for rows in tried for r in rows])
 
 
 def capacity_plot(answers: pd.DataFrame, path: str | Path, title: str = "") -> Path:

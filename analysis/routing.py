@@ -13,6 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from analysis.parallel import run_tasks
 from analysis.sweep import headline
 from policies.router import MATCH_ROUTERS
 from sim.run import SimConfig, run_simulation
@@ -22,33 +23,36 @@ from traces.trace import Trace
 
 def router_sweep(trace: Trace, base: SimConfig, routers: Sequence[str], rates: Sequence[float],
                  on_result: Callable[[dict], None] | None = None,
-                 router_options: dict | None = None) -> pd.DataFrame:
+                 router_options: dict | None = None, jobs: int = 1) -> pd.DataFrame:
     """Simulate every (router, rate) with base.replicas replicas. Arrivals are Poisson at the rate
     (or the trace's timestamps rescaled to it) with the config's seed, the same for every router.
     Each row also says which share of the finished requests' prompt tokens the prefix caches
     served, and how uneven the spread was (requests per replica, max over mean). `router_options`
-    go to the routers that take them (the others run with their defaults)."""
+    go to the routers that take them (the others run with their defaults). `jobs` worker processes
+    run the simulations (the same table for any number)."""
     if base.replicas < 2:
         raise ValueError(f"a router study needs replicas >= 2, got {base.replicas}")
-    rows = []
+    tasks = []
     for rate in rates:
         timed = apply_arrivals(trace, rate=rate, seed=base.seed)
         for router in routers:
             opts = (router_options or {}) if router in MATCH_ROUTERS else {}
-            res = run_simulation(dataclasses.replace(base, router=router, router_options=opts), timed)
-            done = res.requests[res.requests.status == "finished"]
-            prompt_tokens = int(done.prompt_len.sum())
-            router_info = res.summary["router"]
-            row = {"router": router, "rate": rate, **headline(res.summary),
-                   "prefix_hit_fraction": res.summary["prefix_hit_tokens"] / max(prompt_tokens, 1),
-                   "imbalance": router_info["imbalance"],
-                   "busiest_replica": max(r["busy_fraction"] for r in router_info["replicas"]),
-                   # prefix-affinity and cache-aware: the share of requests sent by a prefix match
-                   "affinity_share": router_info.get("affinity_routed", float("nan")) / max(len(res.requests), 1)}
-            rows.append(row)
-            if on_result is not None:
-                on_result(row)
+            tasks.append((dataclasses.replace(base, router=router, router_options=opts), timed, rate))
+    rows = run_tasks(_routing_run, tasks, jobs, None if on_result is None else (lambda i, r: on_result(r)))
     return pd.DataFrame(rows)
+
+
+def _routing_run(cfg: SimConfig, timed: Trace, rate: float) -> dict:
+    res = run_simulation(cfg, timed)
+    done = res.requests[res.requests.status == "finished"]
+    prompt_tokens = int(done.prompt_len.sum())
+    router_info = res.summary["router"]
+    return {"router": cfg.router, "rate": rate, **headline(res.summary),
+            "prefix_hit_fraction": res.summary["prefix_hit_tokens"] / max(prompt_tokens, 1),
+            "imbalance": router_info["imbalance"],
+            "busiest_replica": max(r["busy_fraction"] for r in router_info["replicas"]),
+            # prefix-affinity and cache-aware: the share of requests sent by a prefix match
+            "affinity_share": router_info.get("affinity_routed", float("nan")) / max(len(res.requests), 1)}
 
 
 def routing_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:

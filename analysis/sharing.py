@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from analysis.parallel import run_tasks
 from policies.scheduler import Scheduler
 from policies.vllm_scheduler import VllmScheduler
 from sim.run import SimConfig, run_simulation
@@ -55,23 +56,25 @@ def sharing_saving(trace: Trace, cfg: SimConfig, beam_picks: dict | None = None)
 
 
 def sharing_table(trace: Trace, base: SimConfig, rates: Sequence[float], widths: Sequence[tuple[str, int]],
-                  on_row=None, beam_decay: dict[int, float] | None = None) -> pd.DataFrame:
+                  on_row=None, beam_decay: dict[int, float] | None = None, jobs: int = 1) -> pd.DataFrame:
     """One row per (decoding, width, rate): the saving and the run's headline numbers. `widths` are
     ("n", k) for parallel sampling or ("beam", k) for beam search; `beam_decay` gives the beam
-    rule's q per beam width (else base.beam_rank_decay)."""
-    rows = []
+    rule's q per beam width (else base.beam_rank_decay). `jobs` worker processes run the
+    simulations (the same table for any number)."""
+    tasks = []
     for rate in rates:
         timed = apply_arrivals(trace, rate=rate, seed=base.seed)
         for kind, k in widths:
             q = (beam_decay or {}).get(k, base.beam_rank_decay) if kind == "beam" else base.beam_rank_decay
             cfg = dataclasses.replace(base, policy="vllm", n=k if kind == "n" else 1,
                                       beam_width=k if kind == "beam" else 1, beam_rank_decay=q)
-            saving, s = sharing_saving(timed, cfg)
-            row = {"decoding": "parallel sampling" if kind == "n" else "beam search", "width": k, "rate": rate,
-                   "saving": saving, "throughput": s["request_throughput"],
-                   "mean_normalized_latency": s["mean_normalized_latency"], "preemptions": s["num_preemptions"],
-                   "mean_batched_seqs": s["mean_batched_seqs"]}
-            rows.append(row)
-            if on_row is not None:
-                on_row(row)
+            tasks.append((timed, cfg, "parallel sampling" if kind == "n" else "beam search", k, rate))
+    rows = run_tasks(_sharing_run, tasks, jobs, None if on_row is None else (lambda i, r: on_row(r)))
     return pd.DataFrame(rows)
+
+
+def _sharing_run(timed: Trace, cfg: SimConfig, decoding: str, width: int, rate: float) -> dict:
+    saving, s = sharing_saving(timed, cfg)
+    return {"decoding": decoding, "width": width, "rate": rate, "saving": saving,
+            "throughput": s["request_throughput"], "mean_normalized_latency": s["mean_normalized_latency"],
+            "preemptions": s["num_preemptions"], "mean_batched_seqs": s["mean_batched_seqs"]}

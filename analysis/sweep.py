@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 import pandas as pd
 
+from analysis.parallel import run_tasks
 from policies.registry import PAGED_ONLY_DEFAULTS
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
@@ -18,27 +19,31 @@ PAGED_ONLY = {k: v for k, v in PAGED_ONLY_DEFAULTS.items() if k in SimConfig.__d
 
 
 def sweep(trace: Trace, base: SimConfig, policies: Sequence[str], rates: Sequence[float],
-          on_result: Callable[[dict], None] | None = None) -> tuple[pd.DataFrame, dict]:
+          on_result: Callable[[dict], None] | None = None, jobs: int = 1) -> tuple[pd.DataFrame, dict]:
     """Simulate every (policy, rate). The same lengths are used at every rate; arrivals are
     Poisson at the rate with the config's seed. The base config's paged-only options (preemption
     mode, chunked prefill, prefix caching) apply to the vllm runs; the contiguous baselines run
     without them. Returns (one row per run, the memory breakdown of each policy's run at the
-    highest rate)."""
-    rows, memory = [], {}
+    highest rate). `jobs` worker processes run the simulations (the same table for any number)."""
+    tasks = []
     for rate in rates:
         timed = apply_arrivals(trace, rate=rate, seed=base.seed)  # Poisson, or a timestamped trace rescaled
         for policy in policies:
             cfg = dataclasses.replace(base, policy=policy, **({} if policy == "vllm" else PAGED_ONLY))
-            res = run_simulation(cfg, timed)
-            row = {"policy": policy, "rate": rate, **headline(res.summary)}
-            rows.append(row)
-            if rate == max(rates):
-                it = res.iterations
-                kv = it[["kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag"]]
-                memory[policy] = (kv.mul(it.duration, axis=0).sum() / max(it.duration.sum(), 1e-12)).to_dict()
-            if on_result is not None:
-                on_result(row)
-    return pd.DataFrame(rows), memory
+            tasks.append((cfg, timed, rate, rate == max(rates)))
+    done = run_tasks(_sweep_run, tasks, jobs, None if on_result is None else (lambda i, r: on_result(r[0])))
+    memory = {row["policy"]: mem for row, mem in done if mem is not None}
+    return pd.DataFrame([row for row, _ in done]), memory
+
+
+def _sweep_run(cfg: SimConfig, timed: Trace, rate: float, with_memory: bool) -> tuple[dict, dict | None]:
+    res = run_simulation(cfg, timed)
+    row = {"policy": cfg.policy, "rate": rate, **headline(res.summary)}
+    if not with_memory:
+        return row, None
+    it = res.iterations
+    kv = it[["kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag"]]
+    return row, (kv.mul(it.duration, axis=0).sum() / max(it.duration.sum(), 1e-12)).to_dict()
 
 
 def headline(s: dict) -> dict:

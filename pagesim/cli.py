@@ -81,6 +81,8 @@ def add_study_args(p: argparse.ArgumentParser, trace: str, rates: list[float]) -
     p.add_argument("--profile", help="price iterations with this profile (file or shipped name) instead of the "
                                      "roofline model; needs --num-gpu-blocks")
     p.add_argument("--num-gpu-blocks", type=int, help="override the derived KV capacity (blocks)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="simulations run at once in worker processes (default 1; the results are the same)")
 
 
 def _study_costs(args: argparse.Namespace) -> dict:
@@ -408,7 +410,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"{r['policy']:<12} {r['rate']:>6.2f} {r['throughput']:>7.3f} {r['mean_normalized_latency']:>9.4f} "
               f"{r['ttft_p90']:>9.2f} {r['preemptions']:>8} {r['wall_s']:>7.2f}", flush=True)
 
-    table, memory = sweep(trace, base, args.policies, args.rates, on_result=show)
+    table, memory = sweep(trace, base, args.policies, args.rates, on_result=show, jobs=args.jobs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "sweep.csv", index=False)
@@ -454,7 +456,7 @@ def cmd_routing(args: argparse.Namespace) -> int:
               f"{r['mean_normalized_latency']:>9.4f} {r['prefix_hit_fraction']:>9.1%} {r['imbalance']:>7.2f} "
               f"{r['wall_s']:>7.2f}", flush=True)
 
-    table = router_sweep(trace, base, args.routers, args.rates, on_result=show, router_options=opts)
+    table = router_sweep(trace, base, args.routers, args.rates, on_result=show, router_options=opts, jobs=args.jobs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "routing.csv", index=False)
@@ -487,7 +489,7 @@ def cmd_sharing(args: argparse.Namespace) -> int:
         print(f"{r['decoding']:<18} {r['width']:>5} {r['rate']:>6.2f} {r['saving']:>7.1%} {r['throughput']:>7.3f} "
               f"{r['mean_normalized_latency']:>9.4f} {r['preemptions']:>8}", flush=True)
 
-    table = sharing_table(trace, base, args.rates, widths, on_row=show, beam_decay=decay)
+    table = sharing_table(trace, base, args.rates, widths, on_row=show, beam_decay=decay, jobs=args.jobs)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -566,7 +568,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
               flush=True)
 
     answers, tried = capacity_table(trace, base, args.routers, args.rates, args.attainment, args.max_replicas,
-                                    on_result=answer, on_run=run)
+                                    on_result=answer, on_run=run, jobs=args.jobs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     answers.to_csv(out / "capacity.csv", index=False)
@@ -599,7 +601,7 @@ def cmd_block_size(args: argparse.Namespace) -> int:
               f"{r['throughput']:>7.3f} {r['preemptions']:>8} {r['mean_batched_seqs']:>6.1f} "
               f"{r['internal_frag']:>6.1%} {r['reference_decode_ms']:>7.2f}", flush=True)
 
-    table = block_size_sweep(trace, base, args.block_sizes, args.rates, args.kv_tokens, on_row=show)
+    table = block_size_sweep(trace, base, args.block_sizes, args.rates, args.kv_tokens, on_row=show, jobs=args.jobs)
     print("ref ms: the cost model's decode step of 16 sequences of 512 tokens at that block size")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -140,3 +140,40 @@ def test_block_size_study_holds_capacity_and_prices_small_blocks_only_with_a_blo
     assert code == 0 and len(pd.read_csv(tmp_path / "b" / "block_size.csv")) == 2
     assert (tmp_path / "b" / "block_size.png").read_bytes()[:4] == b"\x89PNG"
     assert "lowest mean normalized latency" in capsys.readouterr().out
+
+
+def test_studies_give_the_same_tables_in_worker_processes():
+    from analysis.block_size import block_size_sweep
+    from analysis.capacity import capacity_table
+    from analysis.routing import router_sweep
+    from analysis.sharing import sharing_table
+    from analysis.sweep import sweep
+    from sim.run import SimConfig
+    from traces import resolve_trace
+
+    trace = resolve_trace("sharegpt-like", num_requests=60, rate=4.0, seed=2)
+    base = SimConfig(num_gpu_blocks=300)
+    runs = {
+        "sweep": lambda jobs: sweep(trace, base, ["vllm", "orca-max"], [2.0, 6.0], jobs=jobs)[0],
+        "routing": lambda jobs: router_sweep(trace, SimConfig(num_gpu_blocks=300, replicas=2),
+                                             ["round-robin", "least-loaded"], [4.0, 8.0], jobs=jobs),
+        "block size": lambda jobs: block_size_sweep(trace, base, (8, 16, 32), (4.0,), kv_tokens=4096, jobs=jobs),
+        "capacity": lambda jobs: capacity_table(trace, SimConfig(num_gpu_blocks=300, slo_ttft=1.0),
+                                                ["round-robin", "least-loaded"], [6.0], jobs=jobs)[1],
+        "sharing": lambda jobs: sharing_table(resolve_trace("alpaca-like", num_requests=40, rate=4.0, seed=0), base,
+                                              [4.0], [("n", 2), ("beam", 2)], jobs=jobs),
+    }
+    for name, run in runs.items():
+        serial, parallel = run(1), run(2)
+        drop = [c for c in ("wall_s",) if c in serial]
+        pd.testing.assert_frame_equal(serial.drop(columns=drop), parallel.drop(columns=drop), check_exact=True,
+                                      obj=name)
+
+
+def test_run_tasks_rejects_no_workers():
+    import pytest
+
+    from analysis.parallel import run_tasks
+    with pytest.raises(ValueError, match="jobs must be >= 1"):
+        run_tasks(len, [("ab",)], jobs=0)
+    assert run_tasks(len, [("ab",), ("abc",)], jobs=2) == [2, 3]
