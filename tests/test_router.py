@@ -284,3 +284,13 @@ def test_router_study_needs_two_replicas():
     tr = resolve_trace("sharegpt-like", num_requests=5, rate=1.0, seed=0)
     with pytest.raises(ValueError, match="replicas >= 2"):
         router_sweep(tr, SimConfig(num_gpu_blocks=100), ["round-robin"], [1.0])
+
+
+@pytest.mark.parametrize("policy", ["vllm", "orca-max", "orca-pow2", "orca-oracle", "static"])
+def test_every_policy_runs_behind_every_router(policy):
+    tr = resolve_trace("sharegpt-like", num_requests=40, rate=10.0, seed=3)
+    for router in ("round-robin", "random", "least-loaded", "prefix-affinity", "cache-aware"):
+        res = run_simulation(SimConfig(policy=policy, num_gpu_blocks=300, replicas=3, router=router, debug=True,
+                                       n=2 if policy == "vllm" else None), tr)
+        assert len(res.requests) == 40 and res.summary["num_finished"] + res.summary["num_rejected"] == 40
+        assert sum(r["requests"] for r in res.summary["router"]["replicas"]) == 40
