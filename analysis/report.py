@@ -65,10 +65,11 @@ def replica_table(summary: dict[str, Any]) -> str:
     head = f"router {router['name']}: {len(router['replicas'])} replicas, requests max/mean {router['imbalance']:.2f}"
     if "affinity_routed" in router:
         head += f", {router['affinity_routed']:,} routed by prefix match"
-    lines = [head, f"{'replica':>7}  {'requests':>8}  {'busy':>6}  {'norm. latency':>13}  {'prefix hits':>11}  {'preempted':>9}"]
+    lines = [head, f"{'replica':>7}  {'hardware':<10}  {'KV blocks':>9}  {'requests':>8}  {'busy':>6}  "
+                   f"{'norm. latency':>13}  {'prefix hits':>11}  {'preempted':>9}"]
     for r in router["replicas"]:
         lat = r["mean_normalized_latency"]
         lat_s = "-" if isinstance(lat, float) and math.isnan(lat) else f"{lat:.4f}"
-        lines.append(f"{r['replica']:>7}  {r['requests']:>8,}  {r['busy_fraction']:>6.1%}  {lat_s:>13}  "
-                     f"{r['prefix_hit_tokens']:>11,}  {r['preemptions']:>9,}")
+        lines.append(f"{r['replica']:>7}  {r['hardware']:<10}  {r['num_gpu_blocks']:>9,}  {r['requests']:>8,}  "
+                     f"{r['busy_fraction']:>6.1%}  {lat_s:>13}  {r['prefix_hit_tokens']:>11,}  {r['preemptions']:>9,}")
     return "\n".join(lines)

@@ -45,9 +45,21 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replicas", type=int, default=1, help="model replicas, each with its own KV cache (default 1)")
     g.add_argument("--router", default="round-robin", choices=list(ROUTERS),
                    help="how arrivals are spread over replicas (default round-robin)")
+    g.add_argument("--replica-hardware", nargs="+", metavar="GPU",
+                   help="each replica's GPU spec, e.g. a100-80gb a100-80gb h100-sxm (sets --replicas; roofline only)")
     g.add_argument("--max-imbalance", type=int,
                    help="prefix-affinity, cache-aware: the most outstanding requests a matched replica may hold "
                         "above the least loaded (default 8)")
+
+
+def _replica_count(args: argparse.Namespace) -> int:
+    hw = getattr(args, "replica_hardware", None)
+    n = getattr(args, "replicas", 1)
+    if not hw:
+        return n
+    if n not in (1, len(hw)):
+        raise ValueError(f"--replicas {n} but --replica-hardware names {len(hw)} GPUs")
+    return len(hw)
 
 
 def _router_options(args: argparse.Namespace) -> dict:
@@ -345,8 +357,8 @@ def _sim_config(args: argparse.Namespace, policy: str | None = None):
                      slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, fast_forward=not args.no_skip_ahead,
                      debug=args.debug, num_cpu_blocks=args.num_cpu_blocks,
                      cost_model="profiled" if args.profile else args.cost_model, profile=args.profile,
-                     replicas=getattr(args, "replicas", 1), router=getattr(args, "router", "round-robin"),
-                     router_options=_router_options(args))
+                     replicas=_replica_count(args), router=getattr(args, "router", "round-robin"),
+                     router_options=_router_options(args), replica_hardware=tuple(getattr(args, "replica_hardware", None) or ()))
 
 
 def _load_workload(args: argparse.Namespace):
@@ -396,9 +408,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      n=args.n, beam_width=args.beam_width, seed=args.seed, preemption=args.preemption,
                      chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching,
-                     replicas=args.replicas, router=args.router, router_options=_router_options(args),
+                     replicas=_replica_count(args), router=args.router, router_options=_router_options(args),
+                     replica_hardware=tuple(args.replica_hardware or ()),
                      **_study_costs(args))
-    replicas = f"{args.replicas} replicas ({args.router}) of " if args.replicas > 1 else ""
+    replicas = f"{base.replicas} replicas ({args.router}) of " if base.replicas > 1 else ""
     print(f"sweep: {len(trace)} requests of {trace.name}, {replicas}{_study_title(args)}")
     vllm_opts = [o for o, on in (("--chunked-prefill", args.chunked_prefill), ("--prefix-caching", args.prefix_caching),
                                  (f"--preemption {args.preemption}", args.preemption != "recompute")) if on]

@@ -36,6 +36,7 @@ class SimConfig:
     replicas: int = 1                      # model replicas serving the trace, each with its own KV cache
     router: str = "round-robin"            # how arrivals are spread over replicas (policies.router)
     router_options: dict[str, Any] = field(default_factory=dict)
+    replica_hardware: tuple[str, ...] = ()  # each replica's GPU spec (default: every replica on `hardware`)
     block_size: int = 16
     preemption: str = "recompute"
     max_num_seqs: int = 256
@@ -146,14 +147,19 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
     ahead off: each iteration is stepped so that it can be seen). `beam_picks` (pick tables by
     width, sim.executor.BeamPicks) overrides the file named by cfg.beam_picks.
 
-    With cfg.replicas > 1, each replica has its own scheduler, KV cache (cfg's size each) and
-    executor, the router spreads arrivals, and the tables gain a `replica` column."""
+    With cfg.replicas > 1, each replica has its own scheduler, KV cache and executor (on
+    cfg.replica_hardware[i] when given, else cfg.hardware), the router spreads arrivals, and the
+    tables gain a `replica` column."""
     t0 = time.perf_counter()
     if cfg.replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {cfg.replicas}")
     model = get_model(cfg.model)
-    gpu_blocks, cpu_blocks = num_blocks_for(cfg)
-    cost = cost_model or build_cost_model(cfg)
+    per_replica = _replica_configs(cfg, cost_model)
+    costs: dict[str, CostModel] = {}
+    for c in per_replica:  # one cost model per kind of hardware
+        if c.hardware not in costs:
+            costs[c.hardware] = cost_model or build_cost_model(c)
+    gpu_blocks, cpu_blocks = num_blocks_for(per_replica[0])  # every replica's: summary["router"]["replicas"]
     picks = beam_picks if beam_picks is not None else (load_beam_picks(cfg.beam_picks) if cfg.beam_picks else None)
     router = _router(cfg) if cfg.replicas > 1 else None
     env = simpy.Environment()
@@ -162,14 +168,16 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
         bar = _progress_bar(len(feed.requests)) if progress else None
         replicas: list[Replica] = []
         tick = (lambda now, _: _tick(bar, now, sum(len(r.scheduler.done) for r in replicas))) if bar else None
-        for i in range(cfg.replicas):
+        for i, rcfg in enumerate(per_replica):
+            gpu_i, cpu_i = num_blocks_for(rcfg)
             kw = scheduler_options(cfg.policy, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.preemption,
-                                   cfg.chunked_prefill, cfg.prefix_caching, cpu_blocks)
-            sched = make_scheduler(cfg.policy, gpu_blocks, cfg.block_size, **kw)
+                                   cfg.chunked_prefill, cfg.prefix_caching, cpu_i)
+            sched = make_scheduler(cfg.policy, gpu_i, cfg.block_size, **kw)
             sched.max_model_len = model.max_position
             # replica 0 keeps the run's seed, so that one replica is exactly the single-engine run
             seed = cfg.seed if i == 0 else np.random.SeedSequence([cfg.seed, i])
-            executor = SimulatedExecutor(sched, cost, seed=seed, beam_rank_decay=cfg.beam_rank_decay, beam_picks=picks)
+            executor = SimulatedExecutor(sched, costs[rcfg.hardware], seed=seed, beam_rank_decay=cfg.beam_rank_decay,
+                                         beam_picks=picks)
             replicas.append(Replica(env, sched, executor, cfg.fast_forward, cfg.debug, on_progress=tick,
                                     observer=observer, index=i, routed=router is not None))
         env.process(arrival_process(env, feed, replicas, router))
@@ -193,10 +201,25 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
                          "skipped_iterations": sum(r.skipped for r in replicas),
                          "preempting_in_windows": sum(r.exhaustions for r in replicas)}
     if router is not None:
-        summary["router"] = _router_summary(router, requests, iterations, cfg)
+        summary["router"] = _router_summary(router, requests, iterations, per_replica)
     summary["trace"] = trace.name
     summary["config"] = cfg.to_dict()
     return SimResult(requests, iterations, summary, cfg)
+
+
+def _replica_configs(cfg: SimConfig, cost_model: CostModel | None) -> list[SimConfig]:
+    """Each replica's configuration: cfg, on its own hardware when cfg.replica_hardware says."""
+    hw = cfg.replica_hardware
+    if not hw:
+        return [cfg] * cfg.replicas
+    if len(hw) != cfg.replicas:
+        raise ValueError(f"replica_hardware names {len(hw)} GPUs for {cfg.replicas} replicas")
+    if len(set(hw)) > 1 and (cost_model is not None or cfg.cost_model.strip().lower() != "roofline"):
+        raise ValueError("replica_hardware: replicas on different hardware need the roofline cost model (a "
+                         "profile, or a given cost model, prices one machine)")
+    for name in hw:
+        get_hardware(name)  # an unknown name fails here, listing the known ones
+    return [dataclasses.replace(cfg, hardware=name) for name in hw]
 
 
 def _router(cfg: SimConfig) -> Router:
@@ -220,17 +243,19 @@ def _tables(replicas: list[Replica]) -> tuple[pd.DataFrame, pd.DataFrame]:
     return requests, iterations
 
 
-def _router_summary(router: Router, requests: pd.DataFrame, iterations: pd.DataFrame, cfg: SimConfig) -> dict:
-    """Per replica: its share of the requests, how busy it was, its latency and prefix hits; and how
-    even the spread was (max over mean of requests per replica)."""
+def _router_summary(router: Router, requests: pd.DataFrame, iterations: pd.DataFrame,
+                    per_replica: list[SimConfig]) -> dict:
+    """Per replica: its hardware and cache, its share of the requests, how busy it was, its latency
+    and prefix hits; and how even the spread was (max over mean of requests per replica)."""
     end = requests.finish_time.max()  # NaN when nothing finished
     span = max(float(end - requests.arrival.min()), 1e-12) if len(requests) and end == end else 1e-12
     rows = []
-    for i in range(cfg.replicas):
+    for i, rcfg in enumerate(per_replica):
         mine = requests[requests.replica == i]
         done = mine[mine.status == "finished"]
         busy = float(iterations.duration[iterations.replica == i].sum())
-        rows.append({"replica": i, "requests": len(mine), "finished": len(done),
+        rows.append({"replica": i, "hardware": rcfg.hardware, "num_gpu_blocks": num_blocks_for(rcfg)[0],
+                     "requests": len(mine), "finished": len(done),
                      "busy_fraction": busy / span, "prefix_hit_tokens": int(mine.prefix_hit_tokens.sum()),
                      "preemptions": int(mine.num_preemptions.sum()),
                      "mean_normalized_latency": float(done.normalized_latency.mean()) if len(done) else float("nan")})

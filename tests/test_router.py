@@ -294,3 +294,36 @@ def test_every_policy_runs_behind_every_router(policy):
                                        n=2 if policy == "vllm" else None), tr)
         assert len(res.requests) == 40 and res.summary["num_finished"] + res.summary["num_rejected"] == 40
         assert sum(r["requests"] for r in res.summary["router"]["replicas"]) == 40
+
+
+def test_replicas_on_different_hardware():
+    tr = resolve_trace("sharegpt-like", num_requests=300, rate=12.0, seed=4)
+    hw = ("a100-40gb", "h100-sxm")
+    runs = {r: run_simulation(SimConfig(model="llama-3-8b", replicas=2, replica_hardware=hw, router=r, debug=True), tr)
+            for r in ("round-robin", "least-loaded")}
+    rows = {r: res.summary["router"]["replicas"] for r, res in runs.items()}
+    assert [x["hardware"] for x in rows["round-robin"]] == list(hw)
+    assert rows["round-robin"][1]["num_gpu_blocks"] > rows["round-robin"][0]["num_gpu_blocks"]  # 80 GB vs 40 GB
+    assert [x["requests"] for x in rows["round-robin"]] == [150, 150]
+    # the faster replica drains its queue sooner, so least loaded sends it more
+    assert rows["least-loaded"][1]["requests"] > rows["least-loaded"][0]["requests"]
+    assert runs["least-loaded"].summary["mean_normalized_latency"] < runs["round-robin"].summary["mean_normalized_latency"]
+    with pytest.raises(ValueError, match="names 2 GPUs for 3 replicas"):
+        run_simulation(SimConfig(replicas=3, replica_hardware=hw), tr)
+    with pytest.raises(ValueError, match="unknown hardware 'tpu'"):
+        run_simulation(SimConfig(replicas=2, replica_hardware=("a100-40gb", "tpu")), tr)
+    with pytest.raises(ValueError, match="roofline"):
+        run_simulation(SimConfig(model="smollm2-135m", replicas=2, replica_hardware=hw, cost_model="profiled",
+                                 profile="smollm2-135m-cpu", num_gpu_blocks=64), tr)
+
+
+def test_cli_replica_hardware(tmp_path, capsys):
+    rc = cli_main(["simulate", "--num-requests", "30", "--rate", "5", "--model", "llama-3-8b",
+                   "--replica-hardware", "a100-80gb", "h100-sxm", "h100-sxm", "--router", "least-loaded",
+                   "--out", str(tmp_path / "h"), "--quiet"])
+    assert rc == 0
+    assert "h100-sxm" in capsys.readouterr().out
+    assert set(pd.read_csv(tmp_path / "h" / "requests.csv").replica) <= {0, 1, 2}
+    rc = cli_main(["simulate", "--num-requests", "5", "--rate", "5", "--replicas", "2", "--replica-hardware",
+                   "a100-80gb", "h100-sxm", "h200", "--out", str(tmp_path / "x"), "--quiet"])
+    assert rc == 2 and "--replica-hardware names 3 GPUs" in capsys.readouterr().err
