@@ -267,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_study_args(rt, "shared-prefix", [4.0, 8.0, 12.0, 16.0, 24.0])
     rt.set_defaults(model="llama-3.1-8b", hardware="a100-80gb")
     rt.add_argument("--replicas", type=int, default=4, help="replicas (default 4)")
+    rt.add_argument("--replica-hardware", nargs="+", metavar="GPU",
+                    help="each replica's GPU spec (sets --replicas; default: all on --hardware)")
     rt.add_argument("--routers", nargs="+", default=["round-robin", "least-loaded", "prefix-affinity", "cache-aware"],
                     choices=list(ROUTERS))
     rt.add_argument("--max-imbalance", type=int, help="prefix-affinity's and cache-aware's load cap (default 8)")
@@ -455,11 +457,13 @@ def cmd_routing(args: argparse.Namespace) -> int:
     opts = {} if args.max_imbalance is None else {"max_imbalance": args.max_imbalance}
     if opts and not set(MATCH_ROUTERS) & set(args.routers):
         raise ValueError(f"--max-imbalance applies to the {' and '.join(MATCH_ROUTERS)} routers, neither in --routers")
+    hw = tuple(args.replica_hardware or ())
     base = SimConfig(model=args.model, hardware=args.hardware, block_size=args.block_size, seed=args.seed,
-                     replicas=args.replicas, prefix_caching=not args.no_prefix_caching,
+                     replicas=len(hw) or args.replicas, replica_hardware=hw, prefix_caching=not args.no_prefix_caching,
                      chunked_prefill=not args.no_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
                      **_study_costs(args))
-    print(f"routing: {len(trace)} requests of {trace.name}, {args.replicas} replicas of {_study_title(args)}, "
+    on = f"{args.model} on {' + '.join(hw)}" if hw else _study_title(args)
+    print(f"routing: {len(trace)} requests of {trace.name}, {base.replicas} replicas of {on}, "
           f"prefix caching {'off' if args.no_prefix_caching else 'on'}")
     print(f"{'router':<16} {'rate':>6} {'req/s':>7} {'TTFT':>8} {'norm lat':>9} {'cache hit':>9} {'spread':>7} "
           f"{'wall s':>7}")
@@ -473,7 +477,7 @@ def cmd_routing(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "routing.csv", index=False)
-    routing_plot(table, out / "routing.png", f"{trace.name}, {args.replicas} x {_study_title(args)}")
+    routing_plot(table, out / "routing.png", f"{trace.name}, {base.replicas} replicas of {on}")
     print(f"wrote {out}/routing.csv, routing.png")
     return 0
 
