@@ -47,6 +47,11 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
                    help="how arrivals are spread over replicas (default round-robin)")
     g.add_argument("--replica-hardware", nargs="+", metavar="GPU",
                    help="each replica's GPU spec, e.g. a100-80gb a100-80gb h100-sxm (sets --replicas; roofline only)")
+    g.add_argument("--disaggregate", type=int, nargs=2, metavar=("PREFILL", "DECODE"),
+                   help="disaggregated serving: PREFILL replicas compute prompts and first tokens, the KV moves to "
+                        "DECODE replicas (policy vllm)")
+    g.add_argument("--transfer-bandwidth", type=float, metavar="GB/S",
+                   help="with --disaggregate: the prefill -> decode KV link, GB/s (default: the NVLink bandwidth)")
     g.add_argument("--max-imbalance", type=int,
                    help="prefix-affinity, cache-aware: the most outstanding requests a matched replica may hold "
                         "above the least loaded (default 8)")
@@ -360,7 +365,9 @@ def _sim_config(args: argparse.Namespace, policy: str | None = None):
                      debug=args.debug, num_cpu_blocks=args.num_cpu_blocks,
                      cost_model="profiled" if args.profile else args.cost_model, profile=args.profile,
                      replicas=_replica_count(args), router=getattr(args, "router", "round-robin"),
-                     router_options=_router_options(args), replica_hardware=tuple(getattr(args, "replica_hardware", None) or ()))
+                     router_options=_router_options(args), replica_hardware=tuple(getattr(args, "replica_hardware", None) or ()),
+                     disaggregate=tuple(getattr(args, "disaggregate", None) or ()),
+                     transfer_bandwidth=args.transfer_bandwidth * 1e9 if getattr(args, "transfer_bandwidth", None) else None)
 
 
 def _load_workload(args: argparse.Namespace):
@@ -378,6 +385,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(summary_table({cfg.policy: result.summary}))
     if cfg.replicas > 1:
         print("\n" + replica_table(result.summary))
+    if cfg.disaggregate:
+        d = result.summary["disaggregated"]
+        print(f"\ndisaggregated: {d['prefill_replicas']} prefill + {d['decode_replicas']} decode replicas, KV link "
+              f"{d['transfer_bandwidth'] / 1e9:g} GB/s; {d['transfers']:,} transfers, mean {d['transfer_s']['mean'] * 1e3:.2f} ms "
+              f"(max {d['transfer_s']['max'] * 1e3:.2f}); {d['decode_recomputed_tokens']:,} prompt tokens recomputed on "
+              f"decode replicas")
     print(f"\nwrote {out}/requests.csv, iterations.parquet, summary.json")
     return 0
 

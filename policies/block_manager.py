@@ -234,6 +234,36 @@ class PagedBlockManager:
         probe = SequenceGroup(request, -1).seqs[0]
         return self._lookup_prefix(probe)[0]
 
+    def inject_prefix(self, request: Request) -> int:
+        """Hold the KV of the request's prompt as cached idle blocks, as a transfer from another
+        replica delivers it (disaggregated prefill): for each full block of the prompt that
+        `cached_prefix_blocks` would count, a block already cached is refreshed (most recently
+        used), else a free block is taken (evicting the least recently used idle one), named by the
+        block's hash and released idle. Stops at the first block it cannot name or place; returns
+        how many leading blocks the cache now holds. Prefix caching must be on."""
+        if not self.enable_prefix_caching:
+            raise ValueError("inject_prefix needs prefix caching (injected blocks are found by hash)")
+        probe = SequenceGroup(request, -1).seqs[0]
+        held = []
+        for i in range((probe.num_tokens - 1) // self.block_size):
+            h = self._block_hash(probe, i)
+            if h is None:
+                break
+            bid = self.pool.cached.get(h)
+            if bid is not None:
+                block = self.pool.blocks[bid]
+                self.pool.touch(block)
+            elif self.pool.num_free:
+                block = self.pool.take()
+                self.pool.set_filled(block, self.block_size)
+                self.pool.register(block, h)
+            else:
+                break
+            held.append(block)  # held until all are placed, so that none evicts another
+        for block in held:
+            self.pool.release(block)
+        return len(held)
+
     def _lookup_prefix(self, seq: Sequence) -> tuple[int, int]:
         """(cached full blocks at the start of the sequence, how many of them are idle). The last
         token is always left to compute, so at most (num_tokens - 1) // block_size blocks hit."""

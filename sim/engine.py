@@ -60,8 +60,10 @@ class Replica:
                  fast_forward: bool = True, debug: bool = False,
                  on_progress: Callable[[float, int], None] | None = None,
                  observer: Callable[[float, float, Scheduler], None] | None = None,
-                 index: int = 0, routed: bool = False) -> None:
+                 index: int = 0, routed: bool = False,
+                 on_finish: Callable[[list], None] | None = None) -> None:
         self.env = env
+        self.on_finish = on_finish  # sees the groups each stepped iteration finishes
         self.index = index
         # behind a router, other replicas' arrivals read this one's state: windows stop before them
         self.routed = routed
@@ -130,7 +132,9 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
         comp = plan.composition()
         result = replica.executor.execute(plan, comp)
         yield env.timeout(result.duration)
-        sched.on_step_done(plan, result, env.now)
+        finished = sched.on_step_done(plan, result, env.now)
+        if finished and replica.on_finish is not None:
+            replica.on_finish(finished)
         replica.stepped += 1
         _log_step(replica, start, result.duration, comp, len(plan.preempted))
         if replica.observer is not None:

@@ -37,6 +37,8 @@ class SimConfig:
     router: str = "round-robin"            # how arrivals are spread over replicas (policies.router)
     router_options: dict[str, Any] = field(default_factory=dict)
     replica_hardware: tuple[str, ...] = ()  # each replica's GPU spec (default: every replica on `hardware`)
+    disaggregate: tuple[int, ...] = ()      # (prefill replicas, decode replicas): disaggregated serving (sim.disagg)
+    transfer_bandwidth: float | None = None  # prefill -> decode KV link, bytes/s (default: the NVLink bandwidth)
     block_size: int = 16
     preemption: str = "recompute"
     max_num_seqs: int = 256
@@ -150,6 +152,9 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
     With cfg.replicas > 1, each replica has its own scheduler, KV cache and executor (on
     cfg.replica_hardware[i] when given, else cfg.hardware), the router spreads arrivals, and the
     tables gain a `replica` column."""
+    if cfg.disaggregate:
+        from sim.disagg import run_disaggregated
+        return run_disaggregated(cfg, trace, cost_model)
     t0 = time.perf_counter()
     if cfg.replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {cfg.replicas}")

@@ -447,3 +447,21 @@ def test_cached_prefix_query_predicts_admission_and_changes_nothing(num_blocks, 
     for s in live:
         bm.free(s)
     bm.check_invariants()
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(num_blocks=st.integers(2, 20), bs=st.integers(1, 4),
+       prompts=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 30)), min_size=1, max_size=10))
+def test_injected_prefix_is_found_by_the_next_admission(num_blocks, bs, prompts):
+    """A transferred prompt's KV (`inject_prefix`) is what `cached_prefix_blocks` then finds, up to
+    what the cache can hold; nothing is left in use and the invariants hold."""
+    bm = PagedBlockManager(num_blocks, bs, enable_prefix_caching=True)
+    for i, (prefix, n) in enumerate(prompts):
+        ids = [100 + prefix] * 6 + [i] * n
+        r = Request(i, 0.0, len(ids), SamplingParams(max_tokens=1), prompt_token_ids=ids)
+        injected = bm.inject_prefix(r)
+        assert injected == min((len(ids) - 1) // bs, num_blocks)
+        assert bm.cached_prefix_blocks(r) == injected
+        assert bm.num_free_blocks == num_blocks  # cached but idle: every block still free to take
+        bm.check_invariants()
+    bm.assert_empty()
