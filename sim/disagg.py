@@ -20,7 +20,7 @@ are not modelled here.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -33,6 +33,10 @@ from policies.router import LeastLoadedRouter, Router
 from sim.cost_model import CostModel
 from sim.engine import ArrivalFeed, Replica, arrival_process, engine_process
 from sim.executor import SimulatedExecutor
+
+if TYPE_CHECKING:  # sim.run imports this module when a run is disaggregated
+    from sim.run import SimConfig, SimResult
+    from traces.trace import Trace
 
 _NO_ARRIVALS = float("inf")
 
@@ -47,7 +51,7 @@ class _TransferFeed:
         return _NO_ARRIVALS
 
 
-def run_disaggregated(cfg: Any, trace: Any, cost_model: CostModel | None = None) -> Any:
+def run_disaggregated(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = None) -> SimResult:
     """Simulate `trace` on cfg.disaggregate = (prefill replicas, decode replicas) (sim.run.SimConfig;
     policy vllm). Returns a sim.run.SimResult whose request table joins each request's halves."""
     from sim.run import (
@@ -82,7 +86,7 @@ def run_disaggregated(cfg: Any, trace: Any, cost_model: CostModel | None = None)
         originals = {r.request_id: r for r in requests_from_trace(trace, model.max_position)}
         feed = ArrivalFeed([_prefill_half(r) for r in originals.values()])
         transfers: dict[int, dict] = {}
-        decode = [replica(num_prefill + j, True, index=j, routed=True) for j in range(num_decode)]
+        decode = [replica(num_prefill + j, True, index=j) for j in range(num_decode)]
         decode_router: Router = LeastLoadedRouter()
         decode_scheds = [r.scheduler for r in decode]
 
@@ -109,8 +113,7 @@ def run_disaggregated(cfg: Any, trace: Any, cost_model: CostModel | None = None)
         prefill = []
         for i in range(num_prefill):
             link = simpy.Resource(env, capacity=1)
-            prefill.append(replica(i, cfg.prefix_caching, index=i, routed=num_prefill > 1,
-                                   on_finish=finished(i, link)))
+            prefill.append(replica(i, cfg.prefix_caching, index=i, on_finish=finished(i, link)))
         env.process(arrival_process(env, feed, prefill, _router(cfg) if num_prefill > 1 else None))
         for r in prefill:
             env.process(engine_process(env, r, feed))
@@ -139,7 +142,7 @@ def run_disaggregated(cfg: Any, trace: Any, cost_model: CostModel | None = None)
     return SimResult(requests, iterations, summary, cfg)
 
 
-def _check(cfg: Any) -> tuple[int, int]:
+def _check(cfg: SimConfig) -> tuple[int, int]:
     num_prefill, num_decode = cfg.disaggregate
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"disaggregate: needs at least one prefill and one decode replica, got {cfg.disaggregate}")
