@@ -87,3 +87,24 @@ def test_cli_simulate_disaggregated(tmp_path, capsys):
     assert "1 prefill + 2 decode" in text and "25 GB/s" in text
     reqs = pd.read_csv(out / "requests.csv")
     assert len(reqs) == 40 and {"prefill_replica", "decode_replica", "transfer_s"} <= set(reqs.columns)
+
+
+def test_disagg_study_compares_every_split_with_colocated(tmp_path, capsys):
+    from analysis.disagg import disagg_study, setups
+
+    assert [n for n, _ in setups(3)] == ["colocated", "1+2", "2+1"]
+    with pytest.raises(ValueError, match="adding up to 4"):
+        setups(4, [(1, 2)])
+    tr = resolve_trace("sharegpt-like", num_requests=60, rate=4.0, seed=0)
+    base = SimConfig(model="llama-3-8b", hardware="a100-80gb", router="least-loaded")
+    table = disagg_study(tr, base, 3, [4.0, 8.0])
+    assert len(table) == 6 and set(table.setup) == {"colocated", "1+2", "2+1"}
+    assert table.throughput.gt(0).all() and table.tpot_p90.gt(0).all()
+    # the same table from worker processes
+    pd.testing.assert_frame_equal(table.drop(columns="wall_s"),
+                                  disagg_study(tr, base, 3, [4.0, 8.0], jobs=2).drop(columns="wall_s"))
+    out = tmp_path / "dg"
+    assert cli_main(["disagg", "--num-requests", "40", "--rates", "4", "--gpus", "2", "--out", str(out)]) == 0
+    assert len(pd.read_csv(out / "disagg.csv")) == 2 and (out / "disagg.png").stat().st_size > 0
+    assert cli_main(["disagg", "--num-requests", "10", "--rates", "4", "--splits", "2-2", "--out", str(out)]) == 2
+    assert "PREFILL+DECODE" in capsys.readouterr().err

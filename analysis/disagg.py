@@ -1,0 +1,73 @@
+"""Colocated or disaggregated? One trace on the same number of GPUs, served colocated (every
+replica prefills and decodes) and split into prefill and decode replicas (sim/disagg.py), at
+several rates: TTFT, TPOT and normalized latency for each, the DistServe comparison."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from analysis.parallel import run_tasks
+from analysis.sweep import headline
+from sim.run import SimConfig, run_simulation
+from traces import apply_arrivals
+from traces.trace import Trace
+
+
+def setups(gpus: int, splits: Sequence[tuple[int, int]] | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """("colocated", ()) and every (prefill, decode) split of `gpus` (or the given splits)."""
+    if gpus < 2:
+        raise ValueError(f"a disaggregation study needs at least 2 GPUs, got {gpus}")
+    chosen = list(splits) if splits else [(p, gpus - p) for p in range(1, gpus)]
+    for p, d in chosen:
+        if p < 1 or d < 1 or p + d != gpus:
+            raise ValueError(f"split {p}+{d}: needs prefill, decode >= 1 adding up to {gpus} GPUs")
+    return [("colocated", ())] + [(f"{p}+{d}", (p, d)) for p, d in chosen]
+
+
+def disagg_study(trace: Trace, base: SimConfig, gpus: int, rates: Sequence[float],
+                 splits: Sequence[tuple[int, int]] | None = None, jobs: int = 1,
+                 on_result: Callable[[dict], None] | None = None) -> pd.DataFrame:
+    """One row per (setup, rate). Colocated runs `gpus` replicas behind base.router; each split
+    runs its prefill replicas behind base.router and its decode replicas behind least-loaded."""
+    tasks = []
+    for rate in rates:
+        timed = apply_arrivals(trace, rate=rate, seed=base.seed)
+        for name, split in setups(gpus, splits):
+            cfg = dataclasses.replace(base, replicas=1 if split else gpus, disaggregate=split)
+            tasks.append((cfg, timed, name, rate))
+    return pd.DataFrame(run_tasks(_run, tasks, jobs, None if on_result is None else (lambda i, r: on_result(r))))
+
+
+def _run(cfg: SimConfig, timed: Trace, setup: str, rate: float) -> dict:
+    s = run_simulation(cfg, timed).summary
+    return {"setup": setup, "rate": rate, **headline(s), "tpot_mean": s["tpot"]["mean"],
+            "slo_attainment": s["slo_attainment"]}
+
+
+def disagg_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
+    """P90 TTFT, P90 TPOT and mean normalized latency against rate, one line per setup (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, (col, label) in zip(axes, (("ttft_p90", "P90 TTFT (s)"), ("tpot_p90", "P90 TPOT (s)"),
+                                       ("mean_normalized_latency", "mean normalized latency (s/token)"))):
+        for setup, g in table.groupby("setup", sort=False):
+            ax.plot(g.rate, g[col], marker="o", label=setup if setup == "colocated" else f"{setup} (prefill+decode)")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(label)
+        if (table[col] > 0).all():
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
