@@ -56,12 +56,12 @@ def run_disaggregated(cfg: SimConfig, trace: Trace, cost_model: CostModel | None
     policy vllm). Returns a sim.run.SimResult whose request table joins each request's halves."""
     from sim.run import (
         SimResult,
-        _final_checks,
-        _gc_paused,
-        _router,
         build_cost_model,
+        final_checks,
+        gc_paused,
         num_blocks_for,
         requests_from_trace,
+        run_router,
     )
     from sim.specs import get_hardware, get_model
 
@@ -82,7 +82,7 @@ def run_disaggregated(cfg: SimConfig, trace: Trace, cost_model: CostModel | None
         seed = np.random.SeedSequence([cfg.seed, stream])  # prefill replicas first, then decode ones
         return Replica(env, sched, SimulatedExecutor(sched, cost, seed=seed), False, cfg.debug, **kw)
 
-    with _gc_paused():
+    with gc_paused():
         originals = {r.request_id: r for r in requests_from_trace(trace, model.max_position)}
         feed = ArrivalFeed([_prefill_half(r) for r in originals.values()])
         transfers: dict[int, dict] = {}
@@ -114,14 +114,14 @@ def run_disaggregated(cfg: SimConfig, trace: Trace, cost_model: CostModel | None
         for i in range(num_prefill):
             link = simpy.Resource(env, capacity=1)
             prefill.append(replica(i, cfg.prefix_caching, index=i, on_finish=finished(i, link)))
-        env.process(arrival_process(env, feed, prefill, _router(cfg) if num_prefill > 1 else None))
+        env.process(arrival_process(env, feed, prefill, run_router(cfg) if num_prefill > 1 else None))
         for r in prefill:
             env.process(engine_process(env, r, feed))
         for r in decode:
             env.process(engine_process(env, r, _TransferFeed()))
         env.run()
         for r in prefill + decode:
-            _final_checks(r.scheduler, r.scheduler.num_added)
+            final_checks(r.scheduler, r.scheduler.num_added)
         requests = _join(prefill, decode, transfers)
         if len(requests) != len(originals):
             raise AssertionError(f"{len(originals)} requests in, {len(requests)} out")

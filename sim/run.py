@@ -166,9 +166,9 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
             costs[c.hardware] = cost_model or build_cost_model(c)
     gpu_blocks, cpu_blocks = num_blocks_for(per_replica[0])  # every replica's: summary["router"]["replicas"]
     picks = beam_picks if beam_picks is not None else (load_beam_picks(cfg.beam_picks) if cfg.beam_picks else None)
-    router = _router(cfg) if cfg.replicas > 1 else None
+    router = run_router(cfg) if cfg.replicas > 1 else None
     env = simpy.Environment()
-    with _gc_paused():
+    with gc_paused():
         feed = ArrivalFeed(requests_from_trace(trace, model.max_position, cfg.n, cfg.beam_width))
         bar = _progress_bar(len(feed.requests)) if progress else None
         replicas: list[Replica] = []
@@ -192,7 +192,7 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
         if bar is not None:
             bar.close()
         for replica in replicas:
-            _final_checks(replica.scheduler, replica.scheduler.num_added)
+            final_checks(replica.scheduler, replica.scheduler.num_added)
         requests, iterations = _tables(replicas)
         if len(requests) != len(feed.requests):
             raise AssertionError(f"{len(feed.requests)} requests in, {len(requests)} out")
@@ -227,7 +227,9 @@ def _replica_configs(cfg: SimConfig, cost_model: CostModel | None) -> list[SimCo
     return [dataclasses.replace(cfg, hardware=name) for name in hw]
 
 
-def _router(cfg: SimConfig) -> Router:
+def run_router(cfg: SimConfig) -> Router:
+    """The router a run spreads its arrivals with: cfg.router with cfg.router_options, seeded by the
+    run's seed."""
     opts = dict(cfg.router_options)
     opts.setdefault("seed", cfg.seed)
     if cfg.router == PrefixAffinityRouter.name:
@@ -273,7 +275,7 @@ def _router_summary(router: Router, requests: pd.DataFrame, iterations: pd.DataF
 
 
 @contextlib.contextmanager
-def _gc_paused():
+def gc_paused():
     """Requests live for the whole run; the cyclic collector would rescan all of them again and
     again (superlinear in the number of requests). Per-iteration objects are acyclic and freed
     by reference counting, so collection is paused for the run and its tables."""
@@ -286,7 +288,7 @@ def _gc_paused():
             gc.enable()
 
 
-def _final_checks(sched, num_requests: int) -> None:
+def final_checks(sched: Scheduler, num_requests: int) -> None:
     """Conservation at the end of every run: all requests accounted for, no block leaked."""
     sched.check_conservation()
     if sched.has_unfinished() or len(sched.done) != num_requests:
