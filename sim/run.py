@@ -164,7 +164,8 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
     for c in per_replica:  # one cost model per kind of hardware
         if c.hardware not in costs:
             costs[c.hardware] = cost_model or build_cost_model(c)
-    gpu_blocks, cpu_blocks = num_blocks_for(per_replica[0])  # every replica's: summary["router"]["replicas"]
+    blocks = [num_blocks_for(c) for c in per_replica]  # (GPU, CPU) blocks of each replica
+    gpu_blocks, cpu_blocks = blocks[0]  # every replica's: summary["router"]["replicas"]
     picks = beam_picks if beam_picks is not None else (load_beam_picks(cfg.beam_picks) if cfg.beam_picks else None)
     router = run_router(cfg) if cfg.replicas > 1 else None
     env = simpy.Environment()
@@ -173,8 +174,7 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
         bar = _progress_bar(len(feed.requests)) if progress else None
         replicas: list[Replica] = []
         tick = (lambda now, _: _tick(bar, now, sum(len(r.scheduler.done) for r in replicas))) if bar else None
-        for i, rcfg in enumerate(per_replica):
-            gpu_i, cpu_i = num_blocks_for(rcfg)
+        for i, (rcfg, (gpu_i, cpu_i)) in enumerate(zip(per_replica, blocks)):
             kw = scheduler_options(cfg.policy, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.preemption,
                                    cfg.chunked_prefill, cfg.prefix_caching, cpu_i)
             sched = make_scheduler(cfg.policy, gpu_i, cfg.block_size, **kw)
@@ -206,7 +206,8 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
                          "skipped_iterations": sum(r.skipped for r in replicas),
                          "preempting_in_windows": sum(r.exhaustions for r in replicas)}
     if router is not None:
-        summary["router"] = _router_summary(router, requests, iterations, per_replica)
+        summary["router"] = _router_summary(router, requests, iterations,
+                                            [(c.hardware, gpu) for c, (gpu, _) in zip(per_replica, blocks)])
     summary["trace"] = trace.name
     summary["config"] = cfg.to_dict()
     return SimResult(requests, iterations, summary, cfg)
@@ -251,17 +252,18 @@ def _tables(replicas: list[Replica]) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def _router_summary(router: Router, requests: pd.DataFrame, iterations: pd.DataFrame,
-                    per_replica: list[SimConfig]) -> dict:
+                    caches: list[tuple[str, int]]) -> dict:
     """Per replica: its hardware and cache, its share of the requests, how busy it was, its latency
-    and prefix hits; and how even the spread was (max over mean of requests per replica)."""
+    and prefix hits; and how even the spread was (max over mean of requests per replica). `caches`:
+    (hardware, GPU blocks) of each replica."""
     end = requests.finish_time.max()  # NaN when nothing finished
     span = max(float(end - requests.arrival.min()), 1e-12) if len(requests) and end == end else 1e-12
     rows = []
-    for i, rcfg in enumerate(per_replica):
+    for i, (hardware, gpu_blocks) in enumerate(caches):
         mine = requests[requests.replica == i]
         done = mine[mine.status == "finished"]
         busy = float(iterations.duration[iterations.replica == i].sum())
-        rows.append({"replica": i, "hardware": rcfg.hardware, "num_gpu_blocks": num_blocks_for(rcfg)[0],
+        rows.append({"replica": i, "hardware": hardware, "num_gpu_blocks": gpu_blocks,
                      "requests": len(mine), "finished": len(done),
                      "busy_fraction": busy / span, "prefix_hit_tokens": int(mine.prefix_hit_tokens.sum()),
                      "preemptions": int(mine.num_preemptions.sum()),
