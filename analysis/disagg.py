@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.parallel import run_tasks
+from analysis.plots import rate_panels
 from analysis.sweep import headline
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
@@ -50,24 +51,6 @@ def _run(cfg: SimConfig, timed: Trace, setup: str, rate: float) -> dict:
 
 def disagg_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
     """P90 TTFT, P90 TPOT and mean normalized latency against rate, one line per setup (log scale)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for ax, (col, label) in zip(axes, (("ttft_p90", "P90 TTFT (s)"), ("tpot_p90", "P90 TPOT (s)"),
-                                       ("mean_normalized_latency", "mean normalized latency (s/token)"))):
-        for setup, g in table.groupby("setup", sort=False):
-            ax.plot(g.rate, g[col], marker="o", label=setup if setup == "colocated" else f"{setup} (prefill+decode)")
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel(label)
-        if (table[col] > 0).all():
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return rate_panels(table, "setup", [("ttft_p90", "P90 TTFT (s)", True, None), ("tpot_p90", "P90 TPOT (s)", True, None),
+                                        ("mean_normalized_latency", "mean normalized latency (s/token)", True, None)],
+                       path, title, label=lambda s: s if s == "colocated" else f"{s} (prefill+decode)")

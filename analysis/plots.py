@@ -35,6 +35,30 @@ def latency_vs_rate(table: pd.DataFrame, path: str | Path, title: str = "") -> P
     return Path(path)
 
 
+def rate_panels(table: pd.DataFrame, by: str, panels: list[tuple[str, str, bool, tuple | None]],
+                path: str | Path, title: str = "", label=str) -> Path:
+    """One panel per (column, y label, log scale, y limits or None) against request rate, one line
+    per value of `by` (legend text `label(value)` in the first panel; log only where every value
+    is > 0)."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(13, 4))
+    for ax, (col, ylabel, log, ylim) in zip(axes, panels):
+        for key, g in table.groupby(by, sort=False):
+            ax.plot(g.rate, g[col], marker="o", label=label(key))
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(ylabel)
+        if log and (table[col] > 0).all():
+            ax.set_yscale("log")
+        if ylim is not None:
+            ax.set_ylim(*ylim)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
 def memory_breakdown(memory: dict[str, dict[str, float]], path: str | Path, title: str = "") -> Path:
     """Stacked bars: allocated KV slots by category per policy, as shares (the paper's Figure 2)."""
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -7,13 +7,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import pandas as pd
 
 from analysis.parallel import run_tasks
+from analysis.plots import rate_panels
 from analysis.sweep import headline
 from policies.router import MATCH_ROUTERS
 from sim.run import SimConfig, run_simulation
@@ -58,21 +55,7 @@ def _routing_run(cfg: SimConfig, timed: Trace, rate: float) -> dict:
 def routing_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
     """Three panels against request rate, one line per router: mean TTFT, mean normalized latency,
     and the share of prompt tokens served from prefix caches."""
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    panels = (("ttft_mean", "mean TTFT (s)", True), ("mean_normalized_latency", "mean normalized latency (s/token)", True),
-              ("prefix_hit_fraction", "prompt tokens from prefix cache", False))
-    for ax, (col, label, log) in zip(axes, panels):
-        for router, g in table.groupby("router", sort=False):
-            ax.plot(g.rate, g[col], marker="o", label=router)
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel(label)
-        if log and (table[col] > 0).all():
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    axes[2].set_ylim(0, 1)
-    axes[0].legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return rate_panels(table, "router", [("ttft_mean", "mean TTFT (s)", True, None),
+                                         ("mean_normalized_latency", "mean normalized latency (s/token)", True, None),
+                                         ("prefix_hit_fraction", "prompt tokens from prefix cache", False, (0, 1))],
+                       path, title)
