@@ -74,6 +74,7 @@ class LiveExecutor:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, eos_token_ids: list[int], seed: int = 0) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        runner.warm_up()  # compile and first-touch costs now, not in the first served iteration
         self.eos = set(eos_token_ids)
         self.sampler = Sampler(seed=seed, device=runner.device)
         self.beams: dict[int, _BeamState] = {}

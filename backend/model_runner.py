@@ -85,6 +85,12 @@ class ModelRunner:
                                                 num_cpu_blocks=num_cpu_blocks, dtype=self.dtype, device=self.device)
         return other
 
+    def warm_up(self) -> None:
+        """One decode step of two one-token sequences in block 0, so that one-time costs (compiling
+        the decode attention, first-touch allocations) are paid before a clock starts. Call it
+        before serving: it overwrites block 0."""
+        self.execute(Batch([SeqInput([0], 0, [0], True), SeqInput([0], 0, [0], True)]))
+
     def _load(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
         """Build on the meta device, allocate once in the target dtype, then copy the weights in."""
         with torch.device("meta"):

@@ -1,8 +1,10 @@
 """Paged decode attention vs contiguous scaled_dot_product_attention.
 
 CPU: the torch paged path, batch 32, contexts 256..2048, for SmolLM2-135M and Llama-3-8B head
-shapes (float32), then over block sizes 1..256 at context 1024. `ratio` is paged / SDPA (enable_gqa=True); `ratio_packed` compares with SDPA fed
-the GQA-packed query layout [B, Hkv, H / Hkv, D] that the paged path itself uses. CUDA (when present): the Triton paged decode kernel for Llama-3-8B shapes
+shapes (float32), then over block sizes 1..256 at context 1024. `ratio` is the eager gather path /
+SDPA (enable_gqa=True); `ratio_packed` compares it with SDPA fed the GQA-packed query layout
+[B, Hkv, H / Hkv, D] that it uses itself; `ratio_compiled` is the torch.compile'd path (the CPU
+default, `backend.attention.compiled_decode`) / SDPA. CUDA (when present): the Triton paged decode kernel for Llama-3-8B shapes
 (32 query heads, 8 KV heads, head_dim 128, bf16), batch 1..256, contexts 128..8192, with achieved
 bandwidth against a measured device-to-device copy bandwidth, and the kernel over block sizes 1..256.
 
@@ -71,7 +73,7 @@ def contiguous_inputs(q: torch.Tensor, ctx: int, kv_heads: int, seed: int = 1):
 
 
 def _cpu_case(name: str, shape: tuple[int, int, int], batch: int, ctx: int, block_size: int, reps: int) -> dict:
-    from backend.attention import torch_paged
+    from backend.attention import compiled_decode, torch_paged
 
     H, Hkv, D = shape
     q, kc, vc, bt = paged_inputs(batch, ctx, H, Hkv, D, block_size, torch.float32, "cpu")
@@ -79,14 +81,20 @@ def _cpu_case(name: str, shape: tuple[int, int, int], batch: int, ctx: int, bloc
     q4 = q.unsqueeze(2)
     qg = q.view(batch, Hkv, H // Hkv, D)
     lens = [ctx] * batch
-    t_sdpa, t_packed, t_paged = _time_cpu([
+    # each paged path keeps its chunk plan across calls, as the layers of one step share it
+    plans: tuple[dict, dict] = ({}, {})
+    compiled_decode.decode_attention(q, kc, vc, bt, lens, D ** -0.5)  # compile outside the timing
+    if compiled_decode._COMPILED.failed:
+        raise RuntimeError("torch.compile failed: no compiled decode to time")
+    t_sdpa, t_packed, t_paged, t_compiled = _time_cpu([
         lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True),
         lambda: F.scaled_dot_product_attention(qg, k, v),
-        lambda: torch_paged.decode_attention(q, kc, vc, bt, lens, D ** -0.5),
+        lambda: torch_paged.decode_attention(q, kc, vc, bt, lens, D ** -0.5, plan_cache=plans[0]),
+        lambda: compiled_decode.decode_attention(q, kc, vc, bt, lens, D ** -0.5, plan_cache=plans[1]),
     ], reps)
     return {"device": "cpu", "shape": name, "batch": batch, "context": ctx, "sdpa_ms": t_sdpa,
             "paged_ms": t_paged, "ratio": t_paged / t_sdpa, "sdpa_packed_ms": t_packed,
-            "ratio_packed": t_paged / t_packed}
+            "ratio_packed": t_paged / t_packed, "compiled_ms": t_compiled, "ratio_compiled": t_compiled / t_sdpa}
 
 
 def bench_cpu(reps: int = 7, batch: int = 32, block_size: int = 16) -> list[dict]:
@@ -168,7 +176,7 @@ def bench_cuda_block_sizes(batch: int = 64, ctx: int = 2048, block_sizes=(1, 4, 
 def print_table(rows: list[dict], title: str) -> None:
     print(f"\n{title}")
     cols = ["shape", "batch", "context", "sdpa_ms", "paged_ms", "ratio"]
-    extra = [c for c in ("sdpa_packed_ms", "ratio_packed", "sdpa_gbs", "paged_gbs", "paged_bw_frac", "max_abs_err")
+    extra = [c for c in ("sdpa_packed_ms", "ratio_packed", "compiled_ms", "ratio_compiled", "sdpa_gbs", "paged_gbs", "paged_bw_frac", "max_abs_err")
              if rows and c in rows[0]]
     cols += extra
     print("  ".join(f"{c:>13}" for c in cols))
@@ -186,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device in ("cpu", "all"):
         result["cpu"] = bench_cpu(args.reps)
         print_table(result["cpu"], f"CPU decode, torch paged vs contiguous SDPA (float32, {torch.get_num_threads()} "
-                                   "threads; ratio = paged / sdpa)")
+                                   "threads; ratio = paged (eager gather) / sdpa, ratio_compiled = paged "
+                                   "(torch.compile'd, the CPU default) / sdpa)")
         result["cpu_block_sizes"] = bench_cpu_block_sizes(args.reps)
         print_table(result["cpu_block_sizes"], "CPU decode by KV block size (batch 32, context 1024)")
     if args.device in ("cuda", "all") and torch.cuda.is_available():

@@ -12,7 +12,7 @@ head, so each key is read once per kv head rather than once per query head.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -148,10 +148,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    decode: Callable[..., torch.Tensor] = decode_attention) -> torch.Tensor:
     """Attention for a flat batch (prefill chunks first, then decodes); K/V already stored.
 
-    q [T, H, D], k/v [T, Hkv, D]. Returns [T, H, D].
+    q [T, H, D], k/v [T, Hkv, D]. Returns [T, H, D]. `decode` computes the decodes (the compiled
+    backend passes its own).
     """
     out = torch.empty_like(q)
     p = meta.num_prefill_tokens
@@ -159,6 +161,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         prefill_attention(q[:p], k[:p], v[:p], k_cache, v_cache, meta.prefill_block_tables,
                           meta.prefill_query_start, meta.prefill_starts, scale, out=out[:p])
     if meta.num_decodes:
-        decode_attention(q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+        decode(q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                          scale, out=out[p:], plan_cache=meta.per_step)
     return out

@@ -101,6 +101,42 @@ def test_torch_decode_matches_sdpa(case):
     torch.testing.assert_close(out.float(), ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_decode_matches_sdpa(case):
+    from backend.attention import compiled_decode
+
+    q, kc, vc, bt, lens, ref = _decode_inputs(case)
+    out = compiled_decode.decode_attention(q, kc, vc, bt, lens, D ** -0.5)
+    assert not compiled_decode._COMPILED.failed, "compilation failed: the eager fallback was tested"
+    torch.testing.assert_close(out.float(), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_compiled_decode_length_groups_cover_each_sequence_once():
+    from backend.attention.compiled_decode import length_groups
+
+    lens = [1, 300, 17, 16, 290, 2, 64, 65, 1000, 33]
+    groups = length_groups(lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    for g in groups:  # padding to the longest member: at most a quarter of the keys read
+        assert sum(lens[i] for i in g) >= 0.75 * max(lens[i] for i in g) * len(g)
+    assert len(groups) > 1
+
+
+def test_compiled_decode_falls_back_with_a_warning(monkeypatch):
+    from backend.attention import compiled_decode
+
+    compiled = compiled_decode._Compiled()
+    def broken(*args):
+        raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr(compiled_decode.torch, "compile", lambda fn, **kw: broken)
+    monkeypatch.setattr(compiled_decode, "_COMPILED", compiled)
+    q, kc, vc, bt, lens, ref = _decode_inputs(CASES[1])
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+        out = compiled_decode.decode_attention(q, kc, vc, bt, lens, D ** -0.5)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert compiled.failed
+
+
 def test_torch_decode_chunking_is_invisible():
     q, kc, vc, bt, lens, ref = _decode_inputs(CASES[1])
     for chunk_bytes in (1, 2000, 1 << 30):  # one sequence per chunk ... all in one chunk
@@ -213,6 +249,9 @@ def test_triton_copy_blocks():
 def test_backend_selection():
     from backend.attention import get_attention
 
-    assert get_attention("cpu") is torch_paged.paged_attention
+    from backend.attention import compiled_decode
+
+    assert get_attention("cpu") is compiled_decode.paged_attention
+    assert get_attention("cpu", "torch") is torch_paged.paged_attention
     with pytest.raises(ValueError, match="known"):
         get_attention("cpu", "flash")
