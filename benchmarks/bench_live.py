@@ -3,7 +3,8 @@ output lengths. pagesim's engine (vllm policy, paged KV cache, iteration-level b
 HF `generate()` on static, left-padded batches of the same requests (each batch decodes until its
 longest request is done, as static batching does). Both greedy with EOS ignored; throughput counts
 each request's own output tokens. Target: >= 2x. Each runs its CPU default: HF its dense linears,
-pagesim oneDNN-prepacked ones (`ModelRunner(prepack=False)` gives the dense path).
+pagesim oneDNN-prepacked ones (`ModelRunner(prepack=False)` gives the dense path) and the compiled
+decode attention (`attention="torch"` gives the eager gather path); the ablation rows time those.
 
 Two length mixes: `sharegpt-like/4` (the project's synthetic ShareGPT-fitted lengths, a quarter of
 their size to fit a CPU: long-tailed, as real chat outputs are) and `uniform` (prompts 16-256,
@@ -34,7 +35,7 @@ def workload(n: int, kind: str = "sharegpt-like/4", seed: int = 0) -> list[tuple
     return [(rng.integers(300, 40000, int(p)).tolist(), int(o)) for p, o in zip(prompts, outputs)]
 
 
-def run_pagesim(config, weights, reqs, prepack: bool | None = None) -> float:
+def run_pagesim(config, weights, reqs, prepack: bool | None = None, attention: str | None = None) -> float:
     import torch
 
     from backend.live import LiveExecutor, serve
@@ -43,7 +44,7 @@ def run_pagesim(config, weights, reqs, prepack: bool | None = None) -> float:
 
     blocks = sum(-(-(len(p) + o) // 16) for p, o in reqs) + 16
     runner = ModelRunner(config, weights, "cpu", dtype=torch.float32, num_gpu_blocks=blocks, block_size=16,
-                         prepack=prepack)
+                         prepack=prepack, attention=attention)
     sched = make_scheduler("vllm", blocks, 16, max_num_batched_tokens=2048)
     requests = [Request(i, 0.0, len(p), SamplingParams(max_tokens=o, ignore_eos=True), prompt_token_ids=p)
                 for i, (p, o) in enumerate(reqs)]
@@ -77,8 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--hf-batch", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--workloads", nargs="+", default=["sharegpt-like/4", "uniform"])
-    ap.add_argument("--dense-too", action=argparse.BooleanOptionalAction, default=True,
-                    help="also time pagesim with plain dense linears (default on)")
+    ap.add_argument("--ablations", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time pagesim with plain dense linears, and with eager (uncompiled) "
+                         "gather attention (default on)")
     args = ap.parse_args(argv)
     import torch
     import transformers
@@ -96,9 +98,11 @@ def main(argv: list[str] | None = None) -> None:
         tokens = sum(o for _, o in reqs)
         ours = run_pagesim(config, weights, reqs)
         print(f"{kind:<16} {'pagesim live (vllm, paged)':<30} {ours:>8.1f} {tokens / ours:>10.1f} {'':>8}")
-        if args.dense_too:
-            t = run_pagesim(config, weights, reqs, prepack=False)
-            print(f"{kind:<16} {'  same, dense linears':<30} {t:>8.1f} {tokens / t:>10.1f} {t / ours:>7.2f}x")
+        if args.ablations:
+            for label, kw in (("  same, dense linears", {"prepack": False}),
+                              ("  same, eager attention", {"attention": "torch"})):
+                t = run_pagesim(config, weights, reqs, **kw)
+                print(f"{kind:<16} {label:<30} {t:>8.1f} {tokens / t:>10.1f} {t / ours:>7.2f}x")
         for b in args.hf_batch:
             t = run_hf(hf, reqs, b)
             print(f"{kind:<16} {f'HF generate, static batch {b}':<30} {t:>8.1f} {tokens / t:>10.1f} "
