@@ -11,7 +11,7 @@ One graph per (heads, kv heads, head dim, block size, dtype, scale): the batch, 
 width and the cache size are dynamic. Dynamo would specialise sizes 0 and 1, so batches and block
 tables are padded to at least 2 (padding rows attend one key of block 0; padding columns are
 masked). Sequences are cut into groups of similar length so that a short context does not read a
-long one's padding. Where compilation fails (no C++ compiler, say), a warning is given once and the
+long one's padding, with as few groups as that allows (each call has a fixed cost). Where compilation fails (no C++ compiler, say), a warning is given once and the
 eager gather path (`torch_paged.decode_attention`) serves instead.
 """
 
@@ -21,14 +21,15 @@ import types
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from backend.attention import torch_paged
 from backend.attention.metadata import AttentionMetadata, once_per_step
 
-# A group of sequences is padded to its longest context: at most this share of the keys it reads
-# may be padding.
-MAX_PADDING = 0.25
+# One compiled call costs about as much as reading this many more keys (2 CPU cores, SmolLM2 head
+# shapes: about 75 us of dynamo guards and launch against 0.08-0.2 us per key).
+CALL_COST_KEYS = 512
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -82,22 +83,26 @@ class _Compiled:
 _COMPILED = _Compiled()
 
 
-def length_groups(lens: Sequence[int], max_padding: float = MAX_PADDING) -> list[list[int]]:
-    """Sequence indices sorted by context length, cut so that within a group, padded to its longest
-    member, at most `max_padding` of the keys are padding (besides each one's last partial block)."""
+def length_groups(lens: Sequence[int], call_cost_keys: int = CALL_COST_KEYS) -> list[list[int]]:
+    """Sequence indices sorted by context length, cut into consecutive groups so that the keys read
+    (each group padded to its longest member) plus `call_cost_keys` per group are fewest: one call
+    for a batch of similar lengths, more where a short context would read a long one's padding."""
     order = sorted(range(len(lens)), key=lambda i: lens[i])
+    srt = np.array([lens[i] for i in order], dtype=np.int64)
+    n = len(srt)
+    best = np.zeros(n + 1, dtype=np.int64)   # best[j]: cheapest cost of the first j sequences
+    cut = np.zeros(n + 1, dtype=np.int64)    # where the last group of those j starts
+    for j in range(1, n + 1):
+        starts = np.arange(j)                # last group = sorted sequences [i, j)
+        costs = best[:j] + call_cost_keys + (j - starts) * srt[j - 1]
+        cut[j] = int(np.argmin(costs))
+        best[j] = costs[cut[j]]
     groups: list[list[int]] = []
-    cur: list[int] = []
-    used = 0
-    for i in order:
-        if cur and (len(cur) + 1) * lens[i] * (1 - max_padding) > used + lens[i]:
-            groups.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += lens[i]
-    if cur:
-        groups.append(cur)
-    return groups
+    j = n
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = int(cut[j])
+    return groups[::-1]
 
 
 def _plan(lens: list[int], block_tables: torch.Tensor, bs: int, device: torch.device) -> list[tuple]:

@@ -111,15 +111,27 @@ def test_compiled_decode_matches_sdpa(case):
     torch.testing.assert_close(out.float(), ref, atol=2e-5, rtol=1e-4)
 
 
-def test_compiled_decode_length_groups_cover_each_sequence_once():
+def _group_cost(lens, groups, call_cost):
+    return sum(call_cost + len(g) * max(lens[i] for i in g) for g in groups)
+
+
+@pytest.mark.parametrize("lens", [[1, 300, 17, 16, 290, 2, 64, 65, 1000, 33], [5], [100] * 7,
+                                  [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]])
+@pytest.mark.parametrize("call_cost", [0, 64, 512, 10 ** 6])
+def test_compiled_decode_length_groups_are_cheapest(lens, call_cost):
     from backend.attention.compiled_decode import length_groups
 
-    lens = [1, 300, 17, 16, 290, 2, 64, 65, 1000, 33]
-    groups = length_groups(lens)
+    groups = length_groups(lens, call_cost)
     assert sorted(i for g in groups for i in g) == list(range(len(lens)))
-    for g in groups:  # padding to the longest member: at most a quarter of the keys read
-        assert sum(lens[i] for i in g) >= 0.75 * max(lens[i] for i in g) * len(g)
-    assert len(groups) > 1
+    # against every way of cutting the sorted lengths into consecutive groups
+    order = sorted(range(len(lens)), key=lambda i: lens[i])
+    best = min(_group_cost(lens, [order[a:b] for a, b in zip((0,) + cuts, cuts + (len(lens),))], call_cost)
+               for r in range(len(lens)) for cuts in itertools.combinations(range(1, len(lens)), r))
+    assert _group_cost(lens, groups, call_cost) == best
+    if call_cost == 10 ** 6:
+        assert len(groups) == 1
+    if call_cost == 0:
+        assert all(len({lens[i] for i in g}) == 1 for g in groups)
 
 
 def test_compiled_decode_falls_back_with_a_warning(monkeypatch):
