@@ -8,7 +8,8 @@ arrivals. Scenarios: light load, heavy load (queueing), heavy load with a small 
 (preemption by recompute). Error = (sim - live) / live on mean and P90 of TTFT, TPOT and
 end-to-end latency, and on throughput. With --repeat, each trace is served live a second time and
 the two live runs are compared the same way: the run-to-run spread of live measurements on this
-machine, the floor under any simulator's error.
+machine, the floor under any simulator's error. "speed-adjusted" simulates again with every step
+scaled by the machine speed measured around the live run (the factor is printed beside it).
 
 With --profile-first, the model is profiled on this machine right before the scenarios (about 2
 minutes) and that profile is used: profile and validation back to back, as a shipped profile
@@ -95,6 +96,10 @@ def print_results(results: list[dict]) -> None:
     if all(r["summary"].get("machine_speed") for r in results):
         print(f"{'machine speed before/after':<28}" + "".join(
             f"{'':>16}{r['summary']['machine_speed']['before']:>10.2f}{r['summary']['machine_speed']['after']:>8.2f}"
+            for r in results))
+    if all(r["summary"].get("speed_adjusted") for r in results):
+        print(f"{'speed-adjusted mean |error|':<28}" + "".join(
+            f"{'':>16}{r['summary']['speed_adjusted']['factor']:>10.3f}{r['summary']['speed_adjusted']['mape']:>8.1%}"
             for r in results))
     if all("repeat" in r for r in results):
         print(f"{'live repeat: mean |error|':<28}"

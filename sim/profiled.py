@@ -100,6 +100,15 @@ class ProfiledCostModel(CostModel):
         p = profile if isinstance(profile, dict) else load_profile(profile)
         return cls(p["fit"]["coef"], int(p["block_size"]), p.get("source", ""), sim_block_size)
 
+    def scaled(self, factor: float) -> ProfiledCostModel:
+        """The same model with every step `factor` times as long: the profile's machine measured
+        running `factor` times slower than when it was profiled (the model is linear, so scaling
+        every coefficient scales every prediction)."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"factor: must be finite and > 0, got {factor}")
+        return ProfiledCostModel({k: v * factor for k, v in self.coef.items()}, self.block_size,
+                                 f"{self.source} x{factor:.3f}", self.sim_block_size)
+
     def step_time(self, c: StepComposition) -> float:
         if c.is_empty:
             return 0.0

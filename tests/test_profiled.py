@@ -161,6 +161,22 @@ def test_transfers_scale_with_block_bytes():
     assert m.step_time(with_swap) - m.step_time(base) == pytest.approx(3 * 2 * TRUE["swap_blocks"])
 
 
+def test_scaled_model_scales_every_step_and_simulates_that_much_slower():
+    m = ProfiledCostModel({**TRUE, "decode_blocks": 3e-5}, block_size=16, sim_block_size=4)
+    slow = m.scaled(1.25)
+    for c in _grid():
+        assert slow.step_time(c) == pytest.approx(1.25 * m.step_time(c), rel=1e-12)
+    assert slow.swap_time(8, 32) == pytest.approx(1.25 * m.swap_time(8, 32))
+    assert slow.sim_block_size == 4 and "x1.250" in slow.source
+    with pytest.raises(ValueError, match="factor"):
+        m.scaled(0.0)
+    # a decode-only workload that never queues: every request's latency scales with its steps
+    trace = resolve_trace("alpaca-like", num_requests=4, rate=0.01, seed=0)
+    cfg = SimConfig(model="opt-13b", num_gpu_blocks=512)
+    base, scaled = run_simulation(cfg, trace, cost_model=m), run_simulation(cfg, trace, cost_model=slow)
+    assert np.allclose(scaled.requests.e2e_latency, 1.25 * base.requests.e2e_latency)
+
+
 def test_bad_coefficients_are_rejected():
     with pytest.raises(ValueError, match="unknown coefficients"):
         ProfiledCostModel({"warp": 1.0})

@@ -126,6 +126,11 @@ def test_validate_replays_live_and_simulated(smollm2_path, tmp_path, capsys):
     assert 0 < steps["mape"] < 1 and steps["prompt_mape"] > 0
     speed = summary["machine_speed"]
     assert 0.2 < speed["before"] < 5 and 0.2 < speed["after"] < 5  # the shipped profile's machine, roughly
+    adjusted = summary["speed_adjusted"]  # simulated again at the measured speed
+    assert adjusted["factor"] == pytest.approx((speed["before"] * speed["after"]) ** 0.5)
+    again = pd.read_csv(out / "validation_speed_adjusted.csv")
+    assert list(again.metric) == list(table.metric) and adjusted["mape"] == pytest.approx(again.abs_error.mean())
+    assert "scaled by that speed" in capsys.readouterr().out
     assert (out / "validation.png").stat().st_size > 1000
 
 
