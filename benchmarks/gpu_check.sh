@@ -3,7 +3,7 @@
 # triton preinstalled and no network (about 3 minutes on an H200; hard limits keep it under 8):
 #   1. install the project over the preinstalled torch/triton (no dependencies, no build isolation),
 #   2. run the backend tests that are not marked slow, with CUDA (Triton kernels compiled natively),
-#   3. run the attention benchmark (Triton paged decode vs SDPA, Llama-3-8B shapes; the CPU table too),
+#   3. run the attention benchmark (Triton paged decode vs SDPA, Llama-3-8B shapes; CUDA tables only),
 #   4. calibrate: `pagesim profile --device cuda --block-sizes 1 4 64` on SmolLM2-135M's shapes
 #      (random weights; decodes also at block sizes 1, 4 and 64 price the Triton kernel's cost per
 #      KV block, which decides whether small blocks are slow on the GPU), then
@@ -43,7 +43,7 @@ timeout 300 "$PY" -m pytest tests/backend -m "not slow" -q -p no:cacheprovider -
 rc=${PIPESTATUS[0]}
 [ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc
 
-timeout 180 "$PY" -m benchmarks.bench_attention --reps 5 --json "$OUT/bench_attention.json" 2>&1 \
+timeout 180 "$PY" -m benchmarks.bench_attention --device cuda --reps 5 --json "$OUT/bench_attention.json" 2>&1 \
   | tee "$OUT/bench_attention.txt"
 rc=${PIPESTATUS[0]}
 [ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc
