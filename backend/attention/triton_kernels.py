@@ -95,6 +95,43 @@ def copy_blocks(cache: torch.Tensor, pairs: Sequence[tuple[int, int]], chunk: in
     _copy_blocks_kernel[grid](cache, ids[0], ids[1], block_numel, CHUNK=chunk)
 
 
+# ---- the tile loop both attention kernels share --------------------------------------------------
+@triton.jit
+def _load_kv_tile(kc_ptr, vc_ptr, bt_row_ptr, j, jmask, kvh, d, dmask, s_cb, s_ct, s_ch,
+                  BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Keys and values [TILE, D_PAD] of one sequence's token positions `j` (masked by `jmask`),
+    read through its block table row; block ids widened to int64 before the address arithmetic."""
+    blk = tl.load(bt_row_ptr + j // BLOCK_SIZE, mask=jmask, other=0).to(tl.int64)
+    base = blk * s_cb + (j % BLOCK_SIZE) * s_ct + kvh * s_ch
+    kvmask = jmask[:, None] & dmask[None, :]
+    k = tl.load(kc_ptr + base[:, None] + d[None, :], mask=kvmask, other=0.0)
+    v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=kvmask, other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, k, v, visible, scale, m, lsum, acc, DOT_FP32: tl.constexpr):
+    """One step of online softmax: fold the keys/values of a tile into the running max `m`, sum
+    `lsum` and unnormalised output `acc` of the query rows `q`; `visible` [rows, TILE] masks scores."""
+    if DOT_FP32:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    lsum = lsum * alpha + tl.sum(p, 1)
+    if DOT_FP32:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, lsum, acc
+
+
 # ---- decode ---------------------------------------------------------------------------------------
 @triton.jit
 def _decode_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_ptr, pl_ptr,
@@ -123,28 +160,9 @@ def _decode_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, po_ptr, pm_p
     for j0 in range(lo, hi, TILE):
         j = j0 + tl.arange(0, TILE)
         jmask = j < hi
-        blk = tl.load(bt_ptr + seq * s_bt + j // BLOCK_SIZE, mask=jmask, other=0).to(tl.int64)
-        base = blk * s_cb + (j % BLOCK_SIZE) * s_ct + kvh * s_ch
-        kvmask = jmask[:, None] & (d < D)[None, :]
-        k = tl.load(kc_ptr + base[:, None] + d[None, :], mask=kvmask, other=0.0)
-        v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=kvmask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(jmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        lsum = lsum * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_ptr + seq * s_bt, j, jmask, kvh, d, d < D, s_cb, s_ct, s_ch,
+                             BLOCK_SIZE, DOT_FP32)
+        m, lsum, acc = _attend_tile(q, k, v, jmask[None, :], scale, m, lsum, acc, DOT_FP32)
     if SPLIT:
         row = (seq * num_heads + heads) * num_splits + split
         tl.store(pm_ptr + row, m, mask=g < GROUP)
@@ -249,28 +267,10 @@ def _prefill_kernel(out_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, start_ptr,
     for j0 in range(0, hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         jmask = j < hi
-        blk = tl.load(bt_ptr + seq * s_bt + j // BLOCK_SIZE, mask=jmask, other=0).to(tl.int64)
-        base = blk * s_cb + (j % BLOCK_SIZE) * s_ct + kvh * s_ch
-        kvmask = jmask[:, None] & dmask[None, :]
-        k = tl.load(kc_ptr + base[:, None] + d[None, :], mask=kvmask, other=0.0)
-        v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=kvmask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(jmask[None, :] & (j[None, :] <= qpos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        lsum = lsum * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_ptr + seq * s_bt, j, jmask, kvh, d, dmask, s_cb, s_ct, s_ch,
+                             BLOCK_SIZE, DOT_FP32)
+        visible = jmask[None, :] & (j[None, :] <= qpos[:, None])  # causal within the chunk
+        m, lsum, acc = _attend_tile(q, k, v, visible, scale, m, lsum, acc, DOT_FP32)
     o = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
     tl.store(out_ptr + (q0 + rows)[:, None] * s_ot + head * s_oh + d[None, :], o, mask=qmask)
 
