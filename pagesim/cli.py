@@ -971,6 +971,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     drift = {}
     if args.live_run:
         live_requests = pd.read_csv(Path(args.live_run) / "requests.csv")
+        earlier = Path(args.live_run) / "summary.json"
+        if earlier.is_file():  # a live run made by `validate` recorded the machine speed around it
+            recorded = json.loads(earlier.read_text())
+            if recorded.get("check_before") is not None:
+                drift = {"before": recorded["check_before"], "after": recorded["check_after"]}
     else:
         from backend.profiler import drift as machine_drift
         live_requests, it_df, live_summary = _serve_live(

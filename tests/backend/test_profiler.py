@@ -131,6 +131,12 @@ def test_validate_replays_live_and_simulated(smollm2_path, tmp_path, capsys):
     again = pd.read_csv(out / "validation_speed_adjusted.csv")
     assert list(again.metric) == list(table.metric) and adjusted["mape"] == pytest.approx(again.abs_error.mean())
     assert "scaled by that speed" in capsys.readouterr().out
+    # reusing that live run: the same comparison, the recorded machine speed included
+    out2 = tmp_path / "again"
+    assert cli_main(["validate", "--profile", "smollm2-135m-cpu", "--trace", str(trace), "--num-gpu-blocks", "64",
+                     "--live-run", str(out / "live"), "--out", str(out2), "--quiet"]) == 0
+    assert pd.read_csv(out2 / "validation.csv").equals(table)
+    assert json.loads((out2 / "validation.json").read_text())["speed_adjusted"] == adjusted
     assert (out / "validation.png").stat().st_size > 1000
 
 
