@@ -360,6 +360,50 @@ class PagedBlockManager:
             self._register_full_blocks(seq, first, new_total // bs)
         return copies
 
+    def extend_own_block(self, seq_id: int, new_total: int) -> None:
+        """`append_slots`' common decode case without its checks, for a scheduler's inner loop: the
+        caller knows the sequence's last block is partly filled, its own (ref_count 1), and holds
+        positions up to `new_total` (and that no full block needs registering for prefix caching)."""
+        cur = self.slots[seq_id]
+        self.pool.used_filled += new_total - cur
+        self.pool.blocks[self.tables[seq_id][-1]].filled += new_total - cur
+        self.slots[seq_id] = new_total
+
+    # ---------------------------------------------- decodes applied in bulk (simulator skip-ahead)
+    # A window of certain decode steps is applied at once: the blocks the running sequences open are
+    # taken up front, in the order stepping would take them, and the token states counted; each
+    # sequence's slots and its blocks' fill levels are owed until `settle_decodes`. In between a
+    # table may run ahead of its slots (the class invariant is owed too), and nothing but the bulk
+    # methods may touch those sequences.
+    def open_decode_blocks(self, seq_ids: Iterable[int]) -> None:
+        """Append one fresh block to each sequence's table, in order (the caller has counted them
+        against the free blocks)."""
+        take, tables = self.pool.take, self.tables
+        for sid in seq_ids:
+            tables[sid].append(take().block_id)
+
+    def add_token_states(self, n: int) -> None:
+        """Count `n` token states decoded into the owed sequences' blocks (settled later)."""
+        self.pool.used_filled += n
+
+    def settle_decodes(self, seqs: Iterable[Sequence], k: int) -> None:
+        """Sequences whose tables cover `k` decoded tokens beyond `num_computed` (single sequences
+        that own their blocks): fill those blocks and move their slots on by k. The caller then
+        moves the sequences' own counters."""
+        bs = self.block_size
+        blocks, tables, slots = self.pool.blocks, self.tables, self.slots
+        for s in seqs:
+            c = s.num_computed
+            table = tables[s.seq_id]
+            if -c % bs < k:  # blocks were opened: all but the last are full
+                last = len(table) - 1
+                for i in range(c // bs, last):
+                    blocks[table[i]].filled = bs
+                blocks[table[last]].filled = c + k - last * bs
+            else:
+                blocks[table[-1]].filled += k
+            slots[s.seq_id] = c + k
+
     def _register_full_blocks(self, seq: Sequence, start: int, stop: int) -> None:
         table = self.tables[seq.seq_id]
         for i in range(start, stop):

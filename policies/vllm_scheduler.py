@@ -105,7 +105,8 @@ class VllmScheduler(Scheduler):
         """Give running groups their tokens, preempting from the tail when blocks run out."""
         preempted = False
         bm = self.bm
-        pool, blocks, tables, bm_slots = bm.pool, bm.pool.blocks, bm.tables, bm.slots
+        blocks, tables, bm_slots = bm.pool.blocks, bm.tables, bm.slots
+        extend_own_block = bm.extend_own_block
         bs = self.block_size
         in_place = not bm.enable_prefix_caching  # else a filled block may need registering
         emit = plan.seqs.append
@@ -130,10 +131,8 @@ class VllmScheduler(Scheduler):
                 end = start + n
                 if in_place and cur % bs and cur < end <= len(table) * bs and blocks[table[-1]].ref_count == 1:
                     # a decode into the sequence's own partly filled block: append_slots' first
-                    # case, inlined as it is most of the work of a step
-                    pool.used_filled += end - cur
-                    blocks[table[-1]].filled += end - cur
-                    bm_slots[sid] = end
+                    # case, checked here as it is most of the work of a step
+                    extend_own_block(sid, end)
                 else:
                     while True:
                         copies = bm.append_slots(seq, n)
@@ -377,15 +376,11 @@ class VllmScheduler(Scheduler):
         bm = self.bm
         bs = self.block_size
         b = len(self.running)
-        tables = bm.tables
         by_phase = horizon.by_phase
         mem0 = bm.memory()
-        take = bm.pool.take
-        for p0 in range(0, k, bs):  # blocks taken in iteration order, in batch order within one
-            for phase in by_phase[:k - p0]:
-                for s in phase:
-                    tables[s.seq_id].append(take().block_id)
-        bm.pool.used_filled += k * b
+        # blocks taken in iteration order, in batch order within one
+        bm.open_decode_blocks(s.seq_id for p0 in range(0, k, bs) for phase in by_phase[:k - p0] for s in phase)
+        bm.add_token_states(k * b)
         self._pending_steps += k
         j = np.arange(1, k + 1, dtype=np.int64)
         # blocks taken by the end of each step (list repetition: np.resize costs more for small k)
@@ -417,25 +412,12 @@ class VllmScheduler(Scheduler):
             self._pending_steps = 0
 
     def _settle(self, seqs: list[Sequence]) -> None:
-        # single-sequence groups own their partly filled blocks: fill in place; the blocks they
-        # opened meanwhile are already in their tables, and all but the last are full
+        # single-sequence groups own their partly filled blocks; the blocks they opened meanwhile
+        # are already in their tables
         k = self._pending_steps
-        bm = self.bm
-        bs = self.block_size
-        blocks, tables, bm_slots = bm.pool.blocks, bm.tables, bm.slots
+        self.bm.settle_decodes(seqs, k)
         for s in seqs:
-            c = s.num_computed
-            new = c + k
-            table = tables[s.seq_id]
-            if -c % bs < k:
-                last = len(table) - 1
-                for i in range(c // bs, last):
-                    blocks[table[i]].filled = bs
-                blocks[table[last]].filled = new - last * bs
-            else:
-                blocks[table[-1]].filled += k
-            bm_slots[s.seq_id] = new
-            s.num_computed = new
+            s.num_computed += k
             s.output_len += k
             s.cum_logprob = 0.0
             if s.token_ids is not None:  # as on_step_done: simulated tokens have no content
@@ -472,23 +454,22 @@ class VllmScheduler(Scheduler):
             raise AssertionError("exhaustion_step needs a decode_horizon that exhausts, applied up to it")
         self._horizon = None
         bm = self.bm
-        pool, tables = bm.pool, bm.tables
         bs = self.block_size
         plan = StepPlan(block_size=bs)
         running = self.running  # _preempt removes from its tail
         context = h.context_tokens + h.steps * len(running)  # the running sequences' computed tokens
         for s in h.by_phase[h.steps % bs]:  # the groups opening a block, in batch order
             g = s.group
-            while not pool.free and g.status == SeqStatus.RUNNING:
+            while not bm.num_free_blocks and g.status == SeqStatus.RUNNING:
                 tail = running[-1]
                 self._settle(tail.seqs)
                 context -= tail.seqs[0].num_computed
                 self._preempt(tail, plan)
             if g.status != SeqStatus.RUNNING:
                 break  # it was the tail: everything after it is preempted too
-            tables[s.seq_id].append(pool.take().block_id)
+            bm.open_decode_blocks((s.seq_id,))
         survivors = len(running)
-        pool.used_filled += survivors
+        bm.add_token_states(survivors)
         self._pending_steps += 1
         context += survivors
         if survivors:  # the survivors' phases move on by the horizon's steps + 1; the preempted leave
