@@ -465,3 +465,38 @@ def test_injected_prefix_is_found_by_the_next_admission(num_blocks, bs, prompts)
         assert bm.num_free_blocks == num_blocks  # cached but idle: every block still free to take
         bm.check_invariants()
     bm.assert_empty()
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(bs=st.integers(1, 5), contexts=st.lists(st.integers(1, 40), min_size=1, max_size=6), k=st.integers(1, 12))
+def test_bulk_decodes_leave_the_state_of_k_stepped_decodes(bs, contexts, k):
+    """Skip-ahead's bulk path (open the blocks in stepping's order, count the token states, settle)
+    ends in exactly the state k single-token append_slots calls per sequence reach."""
+    def start():
+        bm = PagedBlockManager(sum(-(-(c + k) // bs) for c in contexts), bs)
+        seqs = []
+        for i, c in enumerate(contexts):
+            g = SequenceGroup(Request(i, 0.0, c, SamplingParams(max_tokens=k + 1, ignore_eos=True)), i)
+            s = g.seqs[0]
+            bm.allocate(s)
+            assert bm.append_slots(s, c) is not None
+            s.num_computed = c
+            seqs.append(s)
+        return bm, seqs
+
+    stepped, seqs_a = start()
+    for _ in range(k):  # batch order within a step, as the scheduler appends
+        for s in seqs_a:
+            assert stepped.append_slots(s, 1) == []
+            s.num_computed += 1
+    bulk, seqs_b = start()
+    # the sequences that open a block at step j, in batch order: stepping's take order
+    bulk.open_decode_blocks(s.seq_id for j in range(k) for s in seqs_b if (s.num_computed + j) % bs == 0)
+    bulk.add_token_states(k * len(seqs_b))
+    bulk.settle_decodes(seqs_b, k)
+    for s in seqs_b:
+        s.num_computed += k
+    assert bulk.tables == stepped.tables and bulk.slots == stepped.slots
+    assert [b.filled for b in bulk.pool.blocks] == [b.filled for b in stepped.pool.blocks]
+    assert bulk.memory() == stepped.memory()
+    bulk.check_invariants()
