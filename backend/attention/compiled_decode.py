@@ -11,8 +11,10 @@ One graph per (heads, kv heads, head dim, block size, dtype, scale): the batch, 
 width and the cache size are dynamic. Dynamo would specialise sizes 0 and 1, so batches and block
 tables are padded to at least 2 (padding rows attend one key of block 0; padding columns are
 masked). Sequences are cut into groups of similar length so that a short context does not read a
-long one's padding, with as few groups as that allows (each call has a fixed cost). Where compilation fails (no C++ compiler, say), a warning is given once and the
-eager gather path (`torch_paged.decode_attention`) serves instead.
+long one's padding, with as few groups as that allows (each call has a fixed cost). Where
+compilation fails (no C++ compiler, say), a warning is given once and the eager gather path
+(`torch_paged.decode_attention`) serves instead. The compiled functions are kept per process (the
+module's `_COMPILED`), as torch keeps its own compiled graphs.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ CALL_COST_KEYS = 512
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
             context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, D]; block_tables [B, nb]; context_lens [B] tensor. Returns [B, H, D] (float32 maths
-    in the cache dtype, one query per sequence, GQA query heads grouped under their kv head)."""
+    """q [B, H, D]; block_tables [B, nb]; context_lens [B] tensor. Returns [B, H, D]: one query per
+    sequence, computed in the cache's dtype, the GQA query heads grouped under their kv head."""
     B, H, D = q.shape
     nb = block_tables.shape[1]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
