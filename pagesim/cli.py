@@ -50,11 +50,19 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disaggregate", type=int, nargs=2, metavar=("PREFILL", "DECODE"),
                    help="disaggregated serving: PREFILL replicas compute prompts and first tokens, the KV moves to "
                         "DECODE replicas (policy vllm)")
-    g.add_argument("--transfer-bandwidth", type=float, metavar="GB/S",
+    g.add_argument("--transfer-bandwidth", type=_gigabytes_per_s, metavar="GB/S",
                    help="with --disaggregate: the prefill -> decode KV link, GB/s (default: the NVLink bandwidth)")
     g.add_argument("--max-imbalance", type=int,
                    help="prefix-affinity, cache-aware: the most outstanding requests a matched replica may hold "
                         "above the least loaded (default 8)")
+
+
+def _gigabytes_per_s(text: str) -> float:
+    """A bandwidth argument given in GB/s, as bytes/s."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 GB/s, got {text}")
+    return value * 1e9
 
 
 def _replica_count(args: argparse.Namespace) -> int:
@@ -316,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--splits", nargs="+", metavar="P+D", help="prefill+decode splits to try (default: all)")
     dg.add_argument("--router", default="least-loaded", choices=list(ROUTERS),
                     help="router over the colocated replicas and over the prefill replicas (default least-loaded)")
-    dg.add_argument("--transfer-bandwidth", type=float, metavar="GB/S", help="KV link (default: NVLink)")
+    dg.add_argument("--transfer-bandwidth", type=_gigabytes_per_s, metavar="GB/S", help="KV link (default: NVLink)")
     dg.add_argument("--max-num-batched-tokens", type=int, default=8192)
     dg.add_argument("--chunked-prefill", action="store_true", help="chunked prefill in every replica")
     dg.add_argument("--slo-ttft", type=float)
@@ -385,7 +393,7 @@ def _sim_config(args: argparse.Namespace, policy: str | None = None):
                      replicas=_replica_count(args), router=getattr(args, "router", "round-robin"),
                      router_options=_router_options(args), replica_hardware=tuple(getattr(args, "replica_hardware", None) or ()),
                      disaggregate=tuple(getattr(args, "disaggregate", None) or ()),
-                     transfer_bandwidth=args.transfer_bandwidth * 1e9 if getattr(args, "transfer_bandwidth", None) else None)
+                     transfer_bandwidth=getattr(args, "transfer_bandwidth", None))
 
 
 def _load_workload(args: argparse.Namespace):
@@ -645,7 +653,7 @@ def cmd_disagg(args: argparse.Namespace) -> int:
     base = SimConfig(model=args.model, hardware=args.hardware, block_size=args.block_size, seed=args.seed,
                      router=args.router, max_num_batched_tokens=args.max_num_batched_tokens,
                      chunked_prefill=args.chunked_prefill, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
-                     transfer_bandwidth=args.transfer_bandwidth * 1e9 if args.transfer_bandwidth else None,
+                     transfer_bandwidth=args.transfer_bandwidth,
                      **_study_costs(args))
     print(f"disagg: {len(trace)} requests of {trace.name}, {args.gpus} GPUs of {_study_title(args)}: "
           f"{', '.join(names)}")

@@ -87,6 +87,9 @@ def test_cli_simulate_disaggregated(tmp_path, capsys):
     assert "1 prefill + 2 decode" in text and "25 GB/s" in text
     reqs = pd.read_csv(out / "requests.csv")
     assert len(reqs) == 40 and {"prefill_replica", "decode_replica", "transfer_s"} <= set(reqs.columns)
+    with pytest.raises(SystemExit):  # argparse names the flag and the unit
+        cli_main(["simulate", "--disaggregate", "1", "1", "--transfer-bandwidth", "0", "--out", str(out)])
+    assert "--transfer-bandwidth: must be > 0 GB/s" in capsys.readouterr().err
 
 
 def test_disagg_study_compares_every_split_with_colocated(tmp_path, capsys):
