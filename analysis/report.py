@@ -22,7 +22,7 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("allocated KV holding token states", "kv_token_state_fraction", "{:.1%}"),
     ("KV allocated (of capacity)", "kv_usage", "{:.1%}"),
     ("KV capacity (tokens)", "kv_capacity_tokens", "{:,.0f}"),
-    ("simulated time (s)", "duration_s", "{:,.1f}"),
+    ("first arrival to last finish (s)", "duration_s", "{:,.1f}"),
     ("wall time (s)", "wall_time_s", "{:.2f}"),
 )
 
