@@ -802,6 +802,8 @@ def _serve_live(args: argparse.Namespace, trace, realtime: bool, check=None):
     from policies.registry import make_scheduler, scheduler_options
     from sim.run import requests_from_trace
 
+    import time
+    t0 = time.perf_counter()
     model = live.load_model(args.model, seed=args.seed)
     cfg = model.config
     runner = ModelRunner(cfg, model.weights, args.device, num_gpu_blocks=args.num_gpu_blocks,
@@ -816,7 +818,10 @@ def _serve_live(args: argparse.Namespace, trace, realtime: bool, check=None):
     for r in requests:
         r.prompt_token_ids = live.synthetic_prompt_ids(r, cfg.vocab_size, args.seed)
         r.hash_block_size = r.hash_block_size or args.block_size
-    executor = live.LiveExecutor(sched, runner, [cfg.eos_token_id], seed=args.seed)
+    executor = live.LiveExecutor(sched, runner, [cfg.eos_token_id], seed=args.seed)  # warms the model up
+    if not args.quiet:
+        print(f"{args.model} on {args.device}: weights loaded and a warm-up step run (it compiles the CPU decode "
+              f"attention) in {time.perf_counter() - t0:.1f} s; serving {len(requests)} requests")
     bar = None
     if not args.quiet:
         from tqdm import tqdm
