@@ -9,7 +9,8 @@ arrivals. Scenarios: light load, heavy load (queueing), heavy load with a small 
 end-to-end latency, and on throughput. With --repeat, each trace is served live a second time and
 the two live runs are compared the same way: the run-to-run spread of live measurements on this
 machine, the floor under any simulator's error. "speed-adjusted" simulates again with every step
-scaled by the machine speed measured around the live run (the factor is printed beside it).
+scaled by the machine speed measured around the live run (the factor is printed beside it): a
+sensitivity check, not a correction, as the speed can move during the run.
 
 With --profile-first, the model is profiled on this machine right before the scenarios (about 2
 minutes) and that profile is used: profile and validation back to back, as a shipped profile

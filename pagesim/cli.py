@@ -1031,7 +1031,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if adjusted:
         print(f"with every simulated step scaled by that speed (x{adjusted['factor']:.3f}, geometric mean): "
               f"mean absolute error {adjusted['mape']:.1%}, max {adjusted['max_abs_error']:.1%} "
-              "(validation_speed_adjusted.csv)")
+              "(validation_speed_adjusted.csv; a sensitivity check: it corrects only a drift that holds "
+              "through the live run)")
     if steps:
         print(f"step times, profile vs {steps['iterations']} live iterations: mean |error| {steps['mape']:.1%} "
               f"(bias {steps['bias']:+.1%}); decode-only {steps['decode_mape']:.1%}, with prompt tokens "
