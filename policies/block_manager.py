@@ -324,10 +324,7 @@ class PagedBlockManager:
         blocks = self.pool.blocks
         if cur % bs and new_total <= len(table) * bs and blocks[table[-1]].ref_count == 1:
             # the common decode case: the token lands in the sequence's own partly filled block
-            last = blocks[table[-1]]
-            self.pool.used_filled += new_total - cur
-            last.filled += new_total - cur
-            self.slots[sid] = new_total
+            self.extend_own_block(sid, new_total)
             if self.enable_prefix_caching and new_total % bs == 0:
                 self._register_full_blocks(seq, len(table) - 1, len(table))
             return []
