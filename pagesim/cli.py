@@ -83,11 +83,18 @@ def _router_options(args: argparse.Namespace) -> dict:
     return {"max_imbalance": args.max_imbalance}
 
 
+def add_device_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--attention", help="attention backend: torch-compiled (the CPU default: decode compiled by "
+                                      "torch.compile), torch (eager), triton (the CUDA default); also "
+                                      "PAGESIM_ATTENTION")
+
+
 def add_live_model_args(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--model", default="smollm2-135m",
                    help="smollm2-135m (real weights), a HF directory, a config.json, or a preset (random weights)")
-    m.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_device_args(m)
     m.add_argument("--num-gpu-blocks", type=int, default=512, help="KV cache size in blocks (default 512)")
     m.add_argument("--num-cpu-blocks", type=int, default=512, help="CPU swap space in blocks (default 512)")
 
@@ -189,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "profiled cost model, and write a profile file (JSON) plus a fit plot.")
     prof.add_argument("--model", default="smollm2-135m",
                       help="smollm2-135m (real weights), a HF directory, a config.json, or a preset (random weights)")
-    prof.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_device_args(prof)
     prof.add_argument("--block-size", type=int, default=16)
     prof.add_argument("--grid", choices=("default", "quick"), default="default",
                       help="default (35 points, about 2 minutes for SmolLM2 on 2 CPU cores) or quick (a dozen tiny ones, for smoke tests)")
@@ -233,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     width.add_argument("--n", type=int, default=1, help="parallel samples per prompt")
     width.add_argument("--beam-width", type=int, default=1)
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_device_args(gen)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=cmd_generate)
 
@@ -368,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "every new beam, and fit q of the simulator's rule (parents picked with "
                                     "probability proportional to q^rank; `simulate`/`sharing --beam-decay`).")
     bm.add_argument("--model", default="smollm2-135m")
-    bm.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_device_args(bm)
     bm.add_argument("--beam-width", type=int, nargs="+", default=[2, 4, 6])
     bm.add_argument("--max-tokens", type=int, default=58, help="tokens per beam (default 58, Alpaca's mean output)")
     bm.add_argument("--prompts-file", help="one prompt per line (default: 24 built-in short instructions)")
@@ -745,7 +752,8 @@ def cmd_beams(args: argparse.Namespace) -> int:
     results = []
     for width in args.beam_width:
         blocks = len(prompts) * width * (-(-longest // 16) + 2)
-        runner = ModelRunner(model.config, model.weights, args.device, num_gpu_blocks=blocks, block_size=16)
+        runner = ModelRunner(model.config, model.weights, args.device, attention=args.attention,
+                             num_gpu_blocks=blocks, block_size=16)
         meter = SharingMeter()
         ranks = measure_parent_ranks(runner, prompts, width, args.max_tokens, model.config.eos_token_id, args.seed,
                                      observer=meter)
@@ -796,17 +804,18 @@ def _serve_live(args: argparse.Namespace, trace, realtime: bool, check=None):
     """Serve `trace` on the real model under the policy options; (requests, iterations, summary).
     `check(runner)`, when given, runs before and after serving; its results go into the summary
     as check_before / check_after."""
+    import time
+
     live = _backend()
     from backend.model_runner import ModelRunner
     from policies.metrics import request_frame, summarize
     from policies.registry import make_scheduler, scheduler_options
     from sim.run import requests_from_trace
 
-    import time
     t0 = time.perf_counter()
     model = live.load_model(args.model, seed=args.seed)
     cfg = model.config
-    runner = ModelRunner(cfg, model.weights, args.device, num_gpu_blocks=args.num_gpu_blocks,
+    runner = ModelRunner(cfg, model.weights, args.device, attention=args.attention, num_gpu_blocks=args.num_gpu_blocks,
                          num_cpu_blocks=args.num_cpu_blocks, block_size=args.block_size)
     kw = scheduler_options(args.policy, args.max_num_seqs, args.max_num_batched_tokens, args.preemption,
                            args.chunked_prefill, args.prefix_caching, args.num_cpu_blocks)
@@ -920,7 +929,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     points = grid.points()
     model = live.load_model(args.model, seed=args.seed)
     gpu_blocks, cpu_blocks = grid.blocks_needed(args.block_size)
-    runner = ModelRunner(model.config, model.weights, args.device, block_size=args.block_size,
+    runner = ModelRunner(model.config, model.weights, args.device, attention=args.attention, block_size=args.block_size,
                          num_gpu_blocks=gpu_blocks, num_cpu_blocks=cpu_blocks)
     extra = sorted(set(grid.block_sizes) - {args.block_size})
     again = f" (decodes also at block sizes {', '.join(map(str, extra))})" if extra else ""
@@ -1079,7 +1088,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                              f"model's context of {cfg.max_position}")
         requests.append(Request(i, 0.0, len(ids), sp, prompt_token_ids=ids))
     blocks = sum(-(-(r.prompt_len + args.max_tokens) // 16) + 1 for r in requests) * max(args.n, args.beam_width) + 8
-    runner = ModelRunner(cfg, model.weights, args.device, num_gpu_blocks=blocks, block_size=16)
+    runner = ModelRunner(cfg, model.weights, args.device, attention=args.attention, num_gpu_blocks=blocks,
+                         block_size=16)
     sched = make_scheduler("vllm", blocks, 16, max_num_batched_tokens=max(4096, cfg.max_position))
     executor = live.LiveExecutor(sched, runner, [cfg.eos_token_id], seed=args.seed)
     run = live.serve(sched, executor, requests, realtime=False)

@@ -142,7 +142,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             qq = torch.cat([qq, qq])
         try:
             o = _COMPILED(qq, k_cache, v_cache, bt, glens, float(scale))
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so once
+        except Exception as exc:  # any compiler failure: fall back, and say so once
             _COMPILED.failed = True
             warnings.warn(f"compiled decode attention unavailable ({type(exc).__name__}: {exc}); "
                           "using the eager gather path", stacklevel=2)

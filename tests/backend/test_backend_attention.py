@@ -263,9 +263,7 @@ def test_triton_copy_blocks():
 
 
 def test_backend_selection():
-    from backend.attention import get_attention
-
-    from backend.attention import compiled_decode
+    from backend.attention import compiled_decode, get_attention
 
     assert get_attention("cpu") is compiled_decode.paged_attention
     assert get_attention("cpu", "torch") is torch_paged.paged_attention

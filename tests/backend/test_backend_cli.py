@@ -31,6 +31,16 @@ def test_generate_json_greedy(smollm2_path, capsys):
     assert "Paris" in lines[0]["completions"][0]["text"]
 
 
+def test_generate_with_each_cpu_attention_backend_gives_the_same_tokens(smollm2_path, capsys):
+    outs = []
+    for backend in ("torch", "torch-compiled"):
+        assert cli_main(["generate", "--prompt", "1, 2, 3,", "--max-tokens", "6", "--json", "--attention", backend]) == 0
+        outs.append(json.loads(capsys.readouterr().out)["completions"][0]["token_ids"])
+    assert outs[0] == outs[1] and len(outs[0]) == 6
+    assert cli_main(["generate", "--prompt", "hi", "--attention", "flash"]) == 2
+    assert "unknown attention backend 'flash'" in capsys.readouterr().err
+
+
 def test_generate_rejects_empty_and_too_long_prompts(smollm2_path, capsys):
     assert cli_main(["generate", "--prompt", "", "--max-tokens", "2"]) == 2
     assert "empty" in capsys.readouterr().err
