@@ -111,7 +111,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # gathered key is read once per kv head (no causal mask: a decode query sees all its keys).
         qq = q[rows].view(n, Hkv, H // Hkv, D).to(k_cache.dtype)
         o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)
-        out[rows] = o.view(n, H, D).to(out.dtype)
+        out[rows] = o.reshape(n, H, D).to(out.dtype)  # SDPA on CUDA may return it non-contiguous
     return out
 
 
