@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check for the live backend, run from the repository root on a CUDA machine with torch and
-# triton preinstalled and no network (about 3 minutes on an H200; hard limits keep it under 8):
+# triton preinstalled and no network (293 s on an H200 on 2026-11-29; hard limits keep it under 8 min):
 #   1. install the project over the preinstalled torch/triton (no dependencies, no build isolation),
 #   2. run the backend tests that are not marked slow, with CUDA (Triton kernels compiled natively),
 #   3. run the attention benchmark (Triton paged decode vs SDPA, Llama-3-8B shapes; CUDA tables only),
