@@ -27,7 +27,6 @@ import pandas as pd
 import simpy
 
 from policies.metrics import request_frame, summarize
-from policies.registry import make_scheduler, scheduler_options
 from policies.request import Request, SamplingParams, SequenceGroup
 from policies.router import LeastLoadedRouter, Router
 from sim.cost_model import CostModel
@@ -60,6 +59,7 @@ def run_disaggregated(cfg: SimConfig, trace: Trace, cost_model: CostModel | None
         final_checks,
         gc_paused,
         num_blocks_for,
+        replica_scheduler,
         requests_from_trace,
         run_router,
     )
@@ -75,10 +75,7 @@ def run_disaggregated(cfg: SimConfig, trace: Trace, cost_model: CostModel | None
     env = simpy.Environment()
 
     def replica(stream: int, prefix_caching: bool, **kw: Any) -> Replica:
-        opts = scheduler_options("vllm", cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.preemption,
-                                 cfg.chunked_prefill, prefix_caching, cpu_blocks)
-        sched = make_scheduler("vllm", gpu_blocks, cfg.block_size, **opts)
-        sched.max_model_len = model.max_position
+        sched = replica_scheduler(cfg, gpu_blocks, cpu_blocks, model.max_position, prefix_caching)  # vllm: _check
         seed = np.random.SeedSequence([cfg.seed, stream])  # prefill replicas first, then decode ones
         return Replica(env, sched, SimulatedExecutor(sched, cost, seed=seed), False, cfg.debug, **kw)
 

@@ -175,10 +175,7 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
         replicas: list[Replica] = []
         tick = (lambda now, _: _tick(bar, now, sum(len(r.scheduler.done) for r in replicas))) if bar else None
         for i, (rcfg, (gpu_i, cpu_i)) in enumerate(zip(per_replica, blocks)):
-            kw = scheduler_options(cfg.policy, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.preemption,
-                                   cfg.chunked_prefill, cfg.prefix_caching, cpu_i)
-            sched = make_scheduler(cfg.policy, gpu_i, cfg.block_size, **kw)
-            sched.max_model_len = model.max_position
+            sched = replica_scheduler(cfg, gpu_i, cpu_i, model.max_position)
             # replica 0 keeps the run's seed, so that one replica is exactly the single-engine run
             seed = cfg.seed if i == 0 else np.random.SeedSequence([cfg.seed, i])
             executor = SimulatedExecutor(sched, costs[rcfg.hardware], seed=seed, beam_rank_decay=cfg.beam_rank_decay,
@@ -211,6 +208,18 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
     summary["trace"] = trace.name
     summary["config"] = cfg.to_dict()
     return SimResult(requests, iterations, summary, cfg)
+
+
+def replica_scheduler(cfg: SimConfig, gpu_blocks: int, cpu_blocks: int, max_model_len: int,
+                      prefix_caching: bool | None = None) -> Scheduler:
+    """One replica's scheduler under cfg's policy and its options (`prefix_caching` overrides
+    cfg.prefix_caching), over a cache of the given size, refusing prompts beyond max_model_len."""
+    caching = cfg.prefix_caching if prefix_caching is None else prefix_caching
+    kw = scheduler_options(cfg.policy, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.preemption,
+                           cfg.chunked_prefill, caching, cpu_blocks)
+    sched = make_scheduler(cfg.policy, gpu_blocks, cfg.block_size, **kw)
+    sched.max_model_len = max_model_len
+    return sched
 
 
 def _replica_configs(cfg: SimConfig, cost_model: CostModel | None) -> list[SimConfig]:
