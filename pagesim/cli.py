@@ -977,7 +977,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         validation_table,
     )
     from sim.profiled import ProfiledCostModel, load_profile
-    from sim.run import SimConfig, build_cost_model, run_simulation
+    from sim.run import SimConfig, run_simulation
 
     out = Path(args.out)
     trace = _load_workload(args)
@@ -990,6 +990,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     sim = run_simulation(cfg, trace, progress=not args.quiet)  # first: a bad profile fails fast
     write_run(out / "sim", sim.requests, sim.iterations, sim.summary)
     profile = load_profile(args.profile)
+    cost = ProfiledCostModel.from_profile(profile, sim_block_size=args.block_size)  # as the simulation priced it
     drift = {}
     if args.live_run:
         live_requests = pd.read_csv(Path(args.live_run) / "requests.csv")
@@ -1012,15 +1013,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if (live_dir / "iterations.parquet").is_file():
         its = pd.read_parquet(live_dir / "iterations.parquet")
         if "prefill_attn_pairs" in its.columns:  # runs written before the column existed cannot be repriced
-            steps = step_time_errors(its, ProfiledCostModel.from_profile(profile, args.block_size), args.block_size)
+            steps = step_time_errors(its, cost, args.block_size)
             summary["step_time"] = steps
     adjusted = None
     if drift.get("before") and drift.get("after"):
-        # the same simulation with every step scaled by the machine speed measured around the live
-        # run (independently of it: profile grid points re-timed), so that the VM's drift since
-        # profiling is told apart from the model's own error
+        # a sensitivity check: the same simulation with every step scaled by the machine speed
+        # measured around the live run (profile grid points re-timed before and after it); it
+        # corrects only a drift that holds through the run
         factor = math.sqrt(drift["before"] * drift["after"])
-        again = run_simulation(cfg, trace, cost_model=build_cost_model(cfg).scaled(factor))
+        again = run_simulation(cfg, trace, cost_model=cost.scaled(factor))
         adjusted_table = compare_runs(live_requests, again.requests)
         adjusted_table.to_csv(out / "validation_speed_adjusted.csv", index=False)
         adjusted = {"factor": factor, **validation_summary(adjusted_table)}
