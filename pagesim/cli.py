@@ -23,7 +23,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-format", choices=KNOWN_FORMATS, help="file format (default: detect from columns)")
     g.add_argument("--num-requests", type=int, help="use the first N requests (synthetic default: 1000)")
     g.add_argument("--rate", type=float, help="mean arrival rate, req/s (Poisson; rescales a timestamped trace)")
-    g.add_argument("--burstiness", type=float, help="inter-arrival coefficient of variation (Gamma arrivals)")
+    g.add_argument("--burstiness", type=float,
+                   help="inter-arrival coefficient of variation (Gamma arrivals; 1 = Poisson, 0 = constant, evenly "
+                        "spaced at 1/rate)")
     g.add_argument("--n", type=int, help="parallel samples per request (overrides the trace)")
     g.add_argument("--beam-width", type=int, help="beam width per request (overrides the trace)")
     g.add_argument("--seed", type=int, default=0, help="seed for every random choice (default 0)")

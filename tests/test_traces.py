@@ -379,7 +379,10 @@ def test_apply_arrivals_rules():
     with pytest.raises(ValueError, match="give --rate"):
         apply_arrivals(bare)
     with pytest.raises(ValueError, match="burstiness"):
-        apply_arrivals(bare, rate=1.0, burstiness=0)
+        apply_arrivals(bare, rate=1.0, burstiness=-1)
+    steady = apply_arrivals(bare, rate=4.0, burstiness=0)  # constant: evenly spaced at 1/rate
+    assert steady.arrival[:3] == pytest.approx([0.25, 0.5, 0.75])
+    assert np.diff(steady.arrival) == pytest.approx(np.full(len(bare) - 1, 0.25))
     bursty = apply_arrivals(bare, rate=3.0, burstiness=4.0, seed=5)
     assert bursty.info()["interarrival_cv"] == pytest.approx(4.0, rel=0.15)
     assert apply_arrivals(bare, rate=3.0).info()["interarrival_cv"] == pytest.approx(1.0, rel=0.05)

@@ -28,10 +28,26 @@ def _check_positive(value: float, name: str) -> float:
     return float(value)
 
 
+def _check_burstiness(value: float) -> float:
+    if isinstance(value, (int, float, np.number)) and value == 0:
+        return 0.0
+    try:
+        return _check_positive(value, "burstiness")
+    except ValueError:
+        raise ValueError(f"burstiness must be a finite number >= 0 (0: constant arrivals), got {value!r}") from None
+
+
 def _check_count(n: int) -> int:
     if int(n) != n or n < 0:
         raise ValueError(f"n must be an integer >= 0, got {n!r}")
     return int(n)
+
+
+def constant(n: int, rate: float) -> np.ndarray:
+    """Evenly spaced arrivals, one every 1/rate seconds (what load generators such as
+    inference-perf's "constant" load run); no randomness, so no seed."""
+    n, rate = _check_count(n), _check_positive(rate, "rate")
+    return np.arange(1, n + 1, dtype=np.float64) / rate
 
 
 def poisson(n: int, rate: float, seed: int = 0) -> np.ndarray:
@@ -73,13 +89,14 @@ def apply_arrivals(
 
     - rate None: keep the trace's own timestamps (a length-only trace is an error: give a rate);
     - rate given, trace has timestamps: rescale them to ``rate`` (shape kept);
-    - rate given, length-only trace: Poisson arrivals, or Gamma with CV ``burstiness`` if given.
+    - rate given, length-only trace: Poisson arrivals, or Gamma with CV ``burstiness`` if given;
+      ``burstiness`` 0 means constant arrivals, evenly spaced at 1/rate.
     ``burstiness`` only shapes generated arrivals, so it is refused for a timestamped trace.
     """
     if rate is not None:
         rate = _check_positive(rate, "rate")
     if burstiness is not None:
-        burstiness = _check_positive(burstiness, "burstiness")
+        burstiness = _check_burstiness(burstiness)
     label = trace.name or "trace"
     if trace.has_timestamps and burstiness is not None:
         raise ValueError(
@@ -96,4 +113,6 @@ def apply_arrivals(
         return trace.with_arrivals(rescale(trace.arrival, rate))
     if burstiness is None:
         return trace.with_arrivals(poisson(len(trace), rate, seed))
+    if burstiness == 0:
+        return trace.with_arrivals(constant(len(trace), rate))
     return trace.with_arrivals(gamma(len(trace), rate, burstiness, seed))

@@ -38,7 +38,8 @@ def _add_generate(sub: Any) -> None:
     gen.add_argument("--num-requests", type=int, required=True)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--rate", type=float, help="requests/s; without it the trace has no timestamps")
-    gen.add_argument("--burstiness", type=float, help="inter-arrival CV (Gamma); 1 = Poisson")
+    gen.add_argument("--burstiness", type=float,
+                     help="inter-arrival CV (Gamma); 1 = Poisson, 0 = constant (evenly spaced at 1/rate)")
     gen.add_argument("--out", required=True, help="output file, .csv or .parquet")
     kinds = gen.add_argument_group("kind-specific options (fixed, shared-prefix)")
     kinds.add_argument("--prompt-len", type=int, help="fixed")
