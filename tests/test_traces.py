@@ -27,7 +27,7 @@ from traces import (
 from traces.arrivals import gamma, poisson, rescale
 from traces.cli import add_trace_parser
 from traces.loaders import detect_format
-from traces.synthetic import LengthModel, fit_mu, shared_prefix
+from traces.synthetic import LengthModel, fit_mu, grouped_prefix, shared_prefix
 from traces.trace import prefix_reuse
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
@@ -440,6 +440,35 @@ def test_shared_prefix_structure():
     assert trace.info()["prefix_reuse"] == pytest.approx(expected)
     again = shared_prefix(400, seed=1, num_prefixes=3, prefix_len=100, suffix_len=20, output_len=5)
     assert again.prefix_hashes == hashes
+
+
+def test_grouped_prefix_recurrence_and_sharing():
+    g, p, cycle = 3, 4, 12
+    trace = grouped_prefix(50, seed=2, num_groups=g, prompts_per_group=p, system_prompt_len=40, question_len=30,
+                           output_len=7, hash_block_size=16)
+    hashes = trace.prefix_hashes
+    assert list(trace.prompt_len) == [70] * 50 and list(trace.output_len) == [7] * 50
+    assert all(len(h) == math.ceil(70 / 16) for h in hashes)  # the partial last block is named too
+    assert len(set(hashes[:cycle])) == cycle  # one cycle holds each prompt once
+    assert all(hashes[i] == hashes[i - cycle] for i in range(cycle, 50))  # then it recurs exactly
+    shared = 40 // 16  # 2 full blocks lie in the system prompt; block 2 holds question tokens
+    groups = {h[:shared] for h in hashes[:cycle]}
+    assert len(groups) == g
+    for head in groups:  # each group's system prompt is shared by its p prompts, whose questions differ
+        members = {h for h in hashes[:cycle] if h[:shared] == head}
+        assert len(members) == p and len({h[shared] for h in members}) == p
+
+
+def test_grouped_prefix_seeded_order():
+    a = grouped_prefix(30, seed=5, num_groups=2, prompts_per_group=5, system_prompt_len=32, question_len=16)
+    assert grouped_prefix(30, seed=5, num_groups=2, prompts_per_group=5, system_prompt_len=32,
+                          question_len=16).prefix_hashes == a.prefix_hashes
+    b = grouped_prefix(30, seed=6, num_groups=2, prompts_per_group=5, system_prompt_len=32, question_len=16)
+    assert b.prefix_hashes != a.prefix_hashes  # another shuffle ...
+    assert set(b.prefix_hashes) == set(a.prefix_hashes)  # ... of the same prompts
+    assert make_synthetic("grouped-prefix", 3).prompt_len.tolist() == [547] * 3
+    with pytest.raises(ValueError, match="num_groups"):
+        grouped_prefix(5, num_groups=0)
 
 
 # ---------------------------------------------------------------- resolve_trace and CLI

@@ -19,8 +19,11 @@ from traces.synthetic import SYNTHETIC, make_synthetic
 KIND_OPTIONS: dict[str, tuple[str, ...]] = {
     "fixed": ("prompt_len", "output_len"),
     "shared-prefix": ("num_prefixes", "prefix_len", "suffix_len", "output_len", "hash_block_size"),
+    "grouped-prefix": ("num_groups", "prompts_per_group", "system_prompt_len", "question_len", "output_len",
+                       "hash_block_size"),
 }
-ALL_KIND_OPTIONS = ("prompt_len", "output_len", "num_prefixes", "prefix_len", "suffix_len", "hash_block_size")
+ALL_KIND_OPTIONS = ("prompt_len", "output_len", "num_prefixes", "prefix_len", "suffix_len", "hash_block_size",
+                    "num_groups", "prompts_per_group", "system_prompt_len", "question_len")
 
 
 def add_trace_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -41,13 +44,17 @@ def _add_generate(sub: Any) -> None:
     gen.add_argument("--burstiness", type=float,
                      help="inter-arrival CV (Gamma); 1 = Poisson, 0 = constant (evenly spaced at 1/rate)")
     gen.add_argument("--out", required=True, help="output file, .csv or .parquet")
-    kinds = gen.add_argument_group("kind-specific options (fixed, shared-prefix)")
+    kinds = gen.add_argument_group("kind-specific options (fixed, shared-prefix, grouped-prefix)")
     kinds.add_argument("--prompt-len", type=int, help="fixed")
-    kinds.add_argument("--output-len", type=int, help="fixed, shared-prefix")
+    kinds.add_argument("--output-len", type=int, help="fixed, shared-prefix, grouped-prefix")
     kinds.add_argument("--num-prefixes", type=int, help="shared-prefix: distinct prefixes")
     kinds.add_argument("--prefix-len", type=int, help="shared-prefix: tokens per prefix")
     kinds.add_argument("--suffix-len", type=int, help="shared-prefix: private tokens per request")
-    kinds.add_argument("--hash-block-size", type=int, help="shared-prefix: tokens per hash block")
+    kinds.add_argument("--hash-block-size", type=int, help="shared-prefix, grouped-prefix: tokens per hash block")
+    kinds.add_argument("--num-groups", type=int, help="grouped-prefix: groups, each with its own system prompt")
+    kinds.add_argument("--prompts-per-group", type=int, help="grouped-prefix: prompts (questions) per group")
+    kinds.add_argument("--system-prompt-len", type=int, help="grouped-prefix: tokens per system prompt")
+    kinds.add_argument("--question-len", type=int, help="grouped-prefix: tokens per question")
     gen.set_defaults(func=run_generate)
 
 

@@ -20,7 +20,8 @@ The fit, and what is assumed beyond the published means:
   distribution (output mean averaged over the prompt distribution, because the output cap
   depends on the prompt) and bisects on mu until it equals the published mean.
 
-``shared_prefix`` builds prefix-caching workloads; ``fixed`` gives identical requests.
+``shared_prefix`` builds prefix-caching workloads, ``grouped_prefix`` the recurring shared prompts
+of load generators (inference-perf's shared_prefix data); ``fixed`` gives identical requests.
 """
 
 from __future__ import annotations
@@ -201,11 +202,57 @@ def shared_prefix(
     )
 
 
+def grouped_prefix(
+    n: int,
+    seed: int = 0,
+    num_groups: int = 10,
+    prompts_per_group: int = 10,
+    system_prompt_len: int = 100,
+    question_len: int = 447,
+    output_len: int = 248,
+    hash_block_size: int = 16,
+) -> Trace:
+    """Recurring shared prompts, as inference-perf's ``shared_prefix`` data (the defaults are the
+    vllm-h100 measurements' "general" workload).
+
+    Group g has one system prompt of ``system_prompt_len`` tokens; prompt (g, p) is that system
+    prompt followed by its own question of ``question_len`` tokens. The G*P prompts are shuffled
+    once (seeded) and cycled over the n requests, so request i repeats the prompt of request
+    i - G*P exactly. Every request generates ``output_len`` tokens (ignore EOS).
+
+    Hashes: identical prompts have identical hash sequences (the last, partial block included);
+    prompts of one group share the hashes of the blocks lying wholly in the system prompt, the first
+    system_prompt_len // hash_block_size, and nothing else.
+    """
+    if min(num_groups, prompts_per_group) < 1 or min(system_prompt_len, question_len) < 0:
+        raise ValueError("grouped_prefix needs num_groups, prompts_per_group >= 1 and lengths >= 0")
+    if system_prompt_len + question_len < 1 or output_len < 1:
+        raise ValueError("grouped_prefix needs a non-empty prompt and output_len >= 1")
+    if hash_block_size < 1:
+        raise ValueError(f"hash_block_size must be >= 1, got {hash_block_size}")
+    plen = system_prompt_len + question_len
+    # prompt k = g * P + p; its private blocks are keyed by k, so a repeat of k hashes the same
+    prompts = [_prompt_hashes(k // prompts_per_group, k, system_prompt_len, plen, hash_block_size)
+               for k in range(num_groups * prompts_per_group)]
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    hashes = [prompts[order[i % len(order)]] for i in range(n)]
+    return _length_only(
+        np.full(n, plen, np.int64),
+        np.full(n, output_len, np.int64),
+        "grouped-prefix",
+        f"synthetic:grouped-prefix {num_groups}x{prompts_per_group} {system_prompt_len}+{question_len} "
+        f"out={output_len} seed={seed}",
+        prefix_hashes=hashes,
+        hash_block_size=hash_block_size,
+    )
+
+
 SYNTHETIC: dict[str, Callable[..., Trace]] = {
     "sharegpt-like": sharegpt_like,
     "alpaca-like": alpaca_like,
     "fixed": fixed,
     "shared-prefix": shared_prefix,
+    "grouped-prefix": grouped_prefix,
 }
 
 
