@@ -385,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--out", help="write the counts and fits here (.json)")
     bm.set_defaults(func=cmd_beams)
 
+    from analysis.fidelity import add_parser as add_fidelity_parser  # analysis sits on sim: imported late
+    add_fidelity_parser(sub)
     add_trace_parser(sub)
     return parser
 

@@ -1,0 +1,81 @@
+"""`pagesim fidelity`: measured stages simulated, errors tabulated (analysis/fidelity.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from analysis.fidelity import fidelity_summary, fidelity_table, format_table
+from analysis.measurements import LATENCY_METRICS, load_measurements
+from pagesim.cli import main
+from tests.test_measurements import SHARED, experiment_dict, write_measurements
+
+
+def two_experiments(tmp_path: Path) -> Path:
+    second = experiment_dict(name="second", tp=2)
+    second["stages"].append({**second["stages"][0], "index": 1, "rate": 3.0})
+    return write_measurements(tmp_path, experiment_dict(), second)
+
+
+def test_fidelity_cli_writes_table_and_figure(tmp_path, capsys):
+    path = two_experiments(tmp_path)
+    out = tmp_path / "out"
+    assert main(["fidelity", "--measurements", str(path), "--hardware", "h100-sxm", "--max-duration", "5",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    table = pd.read_csv(out / "fidelity.csv")
+    assert len(table) == 3 * len(LATENCY_METRICS)  # 3 stages x 6 metrics
+    assert set(table.metric) == set(LATENCY_METRICS)
+    row = table[(table.experiment == "tiny") & (table.metric == "ttft_mean")].iloc[0]
+    assert row.measured == 0.03 and row.error_pct == pytest.approx(100 * (row.predicted - 0.03) / 0.03)
+    assert (out / "fidelity.png").stat().st_size > 0
+    summary = json.loads((out / "fidelity.json").read_text())
+    assert summary["all"]["overall"]["n"] == 18 and summary["max_duration_s"] == 5
+    assert "time per output token" in printed and "median" in printed and "18 comparisons" in printed
+
+
+def test_fidelity_cli_bad_input(tmp_path, capsys):
+    e = experiment_dict()
+    del e["stages"][0]["e2e_s"]
+    path = write_measurements(tmp_path, e, name="broken.json")
+    assert main(["fidelity", "--measurements", str(path), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "broken.json: experiments[0].stages[0].e2e_s: missing" in err and "Traceback" not in err
+    e = experiment_dict(model_id="acme/Unknown-3B")
+    path = write_measurements(tmp_path, e, name="unknown.json")
+    assert main(["fidelity", "--measurements", str(path), "--out", str(tmp_path / "o")]) == 2
+    assert "unknown.json: experiments[0].model_id: unknown model 'acme/Unknown-3B'" in capsys.readouterr().err
+
+
+def test_fidelity_parallel_is_serial(tmp_path):
+    exps = load_measurements(two_experiments(tmp_path))
+    kw = {"hardware": "h100-sxm", "max_duration_s": 4}
+    one = fidelity_table(exps, jobs=1, **kw).drop(columns="wall_s")
+    two = fidelity_table(exps, jobs=2, **kw).drop(columns="wall_s")
+    pd.testing.assert_frame_equal(one, two)
+    assert "tiny" in format_table(one)
+
+
+def test_fidelity_summary_statistics():
+    rows = []
+    for stage, (errs, over_m, over_p) in enumerate([([10, -20], False, False), ([30, 40], False, True),
+                                                    ([-90, 500], True, True)]):
+        for metric, err in zip(("ttft_mean", "tpot"), errs):
+            rows.append({"experiment": "e", "stage": stage, "metric": metric, "error_pct": err,
+                         "measured_overloaded": over_m, "predicted_overloaded": over_p})
+    s = fidelity_summary(pd.DataFrame(rows))
+    assert s["all"]["ttft_mean"] == {"n": 3, "median_abs_pct": 30.0, "mean_abs_pct": pytest.approx(130 / 3)}
+    assert s["all"]["overall"]["median_abs_pct"] == 35.0  # |10|, |-20|, 30, 40, |-90|, 500
+    assert s["carried"]["overall"] == {"n": 4, "median_abs_pct": 25.0, "mean_abs_pct": 25.0}
+    assert s["overload"]["stages"] == 3 and s["overload"]["agree"] == 2 and s["overload"]["disagree"] == ["e stage 1"]
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="../shared/calibration not present")
+def test_fidelity_on_the_shared_measurements_truncated(tmp_path):
+    exps = load_measurements(SHARED)[:1]  # Llama-2-7B codegen, two stages, 20 s of each
+    table = fidelity_table(exps, max_duration_s=20)
+    assert len(table) == 2 * len(LATENCY_METRICS) and table.predicted.notna().all()
+    assert not table.predicted_overloaded.any()  # 5 and 10 req/s of ~600-token prompts: far from saturation
