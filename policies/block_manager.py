@@ -260,9 +260,14 @@ class PagedBlockManager:
             else:
                 break
             held.append(block)  # held until all are placed, so that none evicts another
-        for block in held:
+        for block in reversed(held):  # as free(): the leading blocks are evicted last
             self.pool.release(block)
         return len(held)
+
+    def prefix_hit_tokens(self, seq: Sequence) -> int:
+        """Tokens of a waiting sequence that `allocate` would find cached now (0 with prefix caching
+        off). A pure query: nothing is taken, touched or counted."""
+        return self._lookup_prefix(seq)[0] * self.block_size if self.enable_prefix_caching else 0
 
     def _lookup_prefix(self, seq: Sequence) -> tuple[int, int]:
         """(cached full blocks at the start of the sequence, how many of them are idle). The last

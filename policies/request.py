@@ -54,7 +54,9 @@ class Request:
     `output_len` is the true output length: known to the simulator and to oracle policies only
     (None in live serving without a trace). `prefix_hashes` name the prompt's blocks of
     `hash_block_size` tokens by content, chained (equal prefix => equal hashes), as Mooncake traces
-    supply them; `prompt_token_ids`, when given, are used instead.
+    supply them; `prompt_token_ids`, when given, are used instead. `reject_reason`, when set, says
+    why the request can never be served (e.g. a trace row with zero tokens): schedulers reject it
+    on arrival with that reason, and its lengths need only be >= 0.
     """
 
     request_id: int
@@ -66,11 +68,14 @@ class Request:
     prefix_hashes: tuple[int, ...] | None = None
     hash_block_size: int = 16
     priority: int = 0
+    reject_reason: str | None = None
 
     def __post_init__(self) -> None:
-        _check(self.prompt_len >= 1, f"request {self.request_id}: prompt_len must be >= 1, got {self.prompt_len}")
-        _check(self.output_len is None or self.output_len >= 1,
-               f"request {self.request_id}: output_len must be >= 1, got {self.output_len}")
+        least = 1 if self.reject_reason is None else 0
+        _check(self.prompt_len >= least,
+               f"request {self.request_id}: prompt_len must be >= {least}, got {self.prompt_len}")
+        _check(self.output_len is None or self.output_len >= least,
+               f"request {self.request_id}: output_len must be >= {least}, got {self.output_len}")
         if self.prompt_token_ids is not None:
             _check(len(self.prompt_token_ids) == self.prompt_len,
                    f"request {self.request_id}: prompt_token_ids has {len(self.prompt_token_ids)} ids "

@@ -63,13 +63,22 @@ class Scheduler(ABC):
         for s in group.seqs:
             self.seqs[s.seq_id] = s
         self.num_added += 1
-        total = request.prompt_len + request.max_output
-        if self.max_model_len is not None and total > self.max_model_len:
-            self._reject(group, f"prompt {request.prompt_len} + output {request.max_output} tokens exceeds "
-                                f"the model's context of {self.max_model_len}", None, request.arrival)
+        reason = self.refusal_on_arrival(request)
+        if reason is not None:
+            self._reject(group, reason, None, request.arrival)
             return group
         self.waiting.append(group)
         return group
+
+    def refusal_on_arrival(self, request: Request) -> str | None:
+        """Why `add_request` would reject the request at once (it never waits), or None. Pure."""
+        if request.reject_reason is not None:  # known unservable (e.g. a failed request in the trace)
+            return request.reject_reason
+        total = request.prompt_len + request.max_output
+        if self.max_model_len is not None and total > self.max_model_len:
+            return (f"prompt {request.prompt_len} + output {request.max_output} tokens exceeds "
+                    f"the model's context of {self.max_model_len}")
+        return None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)

@@ -264,18 +264,27 @@ class VllmScheduler(Scheduler):
             if group.first_scheduled is None:
                 group.first_scheduled = now
 
+    def _first_chunk(self, seq: Sequence, cached: int, budget: int) -> int:
+        """The first chunk of a waiting sequence whose first `cached` tokens the prefix cache holds:
+        the rest of it, or a budget-sized piece when chunkable (as `_chunk`), or 0."""
+        n = seq.num_tokens - cached
+        if n <= budget:
+            return n
+        return budget if self.chunked_prefill or n > self.max_num_batched_tokens else 0
+
     def _admit(self, group: SequenceGroup, plan: StepPlan, budget: list[int]) -> bool:
         """Allocate the (single) waiting sequence's table and schedule its first chunk; False, with
-        nothing changed, if the token budget cannot take it this iteration."""
+        nothing changed (no block touched, no prefix lookup counted), if the token budget cannot
+        take it this iteration. The chunk is sized from a pure prefix lookup before allocating."""
         bm = self.bm
         (seq,) = group.seqs  # waiting groups always hold one sequence (see _preempt)
-        cached = bm.allocate(seq)
-        seq.num_computed = cached
-        n = self._chunk(seq, budget[0])
+        cached = bm.prefix_hit_tokens(seq)
+        n = self._first_chunk(seq, cached, budget[0])
         if n == 0:
-            bm.free(seq)
-            seq.num_computed = 0
             return False
+        if bm.allocate(seq) != cached:
+            raise AssertionError(f"group {group.group_id}: the prefix lookup changed during admission")
+        seq.num_computed = cached
         group.prefix_hit_tokens += cached
         copies = bm.append_slots(seq, n)
         if copies is None:  # can_allocate said OK, so this is a bookkeeping bug
@@ -360,7 +369,14 @@ class VllmScheduler(Scheduler):
             return False
         if status is AllocStatus.LATER or num_running + width > self.max_num_seqs:
             return True
-        return not chunkable and head.seqs[0].num_tokens > left
+        # refused by the budget, as _admit would: the prompt less its prefix-cache hit must not fit.
+        # Decodes can only evict that hit (the need grows); unless the growth could make a
+        # sequence too long for one iteration, and so chunkable, the refusal persists
+        seq = head.seqs[0]
+        cached = self.bm.prefix_hit_tokens(seq)
+        if cached and not self.chunked_prefill and seq.num_tokens > self.max_num_batched_tokens:
+            return False
+        return self._first_chunk(seq, cached, left) == 0
 
     def fast_forward(self, horizon: DecodeHorizon, k: int, now: float) -> dict[str, np.ndarray]:
         """Apply k <= horizon.steps plain decode iterations at once, exactly as k calls of

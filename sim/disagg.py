@@ -192,7 +192,8 @@ def _join(prefill: list[Replica], decode: list[Replica], transfers: dict[int, di
     out["decode_recomputed_tokens"] = np.where(has, s.prompt_len - s.prefix_hit_tokens, 0).astype(np.int64)
     failed = has & (s.status == "rejected")
     out.loc[failed, "status"] = "rejected"
-    out.loc[failed, "reject_reason"] = "decode replica: " + s.reject_reason[failed]
+    if failed.any():  # (with no decode half at all, s's columns are all-NaN floats)
+        out.loc[failed, "reject_reason"] = "decode replica: " + s.reject_reason[failed].astype(str)
     done = out.status == "finished"
     out["e2e_latency"] = np.where(done, out.finish_time - out.arrival, np.nan)
     out["tpot"] = np.where(done & (out.output_len > 1), (out.finish_time - out.first_token_time) / (out.output_len - 1),

@@ -40,10 +40,19 @@ class ArrivalFeed:
 
     def __post_init__(self) -> None:
         self.arrivals = np.array([r.arrival for r in self.requests], dtype=float)
+        self._queued: np.ndarray | None = None
 
     def arrived_by(self, times: np.ndarray) -> np.ndarray:
         """How many requests have arrived at each time (an arrival at exactly t counts)."""
         return np.searchsorted(self.arrivals, times, side="right")
+
+    def queued_by(self, times: np.ndarray, scheduler: Scheduler) -> np.ndarray:
+        """How many of the requests not yet delivered arrive by each time and join `scheduler`'s
+        waiting queue (those it refuses on arrival never wait). For a single replica's feed."""
+        if self._queued is None:  # cumulative count of requests that would queue, first i requests
+            refuse = scheduler.refusal_on_arrival
+            self._queued = np.concatenate(([0], np.cumsum([refuse(r) is None for r in self.requests])))
+        return self._queued[self.arrived_by(times)] - self._queued[self.next_index]
 
     def next_arrival(self) -> float:
         return self.requests[self.next_index].arrival if self.next_index < len(self.requests) else math.inf
@@ -175,7 +184,7 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
                 return False
             ends, durations = ends[:k], durations[:k]
     if k:
-        waiting = len(sched.waiting) + feed.arrived_by(ends) - feed.next_index
+        waiting = len(sched.waiting) + feed.queued_by(ends, sched)
         cols = sched.fast_forward(horizon, k, float(ends[-1]))
         replica.log.add_many({
             "start": np.concatenate(([start], ends[:-1])), "duration": durations,
@@ -193,7 +202,7 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
             step_start = end_times[-1] if k else start
             end = step_start + duration
             sched.finish_plain(horizon.remaining, k + 1, end)
-            waiting = len(sched.waiting) + int(feed.arrived_by(np.array([end]))[0]) - feed.next_index
+            waiting = len(sched.waiting) + int(feed.queued_by(np.array([end]), sched)[0])
             replica.log.add(step_start, duration, comp, preempted, waiting, len(sched.running), sched.memory(),
                             sched.bm.prefix_hits)
             end_times.append(end)

@@ -17,6 +17,8 @@ from sim.cost_model import ConstantCostModel
 from sim.engine import _advance
 from sim.run import SimConfig, run_simulation
 from traces import resolve_trace
+from traces.arrivals import apply_arrivals
+from traces.synthetic import make_synthetic
 from traces.trace import Trace
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
@@ -79,18 +81,28 @@ def test_skip_ahead_equals_stepping_across_block_sizes(block_size, seed):
     assert a.summary["engine"]["preempting_in_windows"] > 0
 
 
-@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(block_size=st.sampled_from([1, 2, 16, 32]), tokens_in_cache=st.integers(1500, 6000),
        preemption=st.sampled_from(["recompute", "swap"]), rate=st.sampled_from([1.0, 20.0, 200.0]),
        max_num_seqs=st.sampled_from([4, 64, 256]), chunked=st.booleans(),
-       width=st.sampled_from([(1, 1), (1, 1), (2, 1), (1, 3)]), seed=st.integers(0, 2**16))
+       width=st.sampled_from([(1, 1), (1, 1), (2, 1), (1, 3)]), seed=st.integers(0, 2**16),
+       prefix=st.booleans(), budget=st.integers(-64, 160))
 def test_skip_ahead_equals_stepping_property(block_size, tokens_in_cache, preemption, rate, max_num_seqs,
-                                             chunked, width, seed):
+                                             chunked, width, seed, prefix, budget):
+    """`prefix`: prefix caching on a shared-prefix workload (prompts of 96 + 32 tokens), with the
+    token budget drawn around the prompt size (where a prefix hit decides whether a prompt fits)."""
     n, beam_width = width
-    tr = resolve_trace("sharegpt-like", num_requests=30, rate=rate, seed=seed)
+    if prefix:
+        tr = make_synthetic("shared-prefix", 30, seed=seed, num_prefixes=2, prefix_len=96, suffix_len=32,
+                            output_len=40)
+        tr = apply_arrivals(tr, rate=rate, seed=seed)
+        max_tokens = 128 + budget
+    else:
+        tr = resolve_trace("sharegpt-like", num_requests=30, rate=rate, seed=seed)
+        max_tokens = 512 if chunked else 4096
     cfg = SimConfig(num_gpu_blocks=tokens_in_cache // block_size, block_size=block_size, preemption=preemption,
-                    max_num_seqs=max_num_seqs, chunked_prefill=chunked,
-                    max_num_batched_tokens=512 if chunked else 4096, n=n, beam_width=beam_width, seed=seed)
+                    max_num_seqs=max_num_seqs, chunked_prefill=chunked, prefix_caching=prefix,
+                    max_num_batched_tokens=max_tokens, n=n, beam_width=beam_width, seed=seed)
     a, b = _both(cfg, tr)
     pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
     pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
