@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from policies.plan import StepComposition
+from sim.moe import LayerShapes, distinct_experts_table
 from sim.specs import HardwareSpec, ModelSpec, get_hardware, get_model
 
 ArrayLike = Any  # a float or a numpy array
@@ -88,6 +89,10 @@ class RooflineCostModel(CostModel):
     - decode attention: a separate kernel; reads the KV of every decode context (memory bound).
     - lm head: logits only for sampling tokens — one per decode sequence and one per prefill chunk
       (an upper bound: a chunk that does not reach the end of its prompt samples nothing).
+    - mixture of experts (sim/moe.py): expert weights are read once per distinct expert the batch's
+      tokens touch (expected E (1 - (1 - k/E)^T) per MoE layer), expert FLOPs are T * k passes;
+      shared experts and routers are priced like dense weights. `ep` > 1 divides the experts over
+      ep devices (expert parallelism) instead of sharding each over tp.
     - tensor parallel (tp > 1): two all-reduces of the hidden states per layer, ring algorithm,
       2 (tp - 1) / tp of the bytes over the interconnect plus a fixed latency each.
     - swap: KV blocks over PCIe; each device moves its own shard over its own link. vLLM issues
@@ -117,9 +122,12 @@ class RooflineCostModel(CostModel):
                  compute_efficiency: float = 0.7, memory_efficiency: float = 0.8,
                  attention_compute_efficiency: float = 0.5, attention_memory_efficiency: float = 0.64,
                  interconnect_efficiency: float = 0.75, allreduce_latency_s: float = 10e-6,
-                 pcie_efficiency: float = 0.75, memcpy_latency_s: float = 2.3e-6) -> None:
+                 pcie_efficiency: float = 0.75, memcpy_latency_s: float = 2.3e-6, ep: int = 1) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
+        if ep < 1:
+            raise ValueError(f"ep must be >= 1, got {ep}")
+        self.ep = ep
         effs = {"compute_efficiency": compute_efficiency, "memory_efficiency": memory_efficiency,
                 "attention_compute_efficiency": attention_compute_efficiency,
                 "attention_memory_efficiency": attention_memory_efficiency,
@@ -145,11 +153,20 @@ class RooflineCostModel(CostModel):
         """Model-wide FLOPs and bytes per unit of work, per device."""
         m, d, tp = self.model, self.model.dtype_bytes, self.tp
         h, f, q, kv, L = m.hidden_size, m.intermediate_size, m.q_size, m.kv_size, m.num_layers
-        self._linear_params = L * m.params_per_layer / tp
+        shapes = LayerShapes.of(m)
+        if shapes.is_moe:
+            self._linear_params = shapes.dense_params / tp
+            experts_dev = self.ep if self.ep > 1 else tp  # experts split over ep devices, else each sharded over tp
+            self._expert_params = shapes.moe_layers * shapes.expert_params / experts_dev
+            self._expert_passes = shapes.top_k
+            self._distinct = distinct_experts_table(shapes.num_experts, shapes.top_k)
+        else:
+            self._linear_params = L * m.params_per_layer / tp
+            self._expert_params = 0.0
         # In + out widths of each matmul: qkv, o, then fc1/fc2 (OPT) or gate_up/down (Llama).
         mlp_io = (h + f) + (f + h) if m.arch == "opt" else (h + 2 * f) + (f + h)
         self._linear_act_bytes = L * d * ((h + q + 2 * kv) + (q + h) + mlp_io) / tp
-        self._attn_flops_per_pair = 4 * L * q / tp
+        self._attn_flops_per_pair = shapes.attn_flops_per_pair / tp
         self._kv_bytes = m.kv_bytes_per_token / tp
         self._qkvo_bytes = L * d * (2 * q + 2 * kv) / tp  # q read, o written, new k and v written
         self._lm_params = m.vocab_size * h / tp
@@ -168,9 +185,20 @@ class RooflineCostModel(CostModel):
         return max(a, b)  # plain floats: the same IEEE maths without numpy's per-call cost
 
     def _linear(self, tokens: ArrayLike) -> ArrayLike:
-        return self._roof(2 * self._linear_params * tokens,
-                          self._linear_params * self.model.dtype_bytes + self._linear_act_bytes * tokens,
-                          self._flops, self._bw)
+        flops = 2 * self._linear_params * tokens
+        nbytes = self._linear_params * self.model.dtype_bytes + self._linear_act_bytes * tokens
+        if self._expert_params:
+            flops = flops + 2 * self._expert_params * self._expert_passes * tokens
+            nbytes = nbytes + self._expert_params * self.model.dtype_bytes * self._experts_read(tokens)
+        return self._roof(flops, nbytes, self._flops, self._bw)
+
+    def _experts_read(self, tokens: ArrayLike) -> ArrayLike:
+        """Expected distinct experts per MoE layer for `tokens` tokens (a table lookup: the scalar and
+        the vectorised paths read the same float)."""
+        last = len(self._distinct) - 1
+        if isinstance(tokens, np.ndarray):
+            return self._distinct[np.minimum(tokens, last).astype(np.int64)]
+        return float(self._distinct[int(min(tokens, last))])
 
     def _attention(self, pairs: ArrayLike, context: ArrayLike, tokens: ArrayLike) -> ArrayLike:
         """Query-key pairs scored, cached tokens read, new tokens' q/k/v/o moved."""
