@@ -34,7 +34,6 @@ from analysis.parallel import run_tasks
 DEFAULT_HARDWARE = "h100-sxm"
 METRIC_LABELS = {"ttft_mean": "TTFT mean", "ttft_p90": "TTFT p90", "e2e_mean": "E2E mean", "e2e_p90": "E2E p90",
                  "e2e_p99": "E2E p99", "tpot": "time per output token"}
-_MS_METRICS = ("ttft_mean", "ttft_p90", "tpot")  # printed in ms, the rest in s
 
 
 def fidelity_results(experiments: Sequence[Experiment], calibration: str | None = None, hardware: str | None = None,
@@ -114,8 +113,8 @@ def format_table(table: pd.DataFrame) -> str:
         flags = f"overloaded: measured {_yes(first.measured_overloaded)}, predicted {_yes(first.predicted_overloaded)}"
         lines.append(f"{exp[-44:]:<44} {first.rate:>5g}  {flags}")
         for r in g.itertuples():
-            lines.append(f"{'':<44} {'':>5}  {METRIC_LABELS[r.metric]:<22} {_value(r.metric, r.measured):>11} "
-                         f"{_value(r.metric, r.predicted):>11} {r.error_pct:>+7.1f}%")
+            lines.append(f"{'':<44} {'':>5}  {METRIC_LABELS[r.metric]:<22} {_value(r.measured):>11} "
+                         f"{_value(r.predicted):>11} {r.error_pct:>+7.1f}%")
     return "\n".join(lines)
 
 
@@ -123,10 +122,11 @@ def _yes(flag: Any) -> str:
     return "yes" if bool(flag) else "no"
 
 
-def _value(metric: str, v: float) -> str:
+def _value(v: float) -> str:
+    """Seconds, in ms below one second."""
     if not np.isfinite(v):
         return "-"
-    return f"{v * 1e3:.2f} ms" if metric in _MS_METRICS else f"{v:.3f} s"
+    return f"{v * 1e3:.2f} ms" if abs(v) < 1 else f"{v:.3f} s"
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -156,7 +156,7 @@ def fidelity_figure(table: pd.DataFrame, path: str | Path, title: str = "") -> P
     data = table[(table.measured > 0) & (table.predicted > 0)].assign(
         metric=lambda t: t.metric.map(METRIC_LABELS),
         stage_kind=lambda t: np.where(t.measured_overloaded, "overloaded (measured)", "carried"))
-    fig, ax = plt.subplots(figsize=(6.5, 6))
+    fig, ax = plt.subplots(figsize=(8.5, 6))
     if len(data):
         lo = float(min(data.measured.min(), data.predicted.min())) / 1.5
         hi = float(max(data.measured.max(), data.predicted.max())) * 1.5
@@ -173,7 +173,7 @@ def fidelity_figure(table: pd.DataFrame, path: str | Path, title: str = "") -> P
     ax.set_ylabel("predicted (s)")
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
