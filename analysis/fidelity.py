@@ -216,6 +216,10 @@ def run(args: argparse.Namespace) -> int:
     cost = f"calibration {args.calibration}" if args.calibration else "the roofline cost model"
     print(f"{len(experiments)} experiments, {n} stages; simulating with {cost}"
           + (f", first {args.max_duration:g} s of each stage" if args.max_duration else ""))
+    unsaid = [e.name for e in experiments if not e.hardware]
+    if unsaid and not args.hardware:
+        print(f"note: {len(unsaid)} experiments do not say their hardware ({', '.join(unsaid[:3])}"
+              f"{', ...' if len(unsaid) > 3 else ''}): simulated on {DEFAULT_HARDWARE} (--hardware to choose)")
     results = fidelity_results(experiments, args.calibration, args.hardware, args.jobs, args.max_duration, args.seed)
     table = results_table(results, experiments)
     summary = fidelity_summary(table)

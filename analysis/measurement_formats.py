@@ -121,7 +121,8 @@ def load_file(path: Path, models_dirs: Sequence[str | Path] | None = None) -> li
     objects = _json_objects(path)
     if len(objects) == 1 and isinstance(objects[0], dict) and "experiments" in objects[0]:
         f = Fields(objects[0], path)
-        return [_vllm_h100_experiment(e, models_dirs) for e in f.items("experiments")]
+        hardware = _source_hardware(objects[0].get("source"))
+        return [_vllm_h100_experiment(e, models_dirs, hardware) for e in f.items("experiments")]
     if all(isinstance(o, dict) and "request_rate" in o for o in objects):
         many = len(objects) > 1
         return [_vllm_bench(Fields(o, path, f"[{i}]" if many else ""), f"{path.stem}" + (f"#{i}" if many else ""),
@@ -182,7 +183,19 @@ def _model(f: Fields, key: str, models_dirs: Sequence[str | Path] | None) -> tup
 
 # --- vllm-h100 measurements.json ------------------------------------------------------------------
 
-def _vllm_h100_experiment(e: Fields, models_dirs: Sequence[str | Path] | None) -> Experiment:
+def _source_hardware(source: Any) -> str | None:
+    """The hardware spec the file's free-text `source.hardware` names ("NVIDIA H100 80GB HBM3 (SXM),
+    one node; ..."), from its leading words; None when it names none."""
+    text = source.get("hardware") if isinstance(source, dict) else None
+    if not isinstance(text, str):
+        return None
+    try:
+        return get_hardware(text.split("(")[0].split(",")[0]).name
+    except ValueError:
+        return None
+
+
+def _vllm_h100_experiment(e: Fields, models_dirs: Sequence[str | Path] | None, hardware: str | None) -> Experiment:
     model_id, model = _model(e, "model_id", models_dirs)
     sp = e.sub("shared_prefix")
     workload = SharedPrefix(sp.int("num_groups", minimum=1), sp.int("num_prompts_per_group", minimum=1),
@@ -201,6 +214,7 @@ def _vllm_h100_experiment(e: Fields, models_dirs: Sequence[str | Path] | None) -
         max_num_seqs=e.int("max_num_seqs", None, minimum=1), block_size=e.int("block_size", 16, minimum=1),
         prefix_caching=e.bool("enable_prefix_caching", True), chunked_prefill=e.bool("enable_chunked_prefill", True),
         gpu_memory_utilization=e.num("gpu_memory_utilization", 0.9, strict=True),
+        hardware=_hardware(e, "hardware") or hardware,
         overloaded_by_source=e.bool("overload_excluded_by_source", False), source=e.file)
 
 

@@ -67,6 +67,7 @@ def test_shared_measurements_load():
     overloaded = {e.workload_name for e in exps for st in e.stages if e.overloaded_by_source or st.overloaded}
     assert overloaded == {"reasoning"}  # both reasoning runs; every other stage was carried
     assert {e.tp for e in exps if "codellama" in e.model_id.lower()} == {2}
+    assert {e.hardware for e in exps} == {"h100-sxm"}  # from the file's source.hardware text
 
 
 def test_tpot_and_stage_fields(tmp_path):
