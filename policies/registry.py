@@ -1,33 +1,67 @@
-"""Policies by registry name, created with keyword parameters."""
+"""Policies by registry name, created with keyword parameters.
+
+A policy is named by a registry name (`vllm`, `priority`, `sjf`, `srpt`, `vtc`, `edf`, the
+contiguous baselines), by an import path `package.module:Class`, or by the name of a
+`pagesim.policies` entry point. A class that subclasses `QueuePolicy` runs on the paged scheduler
+(`VllmScheduler`, with its skip-ahead); a `Scheduler` subclass runs as it is. Its own keyword
+options come as `policy_options` (`--policy-arg key=value`), checked against its signature.
+"""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
+from importlib.metadata import entry_points
 from typing import Any
 
 from policies.contiguous_schedulers import OrcaScheduler, StaticScheduler
+from policies.queue_policy import BUILTIN, QueuePolicy
 from policies.scheduler import Scheduler
 from policies.vllm_scheduler import VllmScheduler
 
 
-def _vllm(num_blocks: int, block_size: int = 16, **kw: Any) -> Scheduler:
-    known = set(inspect.signature(VllmScheduler).parameters) - {"num_gpu_blocks", "block_size"}
+def _check_options(target: Callable[..., Any], kw: dict[str, Any], label: str, skip: set[str] = frozenset()) -> None:
+    params = inspect.signature(target).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    known = set(params) - set(skip)
     for k in kw:
         if k not in known:
-            raise ValueError(f"unknown parameter {k!r} for policy 'vllm'; known: {', '.join(sorted(known))}")
-    return VllmScheduler(num_gpu_blocks=num_blocks, block_size=block_size, **kw)
+            raise ValueError(f"unknown parameter {k!r} for policy {label}; known: {', '.join(sorted(known)) or 'none'}")
+
+
+def _paged(policy_cls: type[QueuePolicy] | None, label: str) -> Callable[..., Scheduler]:
+    def make(num_blocks: int, block_size: int = 16, policy_options: dict[str, Any] | None = None,
+             **kw: Any) -> Scheduler:
+        _check_options(VllmScheduler, kw, label, {"num_gpu_blocks", "block_size", "policy"})
+        policy = None
+        if policy_cls is not None:
+            _check_options(policy_cls, policy_options or {}, label)
+            policy = policy_cls(**(policy_options or {}))
+        elif policy_options:
+            raise ValueError(f"policy {label} takes no policy options; got {', '.join(policy_options)}")
+        return VllmScheduler(num_gpu_blocks=num_blocks, block_size=block_size, policy=policy, **kw)
+    return make
+
+
+def _vllm(num_blocks: int, block_size: int = 16, **kw: Any) -> Scheduler:
+    return _paged(None, "'vllm'")(num_blocks, block_size, **kw)
 
 
 def _orca(variant: str) -> Callable[..., Scheduler]:
-    def make(num_blocks: int, block_size: int = 16, **kw: Any) -> Scheduler:
+    def make(num_blocks: int, block_size: int = 16, policy_options: dict[str, Any] | None = None,
+             **kw: Any) -> Scheduler:
+        _no_options(policy_options, f"orca-{variant}")
         # the contiguous baselines place chunks at token granularity; the cache is the same size
         return OrcaScheduler(num_slots=num_blocks * block_size, variant=variant,
                              block_size=kw.pop("alloc_unit", 1), **_only(kw, "orca"))
     return make
 
 
-def _static(num_blocks: int, block_size: int = 16, **kw: Any) -> Scheduler:
+def _static(num_blocks: int, block_size: int = 16, policy_options: dict[str, Any] | None = None,
+            **kw: Any) -> Scheduler:
+    _no_options(policy_options, "static")
     return StaticScheduler(num_slots=num_blocks * block_size, block_size=kw.pop("alloc_unit", 1),
                            **_only(kw, "static"))
 
@@ -36,6 +70,11 @@ def _static(num_blocks: int, block_size: int = 16, **kw: Any) -> Scheduler:
 # contiguous baselines accept, and what a study sets when it runs a baseline beside vllm).
 PAGED_ONLY_DEFAULTS: dict[str, Any] = {"preemption": "recompute", "chunked_prefill": False, "prefix_caching": False,
                                        "num_cpu_blocks": 0, "watermark": 0.01}
+
+
+def _no_options(options: dict[str, Any] | None, name: str) -> None:
+    if options:
+        raise ValueError(f"policy {name!r} takes no policy options; got {', '.join(options)}")
 
 
 def _only(kw: dict[str, Any], name: str) -> dict[str, Any]:
@@ -52,6 +91,7 @@ def _only(kw: dict[str, Any], name: str) -> dict[str, Any]:
 
 POLICIES: dict[str, Callable[..., Scheduler]] = {
     "vllm": _vllm,
+    **{name: _paged(cls, repr(name)) for name, cls in BUILTIN.items() if name != "fcfs"},
     "orca-max": _orca("max"),
     "orca-pow2": _orca("pow2"),
     "orca-oracle": _orca("oracle"),
@@ -68,19 +108,59 @@ def scheduler_options(policy: str, max_num_seqs: int, max_num_batched_tokens: in
     kw: dict[str, Any] = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                           "preemption": preemption, "chunked_prefill": chunked_prefill,
                           "prefix_caching": prefix_caching}
-    if policy == "vllm":
+    if is_paged(policy):
         kw["num_cpu_blocks"] = num_cpu_blocks
     else:
         _only(kw, policy)  # raises on a paged-only option that is on
     return kw
 
 
+def resolve_policy(name: str) -> Callable[..., Scheduler]:
+    """The factory for a registry name, an import path `module:Class`, or a `pagesim.policies`
+    entry point; a clear ValueError naming what did not resolve, before any simulation starts."""
+    if name in POLICIES:
+        return POLICIES[name]
+    target: Any = None
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            target = importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(f"policy {name!r}: cannot import module {module!r} ({e})") from None
+        for part in attr.split("."):
+            if not hasattr(target, part):
+                raise ValueError(f"policy {name!r}: module {module!r} has no attribute {attr!r}")
+            target = getattr(target, part)
+    else:
+        found = [ep for ep in entry_points(group="pagesim.policies") if ep.name == name]
+        if not found:
+            raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)} "
+                             "(or package.module:Class, or a 'pagesim.policies' entry point)")
+        target = found[0].load()
+    if inspect.isclass(target) and issubclass(target, QueuePolicy):
+        return _paged(target, repr(name))
+    if inspect.isclass(target) and issubclass(target, Scheduler) and not inspect.isabstract(target):
+        def make(num_blocks: int, block_size: int = 16, policy_options: dict[str, Any] | None = None,
+                 **kw: Any) -> Scheduler:
+            options = {**kw, **(policy_options or {})}
+            _check_options(target, options, repr(name), {"num_gpu_blocks", "block_size"})
+            return target(num_gpu_blocks=num_blocks, block_size=block_size, **options)
+        return make
+    raise ValueError(f"policy {name!r}: {target!r} implements neither the QueuePolicy interface "
+                     "(policies.queue_policy) nor a concrete Scheduler")
+
+
+def is_paged(name: str) -> bool:
+    """Whether the policy runs on the paged block manager (takes the paged-only options)."""
+    return name not in ("orca-max", "orca-pow2", "orca-oracle", "static")
+
+
 def make_scheduler(name: str, num_blocks: int, block_size: int = 16, **kw: Any) -> Scheduler:
-    """Create a policy by name over a KV cache of `num_blocks` blocks of `block_size` tokens."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}")
+    """Create a policy by name (see resolve_policy) over a KV cache of `num_blocks` blocks of
+    `block_size` tokens; `policy_options` in kw go to the policy class."""
+    factory = resolve_policy(name)
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    return POLICIES[name](num_blocks, block_size, **kw)
+    return factory(num_blocks, block_size, **kw)

@@ -69,6 +69,9 @@ class Request:
     hash_block_size: int = 16
     priority: int = 0
     reject_reason: str | None = None
+    client: str = ""                  # who sent it (fair-share policies, per-client tables)
+    slo_ttft: float | None = None     # its own SLO class: TTFT / TPOT targets, seconds (None: the run's)
+    slo_tpot: float | None = None
 
     def __post_init__(self) -> None:
         least = 1 if self.reject_reason is None else 0

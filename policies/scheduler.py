@@ -20,21 +20,20 @@ from collections import deque
 
 from policies.memory import MemoryBreakdown
 from policies.plan import SeqOutcome, StepPlan, StepResult
+from policies.queue_policy import QueuePolicy
 from policies.request import Request, SeqStatus, Sequence, SequenceGroup
-
-
-def _order_key(g: SequenceGroup) -> tuple[float, int]:
-    return (g.request.arrival, g.group_id)
 
 
 class Scheduler(ABC):
     """Base class. Invariants: a group is in exactly one of waiting / running / swapped / done;
-    `running` is sorted by (arrival, id), so the tail is the most recently arrived group."""
+    `waiting` and `running` are sorted by the queue policy's keys (FCFS: arrival, then id), so the
+    running tail is the first preemption victim."""
 
     name = "base"
 
     def __init__(self, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
-                 block_size: int = 16, max_model_len: int | None = None) -> None:
+                 block_size: int = 16, max_model_len: int | None = None,
+                 policy: QueuePolicy | None = None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if block_size < 1:
@@ -56,6 +55,7 @@ class Scheduler(ABC):
         self._seq_ids = itertools.count()
         self.num_added = 0
         self.num_preemptions = 0
+        self.policy = policy if policy is not None else QueuePolicy()
 
     # ---------------------------------------------------------------- life cycle
     def add_request(self, request: Request) -> SequenceGroup:
@@ -67,8 +67,24 @@ class Scheduler(ABC):
         if reason is not None:
             self._reject(group, reason, None, request.arrival)
             return group
-        self.waiting.append(group)
+        self._enqueue(group)
         return group
+
+    def _enqueue(self, group: SequenceGroup, front: bool = False) -> None:
+        """Queue a group to wait: in the policy's key order, or with FCFS-like policies at the back
+        (an arrival) or the front (`front`: a preempted group, as vLLM requeues it)."""
+        policy = self.policy
+        policy.on_queued(group)
+        if not policy.arrival_order:
+            bisect.insort(self.waiting, group, key=policy.key)
+        elif front:
+            self.waiting.appendleft(group)
+        else:
+            self.waiting.append(group)
+
+    def wake_time(self, now: float) -> float:
+        """When the policy's admission answers may change by themselves (see QueuePolicy.wake_time)."""
+        return self.policy.wake_time(self.waiting, now) if self.waiting else float("inf")
 
     def refusal_on_arrival(self, request: Request) -> str | None:
         """Why `add_request` would reject the request at once (it never waits), or None. Pure."""
@@ -112,7 +128,7 @@ class Scheduler(ABC):
         group.status = SeqStatus.RUNNING
         for s in group.seqs:
             s.status = SeqStatus.RUNNING
-        bisect.insort(self.running, group, key=_order_key)
+        bisect.insort(self.running, group, key=self.policy.running_key)
 
     def _reject(self, group: SequenceGroup, reason: str, plan: StepPlan | None, now: float) -> None:
         """End a group that will never run (recorded in the plan, if it was being scheduled)."""
@@ -123,8 +139,9 @@ class Scheduler(ABC):
             s.status = SeqStatus.FINISHED
             self.seqs.pop(s.seq_id, None)
         self.done.append(group)
-        if plan is not None:
+        if plan is not None:  # it was queued (not refused on arrival): the policy saw it arrive
             plan.rejected.append((group.group_id, reason))
+            self.policy.on_finished(group)
 
     def _finish_group(self, group: SequenceGroup, now: float) -> None:
         """A running group whose last sequence finished leaves the batch."""
@@ -132,6 +149,7 @@ class Scheduler(ABC):
         group.finish_time = now
         self.running.remove(group)
         self.done.append(group)
+        self.policy.on_finished(group)
 
     @abstractmethod
     def schedule(self, now: float) -> StepPlan:
@@ -157,6 +175,8 @@ class Scheduler(ABC):
         memory serves this step's forks (the contiguous baselines' spare chunks); a dropped parent
         with children continues as its first child (no copy)."""
         seqs = self.seqs
+        if self.policy.tracks_service:
+            self._account_service(plan)
         outcomes = result.outcomes
         others_continue = result.others_continue
         sampled: list[Sequence] = []       # parallel lists, not tuples: fewer objects for the GC
@@ -227,6 +247,14 @@ class Scheduler(ABC):
                 self._finish_group(group, now)
                 finished.append(group)
         return finished
+
+    def _account_service(self, plan: StepPlan) -> None:
+        """Tell the policy what each group was served in this step: prompt tokens, then the rest."""
+        seqs, served = self.seqs, self.policy.on_served
+        for ss in plan.seqs:
+            seq = seqs[ss.seq_id]
+            prefill = max(0, min(ss.start + ss.num_new_tokens, seq.prompt_len) - ss.start)
+            served(seq.group, prefill, ss.num_new_tokens - prefill)
 
     def _finish_seq(self, seq: Sequence, keep_record: bool) -> None:
         seq.status = SeqStatus.FINISHED

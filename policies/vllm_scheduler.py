@@ -11,6 +11,7 @@ nothing new is admitted while any group is swapped out).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ import numpy as np
 from policies.block_manager import AllocStatus, PagedBlockManager
 from policies.memory import MemoryBreakdown
 from policies.plan import ScheduledSeq, StepComposition, StepPlan
+from policies.queue_policy import ADMIT, DEFER, QueuePolicy
 from policies.request import Request, SeqStatus, Sequence, SequenceGroup
 from policies.scheduler import Scheduler
 
@@ -47,8 +49,13 @@ class VllmScheduler(Scheduler):
     def __init__(self, num_gpu_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
                  preemption: str = "recompute", chunked_prefill: bool = False,
-                 prefix_caching: bool = False, watermark: float = 0.01) -> None:
-        super().__init__(max_num_seqs, max_num_batched_tokens, block_size)
+                 prefix_caching: bool = False, watermark: float = 0.01,
+                 policy: QueuePolicy | None = None) -> None:
+        super().__init__(max_num_seqs, max_num_batched_tokens, block_size, policy=policy)
+        if policy is not None:
+            self.name = policy.name
+        # the running tail is the victim unless the policy picks its own
+        self._custom_victim = self.policy.overrides_victim()
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}; got {preemption!r}")
         if preemption == "swap" and num_cpu_blocks < 1:
@@ -139,7 +146,7 @@ class VllmScheduler(Scheduler):
                         if copies is not None:
                             break
                         preempted = True
-                        if self._preempt(running[-1], plan) is group:
+                        if self._preempt(self._victim(), plan) is group:
                             break
                     if copies is None:
                         break
@@ -155,7 +162,7 @@ class VllmScheduler(Scheduler):
                 continue
             while sum(bm.can_append(s, n) for s, n in zip(seqs, chunks)) > bm.num_free_blocks:
                 preempted = True
-                if self._preempt(self.running[-1], plan) is group:
+                if self._preempt(self._victim(), plan) is group:
                     break
             if group.status != SeqStatus.RUNNING:
                 break
@@ -165,6 +172,9 @@ class VllmScheduler(Scheduler):
             budget[0] -= sum(chunks)
             i += 1
         return preempted
+
+    def _victim(self) -> SequenceGroup:
+        return self.policy.victim(self.running) if self._custom_victim else self.running[-1]
 
     def _preempt(self, group: SequenceGroup, plan: StepPlan) -> SequenceGroup:
         """Preempt a whole group. Swap keeps a forked group's sharing; without room in the CPU pool
@@ -205,7 +215,7 @@ class VllmScheduler(Scheduler):
             group.seqs = [first]
             group.finished_seqs = []
         group.status = SeqStatus.WAITING
-        self.waiting.appendleft(group)
+        self._enqueue(group, front=True)
         return group
 
     def _schedule_swapped(self, plan: StepPlan, budget: list[int], now: float) -> None:
@@ -236,6 +246,9 @@ class VllmScheduler(Scheduler):
     def _schedule_waiting(self, plan: StepPlan, budget: list[int], now: float) -> None:
         bm = self.bm
         demand = self._demand()
+        policy = self.policy
+        if policy.dynamic_order and len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=policy.key))
         while self.waiting and budget[0] > 0:
             group = self.waiting[0]
             req = group.request
@@ -251,6 +264,12 @@ class VllmScheduler(Scheduler):
             elif width > self.max_num_seqs or width > self.max_num_batched_tokens:
                 reason = (f"{width} parallel sequences exceed max_num_seqs={self.max_num_seqs} or "
                           f"max_num_batched_tokens={self.max_num_batched_tokens}")
+            if reason is None:
+                decision = policy.admit(group, now)
+                if decision == DEFER:
+                    return
+                if decision != ADMIT:
+                    reason = decision
             if reason is not None:
                 self.waiting.popleft()
                 self._reject(group, reason, plan, now)
@@ -263,6 +282,7 @@ class VllmScheduler(Scheduler):
             self.waiting.popleft()
             if group.first_scheduled is None:
                 group.first_scheduled = now
+                policy.on_admitted(group, now)
 
     def _first_chunk(self, seq: Sequence, cached: int, budget: int) -> int:
         """The first chunk of a waiting sequence whose first `cached` tokens the prefix cache holds:
@@ -296,7 +316,7 @@ class VllmScheduler(Scheduler):
         return True
 
     # ---------------------------------------------------------------- skipping ahead
-    def decode_horizon(self, remaining: Callable[[], list[int]]) -> DecodeHorizon | None:
+    def decode_horizon(self, remaining: Callable[[], list[int]], now: float) -> DecodeHorizon | None:
         """What is certain about the coming iterations, or None when the next one must be
         scheduled normally: k plain decodes of exactly the running set (no admission, swap-in,
         rejection, preemption, or finish before the k-th), then, when free blocks run out in the
@@ -314,7 +334,9 @@ class VllmScheduler(Scheduler):
         running = self.running
         if not running or self.swapped or len(running) > self.max_num_batched_tokens:
             return None
-        head_blocked = not self.waiting or self._head_stays_blocked(len(running))
+        if self.waiting and self.policy.dynamic_order:
+            return None  # the head may change as tokens are served
+        head_blocked = not self.waiting or self._head_stays_blocked(len(running), now)
         free = self.bm.num_free_blocks
         if not head_blocked and free >= len(running):
             return None  # an admission comes next, and no group can run out of blocks first
@@ -343,6 +365,10 @@ class VllmScheduler(Scheduler):
         if k < 1:
             return None
         exhausts = h < k  # blocks run out at iteration h + 1, before any group finishes
+        if exhausts and self._custom_victim:  # the policy picks its victim: step that iteration
+            if h < 2:
+                return None
+            k, exhausts = h, False
         if exhausts:
             k = h
         elif k < 2:
@@ -350,9 +376,10 @@ class VllmScheduler(Scheduler):
         self._horizon = DecodeHorizon(k, exhausts, rem, context, by_phase)
         return self._horizon
 
-    def _head_stays_blocked(self, num_running: int) -> bool:
+    def _head_stays_blocked(self, num_running: int, now: float) -> bool:
         """True if the waiting head is refused now for a reason that persists while running
-        sequences only grow (free blocks only shrink, counts and budgets stay)."""
+        sequences only grow (free blocks only shrink, counts and budgets stay), or deferred by the
+        policy (until its wake_time, where the engine ends the window)."""
         head = self.waiting[0]
         if len(head.seqs) != 1 or head.rejected is not None:
             return False
@@ -362,6 +389,9 @@ class VllmScheduler(Scheduler):
             return False  # would be rejected
         if not self.chunked_prefill and req.prompt_len > self.max_num_batched_tokens:
             return False
+        decision = self.policy.admit(head, now)
+        if decision != ADMIT:
+            return decision == DEFER
         left = self.max_num_batched_tokens - num_running
         chunkable = self._chunkable(head.seqs[0])
         status = self.bm.can_allocate(head, left if chunkable else None)
@@ -398,6 +428,10 @@ class VllmScheduler(Scheduler):
         bm.open_decode_blocks(s.seq_id for p0 in range(0, k, bs) for phase in by_phase[:k - p0] for s in phase)
         bm.add_token_states(k * b)
         self._pending_steps += k
+        if self.policy.tracks_service:
+            served = self.policy.on_served
+            for g in self.running:
+                served(g, 0, k)
         j = np.arange(1, k + 1, dtype=np.int64)
         # blocks taken by the end of each step (list repetition: np.resize costs more for small k)
         taken = np.cumsum(([len(p) for p in by_phase] * -(-k // bs))[:k], dtype=np.int64)
@@ -486,6 +520,9 @@ class VllmScheduler(Scheduler):
             bm.open_decode_blocks((s.seq_id,))
         survivors = len(running)
         bm.add_token_states(survivors)
+        if self.policy.tracks_service:
+            for g in running:
+                self.policy.on_served(g, 0, 1)
         self._pending_steps += 1
         context += survivors
         if survivors:  # the survivors' phases move on by the horizon's steps + 1; the preempted leave

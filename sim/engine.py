@@ -161,7 +161,7 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
     ex = replica.executor
     if not sched.running:
         return False
-    horizon = sched.decode_horizon(lambda: ex.remaining(sched.running))
+    horizon = sched.decode_horizon(lambda: ex.remaining(sched.running), env.now)
     if horizon is None:
         return False
     k, exhausts = horizon.steps, horizon.exhausts
@@ -171,13 +171,20 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
     ends = np.cumsum(np.concatenate(([start], durations)))[1:]
     if replica.routed:  # every arrival reads this replica's state: finish the window before it
         safe = int(np.searchsorted(ends, feed.next_arrival(), side="left"))
+        # and the first iteration starting at or after the policy's wake time (see below)
+        safe = min(safe, int(np.searchsorted(ends[:-1], sched.wake_time(start), side="left")) + 1)
         exhausts = False  # stepped instead: its end may pass an arrival
         if safe < k:
             k, ends, durations = safe, ends[:safe], durations[:safe]
         if k < 2:
             return False
-    elif not sched.waiting and k:  # an arrival could be admitted at the first iteration starting after it
-        safe = int(np.searchsorted(ends[:-1], feed.next_arrival(), side="left")) + 1
+    elif k:
+        # the first iteration starting at or after `limit` could admit (or reject) something: an
+        # arrival, when nothing waits or an arrival may jump the queue; the policy's wake time
+        limit = sched.wake_time(start)
+        if not sched.waiting or not sched.policy.arrival_order:
+            limit = min(limit, feed.next_arrival())
+        safe = int(np.searchsorted(ends[:-1], limit, side="left")) + 1
         if safe < k:
             k, exhausts = safe, False
             if k < 2:

@@ -412,7 +412,7 @@ test_random_workloads_orca_max = _make_test("orca-max", 100)
 test_random_workloads_orca_pow2 = _make_test("orca-pow2", 80)
 test_random_workloads_orca_oracle = _make_test("orca-oracle", 80)
 test_random_workloads_static = _make_test("static", 100)
-assert set(POLICIES) == {"vllm", "orca-max", "orca-pow2", "orca-oracle", "static"}
+assert set(POLICIES) == {"vllm", "orca-max", "orca-pow2", "orca-oracle", "static", "priority", "sjf", "srpt", "vtc", "edf"}
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)

@@ -851,7 +851,8 @@ def test_unknown_policy_lists_the_known_ones():
         make_scheduler("orca", 8)
     for name in ("vllm", "orca-max", "orca-pow2", "orca-oracle", "static"):
         assert name in str(e.value)
-    assert set(POLICIES) == {"vllm", "orca-max", "orca-pow2", "orca-oracle", "static"}
+    assert set(POLICIES) == {"vllm", "orca-max", "orca-pow2", "orca-oracle", "static", "priority", "sjf", "srpt",
+                             "vtc", "edf"}
 
 
 def test_registry_builds_the_expected_classes():

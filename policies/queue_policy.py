@@ -1,0 +1,312 @@
+"""The policy axes a research policy replaces one at a time: queue order, admission, preemption victim.
+
+A `QueuePolicy` plugs into the paged scheduler (`VllmScheduler(policy=...)`) in simulation and live
+alike. The scheduler keeps its one token-budget rule, its block manager and its skip-ahead; the
+policy only answers questions, and gets the fast path without writing one, provided it keeps the
+contract below (which is what lets the engine skip iterations and still match stepping bit for bit):
+
+- `key(group)`: the order of the waiting queue and of the running batch (smallest first: the first
+  gets its tokens first, the last is preempted first). It is read when a group is queued and must not
+  change while the group waits or runs, unless the policy sets `dynamic_order` (the scheduler then
+  re-sorts the waiting queue at every step and skips ahead only while nothing waits).
+- `admit(group, now)`: ADMIT (memory and budgets permitting), DEFER (head of line: nothing further is
+  admitted this step), or a rejection reason (str). A pure function of the group, `now` and the
+  policy's state: the engine asks it when deciding whether iterations may be skipped.
+- `wake_time(waiting, now)`: the earliest time after `now` at which `admit` may answer differently
+  for a waiting group with nothing else changed (a deadline passing, a token bucket refilling); the
+  engine ends every skipped window there. math.inf when answers change only on arrivals and finishes.
+- `arrival_order`: True when `key` sorts by arrival (a new request queues behind every waiting one),
+  so arrivals need not end a skipped window while the queue's head stays blocked.
+- `victim(running)`: the running group to preempt when blocks run out; default the last in key order.
+  A policy that overrides it loses only the skipped preempting step (stepped instead).
+- `on_served(group, prefill_tokens, decode_tokens)`: accounting hook after each step (and for each
+  skipped window), called only when `tracks_service` is set.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import ClassVar
+
+import numpy as np
+
+from policies.request import SequenceGroup
+
+ADMIT = "admit"
+DEFER = "defer"
+
+
+class QueuePolicy:
+    """First come, first served (vLLM's default): arrival order, admit whatever fits, preempt the
+    most recently arrived."""
+
+    name: ClassVar[str] = "fcfs"
+    arrival_order: ClassVar[bool] = True
+    dynamic_order: ClassVar[bool] = False
+    tracks_service: ClassVar[bool] = False
+
+    def key(self, group: SequenceGroup) -> tuple:
+        return (group.request.arrival, group.group_id)
+
+    def running_key(self, group: SequenceGroup) -> tuple:
+        """The running batch's order; the key itself unless the order is dynamic (then arrival)."""
+        return self.key(group) if not self.dynamic_order else (group.request.arrival, group.group_id)
+
+    def admit(self, group: SequenceGroup, now: float) -> str:
+        return ADMIT
+
+    def wake_time(self, waiting: Iterable[SequenceGroup], now: float) -> float:
+        return math.inf
+
+    def victim(self, running: Sequence[SequenceGroup]) -> SequenceGroup:
+        return running[-1]
+
+    def on_queued(self, group: SequenceGroup) -> None:
+        """A group arrives (or is preempted back to the queue), before its key is read."""
+
+    def on_admitted(self, group: SequenceGroup, now: float) -> None:
+        """A group's first chunk was scheduled."""
+
+    def on_served(self, group: SequenceGroup, prefill_tokens: int, decode_tokens: int) -> None:
+        """Tokens computed for the group in a step (only when `tracks_service`)."""
+
+    def on_finished(self, group: SequenceGroup) -> None:
+        """A group finished (its true output length is now known)."""
+
+    @classmethod
+    def overrides_victim(cls) -> bool:
+        return cls.victim is not QueuePolicy.victim
+
+
+class PriorityPolicy(QueuePolicy):
+    """vLLM's priority scheduling: the request's `priority` (lower first, from the trace), then
+    arrival; the lowest-priority running group is preempted first."""
+
+    name = "priority"
+    arrival_order = False
+
+    def key(self, group: SequenceGroup) -> tuple:
+        return (group.request.priority, group.request.arrival, group.group_id)
+
+
+# ------------------------------------------------------------------ output-length predictors
+class OutputLengthPredictor:
+    """Predicts a request's output length at arrival; learns from finished requests (`observe`)."""
+
+    name: ClassVar[str] = "base"
+
+    def predict(self, group: SequenceGroup) -> float:
+        raise NotImplementedError
+
+    def observe(self, group: SequenceGroup) -> None:
+        pass
+
+
+class OraclePredictor(OutputLengthPredictor):
+    """The true output length (from the trace; an upper bound on what any predictor can do)."""
+
+    name = "oracle"
+
+    def predict(self, group: SequenceGroup) -> float:
+        true = group.request.output_len
+        if true is None:
+            raise ValueError(f"request {group.request.request_id}: the oracle predictor needs the true output "
+                             "length (a trace with output lengths)")
+        return float(true)
+
+
+class NoisyOraclePredictor(OraclePredictor):
+    """The true length times a log-normal error of standard deviation `error` (in log space),
+    drawn from a generator seeded by (seed, request id): the same request gets the same guess."""
+
+    name = "noisy"
+
+    def __init__(self, error: float = 0.5, seed: int = 0) -> None:
+        if not error >= 0:
+            raise ValueError(f"predictor error must be >= 0, got {error}")
+        self.error, self.seed = error, seed
+
+    def predict(self, group: SequenceGroup) -> float:
+        rng = np.random.default_rng([self.seed, group.request.request_id])
+        return super().predict(group) * float(np.exp(self.error * rng.standard_normal()))
+
+
+class BucketMeanPredictor(OutputLengthPredictor):
+    """A simple learned predictor: the mean output length of finished requests whose prompt length
+    fell in the same power-of-two bucket (the global mean while a bucket is empty; `prior` before
+    anything finished). Fitted online on the part of the trace already served."""
+
+    name = "fitted"
+
+    def __init__(self, prior: float = 256.0) -> None:
+        self.prior = prior
+        self.sums: dict[int, list[float]] = {}
+        self.total = [0.0, 0]
+
+    @staticmethod
+    def _bucket(prompt_len: int) -> int:
+        return max(prompt_len, 1).bit_length()
+
+    def predict(self, group: SequenceGroup) -> float:
+        s = self.sums.get(self._bucket(group.request.prompt_len))
+        if s is not None and s[1]:
+            return s[0] / s[1]
+        return self.total[0] / self.total[1] if self.total[1] else self.prior
+
+    def observe(self, group: SequenceGroup) -> None:
+        out = sum(s.output_len for s in group.finished_seqs) / max(len(group.finished_seqs), 1)
+        s = self.sums.setdefault(self._bucket(group.request.prompt_len), [0.0, 0])
+        s[0] += out
+        s[1] += 1
+        self.total[0] += out
+        self.total[1] += 1
+
+
+PREDICTORS = {"oracle": OraclePredictor, "noisy": NoisyOraclePredictor, "fitted": BucketMeanPredictor}
+
+
+def make_predictor(name: str, error: float = 0.5, seed: int = 0) -> OutputLengthPredictor:
+    if name == "noisy":
+        return NoisyOraclePredictor(error, seed)
+    if name not in PREDICTORS:
+        raise ValueError(f"unknown predictor {name!r}; known: {', '.join(PREDICTORS)}")
+    return PREDICTORS[name]()
+
+
+class ShortestFirstPolicy(QueuePolicy):
+    """Shortest job first by predicted output length, with aging against starvation: the key is
+    predicted tokens minus `aging` tokens per second waited, i.e. prediction + aging * arrival
+    (every waiting request ages at the same rate, so the order is fixed at queueing). With
+    `remaining` (SRPT), a preempted group requeues by its predicted tokens still to generate."""
+
+    name = "sjf"
+    arrival_order = False
+
+    def __init__(self, predictor: str = "oracle", error: float = 0.5, aging: float = 0.0, seed: int = 0,
+                 remaining: bool = False) -> None:
+        if not aging >= 0:
+            raise ValueError(f"aging must be >= 0 tokens per second, got {aging}")
+        self.predictor = make_predictor(predictor, error, seed)
+        self.aging = aging
+        self.remaining = remaining
+        self._guess: dict[int, float] = {}
+        self._key: dict[int, tuple] = {}
+
+    def on_queued(self, group: SequenceGroup) -> None:
+        guess = self._guess.get(group.group_id)
+        if guess is None:
+            guess = self._guess[group.group_id] = self.predictor.predict(group)
+        done = max((s.output_len for s in group.seqs), default=0) if self.remaining else 0
+        self._key[group.group_id] = (max(guess - done, 0.0) + self.aging * group.request.arrival, group.group_id)
+
+    def key(self, group: SequenceGroup) -> tuple:
+        return self._key[group.group_id]
+
+    def on_finished(self, group: SequenceGroup) -> None:
+        if group.rejected is None:
+            self.predictor.observe(group)
+        self._guess.pop(group.group_id, None)
+        self._key.pop(group.group_id, None)
+
+
+class SrptPolicy(ShortestFirstPolicy):
+    """Shortest remaining predicted processing time (see ShortestFirstPolicy, remaining=True)."""
+
+    name = "srpt"
+
+    def __init__(self, predictor: str = "oracle", error: float = 0.5, aging: float = 0.0, seed: int = 0) -> None:
+        super().__init__(predictor, error, aging, seed, remaining=True)
+
+
+class VtcPolicy(QueuePolicy):
+    """Fair sharing across clients by Virtual Token Counter (Sheng et al., OSDI 2024): each client's
+    counter grows by `input_weight` per prompt token and `output_weight` per generated token served;
+    the waiting request of the client with the smallest counter goes first (FCFS within a client). A
+    client that becomes active again is lifted to the smallest counter among active clients, so idle
+    time does not bank service. Tokens are counted as integers and the counter computed from them,
+    so a skipped window (k tokens at once) and k stepped iterations give the same float."""
+
+    name = "vtc"
+    arrival_order = False
+    dynamic_order = True
+    tracks_service = True
+
+    def __init__(self, input_weight: float = 1.0, output_weight: float = 2.0) -> None:
+        if not (input_weight >= 0 and output_weight >= 0):
+            raise ValueError(f"vtc: weights must be >= 0, got {input_weight}, {output_weight}")
+        self.w_in, self.w_out = input_weight, output_weight
+        self.tokens: dict[str, list[int]] = {}   # client -> [input tokens, output tokens] served
+        self.lift: dict[str, float] = {}         # client -> counter added when it came back active
+        self.active: dict[str, int] = {}         # client -> its requests queued or running
+
+    def counter(self, client: str) -> float:
+        t = self.tokens.get(client)
+        served = self.w_in * t[0] + self.w_out * t[1] if t is not None else 0.0
+        return self.lift.get(client, 0.0) + served
+
+    def key(self, group: SequenceGroup) -> tuple:
+        return (self.counter(group.request.client), group.request.arrival, group.group_id)
+
+    def on_queued(self, group: SequenceGroup) -> None:
+        if group.num_preemptions:  # back from a preemption: still active
+            return
+        c = group.request.client
+        if not self.active.get(c):
+            floor = min((self.counter(k) for k, n in self.active.items() if n), default=None)
+            if floor is not None and self.counter(c) < floor:
+                self.lift[c] = self.lift.get(c, 0.0) + floor - self.counter(c)
+        self.active[c] = self.active.get(c, 0) + 1
+
+    def on_served(self, group: SequenceGroup, prefill_tokens: int, decode_tokens: int) -> None:
+        t = self.tokens.setdefault(group.request.client, [0, 0])
+        t[0] += prefill_tokens
+        t[1] += decode_tokens
+
+    def on_finished(self, group: SequenceGroup) -> None:
+        c = group.request.client
+        self.active[c] = self.active.get(c, 1) - 1
+
+
+class EdfPolicy(QueuePolicy):
+    """SLO-aware earliest deadline first: the deadline is arrival + the request's TTFT SLO (its own
+    `slo_ttft`, else `slo_ttft` here). Admission rejects a request whose deadline can no longer be
+    met: when now + its uncached prompt tokens / `prefill_tokens_per_s` is past the deadline (the
+    default rate, infinite, rejects once the deadline has passed while it waited)."""
+
+    name = "edf"
+    arrival_order = False
+
+    def __init__(self, slo_ttft: float = 1.0, prefill_tokens_per_s: float = math.inf) -> None:
+        if not (slo_ttft > 0 and math.isfinite(slo_ttft)):
+            raise ValueError(f"edf: slo_ttft must be a finite number of seconds > 0, got {slo_ttft}")
+        if not prefill_tokens_per_s > 0:
+            raise ValueError(f"edf: prefill_tokens_per_s must be > 0, got {prefill_tokens_per_s}")
+        self.slo_ttft, self.rate = slo_ttft, prefill_tokens_per_s
+
+    def deadline(self, group: SequenceGroup) -> float:
+        slo = group.request.slo_ttft
+        return group.request.arrival + (slo if slo is not None else self.slo_ttft)
+
+    def _latest_start(self, group: SequenceGroup) -> float:
+        return self.deadline(group) - group.request.prompt_len / self.rate
+
+    def key(self, group: SequenceGroup) -> tuple:
+        return (self.deadline(group), group.group_id)
+
+    def admit(self, group: SequenceGroup, now: float) -> str:
+        if group.first_scheduled is None and now > self._latest_start(group):
+            return (f"TTFT deadline {self.deadline(group):.6g} s cannot be met (now {now:.6g} s, "
+                    f"{group.request.prompt_len} prompt tokens)")
+        return ADMIT
+
+    def wake_time(self, waiting: Iterable[SequenceGroup], now: float) -> float:
+        t = min((self._latest_start(g) for g in waiting if g.first_scheduled is None), default=math.inf)
+        return t if t >= now else now  # already due: the next step rejects it
+
+
+BUILTIN: dict[str, type[QueuePolicy]] = {
+    "fcfs": QueuePolicy, "priority": PriorityPolicy, "sjf": ShortestFirstPolicy, "srpt": SrptPolicy,
+    "vtc": VtcPolicy, "edf": EdfPolicy,
+}
+
