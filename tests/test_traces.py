@@ -511,6 +511,18 @@ def test_cli_generate_and_info(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_cli_generate_grouped_prefix(tmp_path):
+    out = tmp_path / "gp.csv"
+    argv = ["trace", "generate", "--kind", "grouped-prefix", "--num-requests", "12", "--rate", "2", "--burstiness",
+            "0", "--num-groups", "2", "--prompts-per-group", "3", "--system-prompt-len", "32", "--question-len", "8",
+            "--output-len", "5", "--out", str(out)]
+    assert run_cli(argv) == 0
+    trace = load_trace(out)
+    assert trace.prompt_len.tolist() == [40] * 12 and trace.output_len.tolist() == [5] * 12
+    assert trace.prefix_hashes[6:] == trace.prefix_hashes[:6]  # 2 x 3 prompts, cycled
+    assert np.diff(trace.arrival) == pytest.approx(np.full(11, 0.5))  # constant arrivals
+
+
 def test_package_imports_nothing_else():
     code = (
         "import sys, traces, traces.cli; "
