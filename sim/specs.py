@@ -15,4 +15,6 @@ from specs import (  # noqa: F401
     get_model,
     kv_capacity_blocks,
     kv_capacity_tokens,
+    load_hardware,
+    load_model,
 )

@@ -30,18 +30,28 @@ def estimate_activation_reserve(model: ModelSpec, tp: int = 1,
     the residual stream and the normalised hidden states, 2*h per token. On top of that, the larger
     of the attention step (the fused qkv output plus the attention output, (q + 2kv)/tp + q/tp) and
     the MLP step (OPT: fc1 output and its activation, 2f/tp; Llama: the fused gate_up output and
-    the SiLU*up product, 3f/tp). So the transformer peak is T * d * (2h + max(attn, mlp)).
+    the SiLU*up product, 3f/tp; MoE: that for each of a token's experts, `_mlp_width`). So the transformer peak is T * d * (2h + max(attn, mlp)).
     Logits are computed only for the last token of each sequence, in fp32, for max_num_seqs
     sequences; the vocabulary is sharded across devices but gathered for sampling, so every device
     holds _LOGITS_COPIES full [max_num_seqs, vocab] fp32 tensors.
     """
-    h, f = model.hidden_size, model.intermediate_size
+    h = model.hidden_size
     attn_width = (model.q_size + 2 * model.kv_size + model.q_size) // tp
-    mlp_width = (2 * f if model.arch == "opt" else 3 * f) // tp
+    mlp_width = _mlp_width(model) // tp
     per_token = model.dtype_bytes * (2 * h + max(attn_width, mlp_width))
     hidden_peak = max_num_batched_tokens * per_token
     logits = min(max_num_seqs, max_num_batched_tokens) * model.vocab_size * _LOGITS_DTYPE_BYTES
     return tp * (hidden_peak + _LOGITS_COPIES * logits)
+
+
+def _mlp_width(model: ModelSpec) -> int:
+    """Widest MLP intermediate one token holds: OPT 2f, SwiGLU 3f; a MoE layer 3 * (k routed experts'
+    widths + the shared experts' width), a leading dense layer 3f."""
+    if model.arch == "opt":
+        return 2 * model.intermediate_size
+    dense = 3 * model.intermediate_size if model.num_layers > model.num_moe_layers else 0
+    moe = 3 * (model.experts_per_token * model.moe_intermediate_size + model.shared_expert_intermediate_size)
+    return max(dense, moe)
 
 
 def kv_capacity_tokens(model: ModelSpec, hardware: HardwareSpec, tp: int = 1,

@@ -1,0 +1,99 @@
+"""Finding a model: the shipped catalogue (HF config.json files in specs/models/), a config.json path,
+a folder holding one, or a HF id ("meta-llama/Llama-2-7b-hf") looked up in folders of configs.
+
+The catalogue is read once at import into `MODELS` (name -> spec); it is constant data, so the same
+name always gives the same object.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from specs.model import ModelSpec
+from specs.names import normalize
+
+CATALOGUE_DIR = Path(__file__).parent / "models"
+
+_MODEL_ALIASES = {
+    "meta-llama-3-8b": "llama-3-8b", "llama3-8b": "llama-3-8b",
+    "meta-llama-3-70b": "llama-3-70b", "llama3-70b": "llama-3-70b",
+    "meta-llama-3.1-8b": "llama-3.1-8b", "llama3.1-8b": "llama-3.1-8b", "llama-3.1-8b-instruct": "llama-3.1-8b",
+    "meta-llama-3.1-70b": "llama-3.1-70b", "llama3.1-70b": "llama-3.1-70b",
+    "llama-1-7b": "llama-7b", "llama-1-13b": "llama-13b",
+}
+
+
+def read_config(path: str | Path, name: str | None = None) -> ModelSpec:
+    """The spec in one HF config.json file, named `name` (default: the file's stem, or its folder's
+    name for a file called config.json). Errors name the file."""
+    path = Path(path)
+    if name is None:
+        name = path.parent.name if path.name == "config.json" else path.stem
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot read: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: line {e.lineno}: not valid JSON: {e.msg}") from None
+    return ModelSpec.from_hf_config(cfg, name=name, source=str(path))
+
+
+def _catalogue() -> dict[str, ModelSpec]:
+    return {p.stem: read_config(p) for p in sorted(CATALOGUE_DIR.glob("*.json"))}
+
+
+MODELS: dict[str, ModelSpec] = _catalogue()
+
+
+def find_config(name_or_path: str, search_dirs: Sequence[str | Path] = ()) -> Path | None:
+    """The config file `name_or_path` names: itself, its config.json, or for a HF id
+    `<last component lower-cased>.json` or `<that>/config.json` (or the component as given) in one
+    of `search_dirs` (in order),
+    then in the folder the name itself points into ("../models/Llama-2-7b-hf" finds
+    ../models/llama-2-7b-hf.json). None when it names no file (it may still be a catalogue name)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir() and (path / "config.json").is_file():
+        return path / "config.json"
+    given = name_or_path.strip().rstrip("/").rsplit("/", 1)[-1]
+    beside = [path.parent] if path.parent != Path(".") and path.parent.is_dir() else []
+    for d in [*search_dirs, *beside]:
+        for last in dict.fromkeys((given.lower(), given)):  # lower-cased first, then as given
+            for candidate in (Path(d) / f"{last}.json", Path(d) / last / "config.json"):
+                if candidate.is_file():
+                    return candidate
+    return None
+
+
+def catalogue_name(name: str) -> str | None:
+    """The catalogue entry `name` (or an alias, org prefix and case aside) refers to, or None."""
+    key = normalize(name)
+    key = _MODEL_ALIASES.get(key, key)
+    return key if key in MODELS else None
+
+
+def load_model(name_or_path: str, search_dirs: Sequence[str | Path] = ()) -> ModelSpec:
+    """A model spec from a path to a config.json, a folder with one, a catalogue name ("opt-13b",
+    "facebook/opt-13b"), or a HF id found in `search_dirs` (see `find_config`). A path wins over a
+    catalogue name. Unknown -> ValueError listing what was tried."""
+    path = find_config(name_or_path, search_dirs)
+    if path is not None:
+        return read_config(path)
+    key = catalogue_name(name_or_path)
+    if key is not None:
+        return MODELS[key]
+    last = name_or_path.strip().rstrip("/").rsplit("/", 1)[-1].lower()
+    tried = f"not a file or a folder with config.json; not in the catalogue (known: {', '.join(sorted(MODELS))})"
+    if search_dirs:
+        tried += f"; no {last}.json or {last}/config.json in {', '.join(str(d) for d in search_dirs)}"
+    else:
+        tried += "; for a HF id, give --models-dir with its config"
+    raise ValueError(f"unknown model {name_or_path!r}: {tried}")
+
+
+def get_model(name_or_path: str, search_dirs: Sequence[str | Path] = ()) -> ModelSpec:
+    """Alias of `load_model` (the simulator's historic name)."""
+    return load_model(name_or_path, search_dirs)
