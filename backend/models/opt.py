@@ -54,7 +54,7 @@ class OPTForCausalLM(nn.Module):
         self.embed_positions = nn.Embedding(config.max_position + POSITION_OFFSET, h)
         self.layers = nn.ModuleList(OPTDecoderLayer(config, i) for i in range(config.num_layers))
         self.final_layer_norm = nn.LayerNorm(h, eps=config.norm_eps)
-        self.lm_head = None if config.tie_embeddings else nn.Linear(h, config.vocab_size, bias=False)
+        self.lm_head = None if config.tied_embeddings else nn.Linear(h, config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids) + self.embed_positions(positions + POSITION_OFFSET)

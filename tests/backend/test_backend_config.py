@@ -17,14 +17,14 @@ def _numel(shape):
 def test_presets_are_valid_and_count_params(name):
     cfg = ModelConfig.from_name(name)
     assert cfg.name == name
-    assert cfg.num_params() == sum(_numel(s) for s in weight_shapes(cfg).values())
+    assert cfg.num_params == sum(_numel(s) for s in weight_shapes(cfg).values())
 
 
 def test_known_param_counts():
-    assert ModelConfig.from_name("smollm2-135m").num_params() == 134_515_008
-    assert abs(ModelConfig.from_name("llama-3-8b").num_params() - 8.03e9) < 0.01e9
-    assert abs(ModelConfig.from_name("opt-13b").num_params() - 12.85e9) < 0.05e9
-    assert abs(ModelConfig.from_name("opt-125m").num_params() - 125.2e6) < 0.5e6
+    assert ModelConfig.from_name("smollm2-135m").num_params == 134_515_008
+    assert abs(ModelConfig.from_name("llama-3-8b").num_params - 8.03e9) < 0.01e9
+    assert abs(ModelConfig.from_name("opt-13b").num_params - 12.85e9) < 0.05e9
+    assert abs(ModelConfig.from_name("opt-125m").num_params - 125.2e6) < 0.5e6
 
 
 def test_unknown_name_lists_known():
@@ -100,4 +100,4 @@ def test_unsupported_hf_configs():
 
 def test_kv_bytes_per_token():
     # the vLLM paper's OPT-13B: 800 KB per token in fp16
-    assert ModelConfig.from_name("opt-13b").kv_bytes_per_token(2) == 2 * 40 * 5120 * 2
+    assert ModelConfig.from_name("opt-13b").kv_bytes_per_token == 2 * 40 * 5120 * 2

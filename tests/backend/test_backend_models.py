@@ -130,8 +130,8 @@ def test_runner_rejects_bad_batches():
 
 
 def test_random_weights_keep_activations_sane():
-    config = ModelConfig(arch="llama", num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=2, head_dim=32,
-                         intermediate_size=688, vocab_size=1000, max_position=256)
+    config = ModelConfig(name="llama-8l", arch="llama", num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=2,
+                         head_dim=32, intermediate_size=688, vocab_size=1000, max_position=256)
     w1, w2 = random_weights(config, seed=0), random_weights(config, seed=0)
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
     assert not torch.equal(w1["lm_head.weight"], random_weights(config, seed=1)["lm_head.weight"])
