@@ -95,7 +95,8 @@ def add_device_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
 def add_live_model_args(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--model", default="smollm2-135m",
-                   help="smollm2-135m (real weights), a HF directory, a config.json, or a preset (random weights)")
+                   help="smollm2-135m (real weights), a HF directory, a config.json, a catalogue name or a HF id in "
+                        "--models-dir (random weights)")
     add_device_args(m)
     m.add_argument("--num-gpu-blocks", type=int, default=512, help="KV cache size in blocks (default 512)")
     m.add_argument("--num-cpu-blocks", type=int, default=512, help="CPU swap space in blocks (default 512)")
@@ -159,8 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_args(sim)
     add_policy_args(sim)
     h = sim.add_argument_group("model and hardware")
-    h.add_argument("--model", default="opt-13b", help=f"model spec: {', '.join(MODELS)} (default opt-13b)")
-    h.add_argument("--hardware", default="a100-40gb", help=f"GPU spec: {', '.join(HARDWARE)} (default a100-40gb)")
+    h.add_argument("--model", default="opt-13b", help=f"model: {', '.join(MODELS)}, a HF config.json, a folder with "
+                                                     "one, or a HF id found in --models-dir (default opt-13b)")
+    h.add_argument("--hardware", default="a100-40gb", help=f"GPU spec: {', '.join(HARDWARE)}, or a hardware JSON file "
+                                                          "(default a100-40gb)")
     h.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     h.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     h.add_argument("--num-gpu-blocks", type=int, help="override the derived KV capacity (blocks)")
@@ -197,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "without a cached prefix, mixed, swaps, copies) on a real model, fit the "
                                       "profiled cost model, and write a profile file (JSON) plus a fit plot.")
     prof.add_argument("--model", default="smollm2-135m",
-                      help="smollm2-135m (real weights), a HF directory, a config.json, or a preset (random weights)")
+                      help="smollm2-135m (real weights), a HF directory, a config.json, a catalogue name or a HF id in "
+                        "--models-dir (random weights)")
     add_device_args(prof)
     prof.add_argument("--block-size", type=int, default=16)
     prof.add_argument("--grid", choices=("default", "quick"), default="default",
@@ -388,7 +392,29 @@ def build_parser() -> argparse.ArgumentParser:
     from analysis.fidelity import add_parser as add_fidelity_parser  # analysis sits on sim: imported late
     add_fidelity_parser(sub)
     add_trace_parser(sub)
+    for p in sub.choices.values():  # every command that takes --model can look up HF ids
+        if "--model" in p._option_string_actions:
+            p.add_argument("--models-dir", action="append", default=[], metavar="DIR",
+                           help="a folder of HF configs (<name>.json or <name>/config.json) where a HF id given "
+                                "as --model is looked up (repeatable)")
     return parser
+
+
+def _resolve_specs(args: argparse.Namespace) -> None:
+    """Load --model and --hardware before any work, so a bad one fails in one line; a HF id found in
+    --models-dir (or beside the path given) becomes that config file's path."""
+    from pathlib import Path
+
+    from specs import find_config, load_hardware, load_model
+    model = getattr(args, "model", None)
+    if isinstance(model, str) and model:
+        path = find_config(model, list(getattr(args, "models_dir", None) or []))
+        load_model(str(path) if path else model)  # raises, naming the file and field or what was tried
+        if path is not None and not Path(model).exists():
+            args.model = str(path)
+    hardware = getattr(args, "hardware", None)
+    if isinstance(hardware, str) and hardware:
+        load_hardware(hardware)
 
 
 def _sim_config(args: argparse.Namespace, policy: str | None = None):
@@ -1056,11 +1082,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _spec_of(model: str) -> str:
-    """The simulator's model spec for a live model argument: a config file or HF directory is named
-    by its file stem or directory name (so `smollm2-135m.json` simulates as smollm2-135m)."""
-    from pathlib import Path
-    p = Path(model)
-    return p.stem if p.suffix == ".json" or p.is_dir() else model
+    """The simulator's model spec for a live model argument: the same string (the simulator reads a
+    config file or HF directory itself, specs.load_model)."""
+    return model
 
 
 def _now() -> str:
@@ -1118,6 +1142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _resolve_specs(args)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagesim: error: {exc}", file=sys.stderr)
