@@ -21,6 +21,9 @@ contract below (which is what lets the engine skip iterations and still match st
   A policy that overrides it loses only the skipped preempting step (stepped instead).
 - `on_served(group, prefill_tokens, decode_tokens)`: accounting hook after each step (and for each
   skipped window), called only when `tracks_service` is set.
+- `on_queued(group)`: called as a group joins the queue, before its key is read. A policy that
+  overrides it (a predictor, a fair-share counter) gets skipped windows that end before every
+  arrival, so that what it reads there is what stepping would show it.
 """
 
 from __future__ import annotations
@@ -77,6 +80,13 @@ class QueuePolicy:
     @classmethod
     def overrides_victim(cls) -> bool:
         return cls.victim is not QueuePolicy.victim
+
+    @classmethod
+    def queues_by_state(cls) -> bool:
+        """Whether queueing a group reads the policy's state (on_queued is overridden): then an
+        arrival must find that state exactly as stepping leaves it, so skipped windows end before
+        every arrival (as behind a router)."""
+        return cls.on_queued is not QueuePolicy.on_queued
 
 
 class PriorityPolicy(QueuePolicy):
