@@ -24,14 +24,11 @@ import numpy as np
 import pandas as pd
 
 from analysis.measurements import LOAD_TYPES, Experiment, Latency, SharedPrefix, Stage
-from sim.specs import get_hardware, get_model
+from specs import find_config, get_hardware, load_model
 from traces import SYNTHETIC, load_trace, make_synthetic
 from traces.trace import Trace
 
 _MISSING = object()
-# model ids with no shipped spec of their own, and the shipped spec of the same shapes
-_SAME_SHAPES = {"llama-2-7b-hf": "llama-7b", "llama-2-7b": "llama-7b", "llama-2-13b-hf": "llama-13b",
-                "llama-2-13b": "llama-13b"}
 
 
 class Fields:
@@ -160,17 +157,13 @@ def default_models_dirs() -> list[Path]:
 
 
 def resolve_model(model_id: str, models_dirs: Sequence[str | Path] | None = None) -> str:
-    """What SimConfig.model takes for a measured model id: the path of its config.json (found as
-    specs.load_model finds it, in `models_dirs`, default `default_models_dirs()`), or a shipped
-    spec's name. Raises ValueError (unknown model) otherwise."""
+    """What SimConfig.model takes for a measured model id: the path of its config.json (a path, or a
+    HF id found in `models_dirs`, default `default_models_dirs()`), or a catalogue name. Raises
+    ValueError saying what was tried otherwise."""
     dirs = default_models_dirs() if models_dirs is None else [Path(d) for d in models_dirs]
-    try:
-        from specs.catalogue import find_config
-    except ImportError:  # before model configs could be read: shipped specs, or one of the same shapes
-        key = model_id.strip().lower().rsplit("/", 1)[-1]
-        return get_model(_SAME_SHAPES.get(key, model_id)).name
+    spec = load_model(model_id, dirs)  # raises for an unknown model, or a config it cannot read
     path = find_config(model_id, dirs)
-    return str(path) if path is not None else get_model(model_id).name
+    return str(path) if path is not None else spec.name
 
 
 def _model(f: Fields, key: str, models_dirs: Sequence[str | Path] | None) -> tuple[str, str]:
@@ -281,10 +274,12 @@ def _vllm_bench(f: Fields, name: str, models_dirs: Sequence[str | Path] | None) 
 def _hardware(f: Fields, key: str) -> str | None:
     if not f.has(key):
         return None
+    name = f.str(key)
     try:
-        return get_hardware(f.str(key)).name
+        get_hardware(name)  # a shipped spec's name, or a hardware JSON file
     except ValueError as exc:
         raise f.error(key, str(exc)) from None
+    return name
 
 
 def _first(f: Fields, *keys: str, default: str | None = None) -> str:

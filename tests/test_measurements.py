@@ -20,6 +20,7 @@ from analysis.measurements import (
 from policies.metrics import write_run
 from sim.cost_model import ConstantCostModel
 from sim.run import SimConfig, run_simulation
+from specs import get_model
 from traces import apply_arrivals, make_synthetic
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "calibration" / "vllm-h100" / "measurements.json"
@@ -96,6 +97,18 @@ def test_malformed_measurements_name_file_and_field(tmp_path, mutate, message):
     path = write_measurements(tmp_path, experiment_dict(), e)
     with pytest.raises(ValueError, match=message.replace("experiments\\[0\\]", "experiments\\[1\\]")):
         load_measurements(path)
+
+
+def test_model_ids_found_in_models_dirs(tmp_path):
+    configs = tmp_path / "models"
+    configs.mkdir()
+    (configs / "tiny-1b.json").write_text(json.dumps(get_model("smollm2-135m").to_hf_config()))
+    path = write_measurements(tmp_path, experiment_dict(model_id="acme/Tiny-1B"))
+    exp, = load_measurements(path, models_dirs=[configs])
+    assert exp.model == str(configs / "tiny-1b.json") and exp.model_id == "acme/Tiny-1B"
+    assert get_model(exp.model).num_layers == 30  # what SimConfig.model resolves
+    with pytest.raises(ValueError, match=r"m\.json: experiments\[0\]\.model_id: unknown model 'acme/Tiny-1B'"):
+        load_measurements(path, models_dirs=[])
 
 
 def test_unreadable_files(tmp_path):
