@@ -59,6 +59,21 @@ def test_fidelity_parallel_is_serial(tmp_path):
     assert "tiny" in format_table(one)
 
 
+def test_fidelity_with_a_calibration_file_applies_its_client_terms(tmp_path):
+    from sim.calibrated import Calibration, CalibrationParams, save_calibration
+
+    exps = load_measurements(write_measurements(tmp_path, experiment_dict()))
+    preds = []
+    for ttft_add in (0.0, 0.5):
+        params = CalibrationParams(client_ttft_s=ttft_add, client_per_output_token_s=0.001 * bool(ttft_add))
+        path = save_calibration(Calibration(params, "h100-sxm", name="t"), tmp_path / f"cal{ttft_add}.json")
+        t = fidelity_table(exps, str(path), max_duration_s=4, hardware="h100-sxm").set_index("metric")
+        preds.append(t.predicted)
+    assert preds[1]["ttft_mean"] - preds[0]["ttft_mean"] == pytest.approx(0.5)
+    assert preds[1]["e2e_mean"] - preds[0]["e2e_mean"] == pytest.approx(0.5 + 0.001 * 19)
+    assert preds[1]["tpot"] - preds[0]["tpot"] == pytest.approx(0.001)
+
+
 def test_fidelity_summary_statistics():
     rows = []
     for stage, (errs, over_m, over_p) in enumerate([([10, -20], False, False), ([30, 40], False, True),
