@@ -131,7 +131,73 @@ def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
         "prefix_hit_tokens": np.array([g.prefix_hit_tokens for g in gs], dtype=np.int64),
         "status": np.where(done, "finished", "rejected").astype(object),
         "reject_reason": [g.rejected or "" for g in gs],
+        "client": [r.client for r in reqs],
+        "priority": np.array([r.priority for r in reqs], dtype=np.int64),
+        "slo_ttft": np.array([nan if r.slo_ttft is None else r.slo_ttft for r in reqs], dtype=float),
+        "slo_tpot": np.array([nan if r.slo_tpot is None else r.slo_tpot for r in reqs], dtype=float),
     })
+
+
+def meets_slo(requests: pd.DataFrame, slo_ttft: float | None = None, slo_tpot: float | None = None) -> pd.Series:
+    """Per request: finished within its own SLO class (columns slo_ttft / slo_tpot where set), else
+    within the run's SLOs (None: no target)."""
+    ok = requests.status == "finished"
+    for col, default in (("ttft", slo_ttft), ("tpot", slo_tpot)):
+        target = requests[f"slo_{col}"] if f"slo_{col}" in requests else pd.Series(np.nan, index=requests.index)
+        if default is not None:
+            target = target.fillna(default)
+        has = target.notna()
+        value = requests[col]
+        met = (value <= target) | (value.isna() if col == "tpot" else False)
+        ok &= ~has | met
+    return ok
+
+
+def jain_index(x: np.ndarray) -> float:
+    """Jain's fairness index (sum x)^2 / (n sum x^2): 1 when all equal, 1/n when one takes all."""
+    x = np.asarray(x, dtype=float)
+    return float(x.sum() ** 2 / (len(x) * (x ** 2).sum())) if len(x) and (x ** 2).sum() > 0 else float("nan")
+
+
+def per_client(requests: pd.DataFrame, slo_ttft: float | None = None, slo_tpot: float | None = None,
+               input_weight: float = 1.0, output_weight: float = 2.0, windows: int = 20) -> tuple[pd.DataFrame, dict]:
+    """One row per client (requests, finished, rejected, SLO attainment, goodput, service received
+    as input_weight * prompt + output_weight * output tokens of its finished requests, latencies),
+    and the fairness figures: Jain's index over service, and the max service gap: over `windows`
+    equal slices of the run, the largest difference in service finished between two clients that
+    both had requests in the slice."""
+    r = requests.assign(client=requests.client.fillna("").astype(str) if "client" in requests else "")
+    ok = meets_slo(r, slo_ttft, slo_tpot)
+    fin = r.status == "finished"
+    service = np.where(fin, input_weight * r.prompt_len + output_weight * r.output_len, 0.0)
+    r = r.assign(_ok=ok, _fin=fin, _service=service)
+    start = float(r.arrival.min()) if len(r) else 0.0
+    end = float(r.finish_time[fin].max()) if fin.any() else start
+    span = max(end - start, 1e-12)
+    rows = []
+    for client, g in r.groupby("client", sort=True):
+        done = g[g._fin]
+        rows.append({"client": client, "requests": len(g), "finished": int(g._fin.sum()),
+                     "rejected": int((~g._fin).sum()), "slo_attainment": float(g._ok.mean()),
+                     "goodput": float(g._ok.sum()) / span, "service": float(g._service.sum()),
+                     "ttft_mean": float(done.ttft.mean()) if len(done) else float("nan"),
+                     "e2e_mean": float(done.e2e_latency.mean()) if len(done) else float("nan")})
+    table = pd.DataFrame(rows)
+    gap = 0.0
+    if len(table) > 1 and fin.any():
+        edges = np.linspace(start, end, windows + 1)
+        slot = np.clip(np.searchsorted(edges, r.finish_time.fillna(end), side="right") - 1, 0, windows - 1)
+        present = np.clip(np.searchsorted(edges, r.arrival, side="right") - 1, 0, windows - 1)
+        for w in range(windows):
+            active = r.client[present <= w][slot[present <= w] >= w].unique()
+            if len(active) < 2:
+                continue
+            got = pd.Series(np.where(slot == w, service, 0.0)).groupby(r.client.to_numpy()).sum()
+            got = got.reindex(active, fill_value=0.0)
+            gap = max(gap, float(got.max() - got.min()))
+    fairness = {"clients": len(table), "jain_service": jain_index(table.service) if len(table) else float("nan"),
+                "max_service_gap": gap}
+    return table, fairness
 
 
 def _stats(x: pd.Series) -> dict[str, float]:
@@ -150,11 +216,7 @@ def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float 
     start = float(requests.arrival.min()) if len(requests) else 0.0
     end = float(done.finish_time.max()) if len(done) else start
     span = max(end - start, 1e-12)
-    ok = done
-    if slo_ttft is not None:
-        ok = ok[ok.ttft <= slo_ttft]
-    if slo_tpot is not None:
-        ok = ok[(ok.tpot <= slo_tpot) | ok.tpot.isna()]
+    ok = done[meets_slo(done, slo_ttft, slo_tpot)]
     busy = float(iterations.duration.sum()) if len(iterations) else 0.0
     weights = iterations.duration if busy else None
     kv = iterations[["kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag", "kv_free"]]
@@ -188,7 +250,16 @@ def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float 
         "kv_token_state_fraction": time_avg(kv.kv_token_states / allocated.clip(lower=1)),
         "kv_usage": time_avg(allocated / total.clip(lower=1)),
         "prefix_hit_tokens": int(requests.prefix_hit_tokens.sum()),
+        **_client_summary(requests, slo_ttft, slo_tpot),
     }
+
+
+def _client_summary(requests: pd.DataFrame, slo_ttft: float | None, slo_tpot: float | None) -> dict:
+    """Per-client results and fairness, when the trace names more than one client."""
+    if "client" not in requests or requests.client.fillna("").astype(str).nunique() < 2:
+        return {}
+    table, fairness = per_client(requests, slo_ttft, slo_tpot)
+    return {"per_client": table.set_index("client").to_dict(orient="index"), "fairness": fairness}
 
 
 def write_run(out_dir: str | Path, requests: pd.DataFrame, iterations: pd.DataFrame, summary: dict) -> Path:

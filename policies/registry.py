@@ -164,3 +164,30 @@ def make_scheduler(name: str, num_blocks: int, block_size: int = 16, **kw: Any) 
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     return factory(num_blocks, block_size, **kw)
+
+
+def parse_policy_args(items: list[str] | None) -> dict[str, Any]:
+    """`key=value` strings (`--policy-arg`) as keyword options; values read as int, float, true/false
+    or none where they parse so, else kept as text."""
+    options: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--policy-arg {item!r}: expected key=value with a Python identifier as key")
+        options[key] = _parse_value(text.strip())
+    return options
+
+
+def _parse_value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text

@@ -253,7 +253,15 @@ SYNTHETIC: dict[str, Callable[..., Trace]] = {
     "fixed": fixed,
     "shared-prefix": shared_prefix,
     "grouped-prefix": grouped_prefix,
+    "multi-client": lambda n, seed=0, **kw: _multi_client(n, seed=seed, **kw),
 }
+
+
+def _multi_client(n: int, seed: int = 0, **kw: Any) -> Trace:
+    """Several clients with their own rate shares, burstiness, lengths, priority and SLO class
+    (traces.clients; timestamped at 1 request/s in all, which --rate rescales)."""
+    from traces.clients import multi_client
+    return multi_client(n, seed=seed, **kw)
 
 
 def make_synthetic(name: str, n: int, seed: int = 0, **kw: Any) -> Trace:

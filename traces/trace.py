@@ -8,13 +8,17 @@ Invariants (checked in ``Trace.__post_init__``):
 
 - all per-request arrays have the same length N >= 0;
 - ``arrival`` is float64, finite, >= 0 and non-decreasing (requests are in arrival order);
-- ``prompt_len`` and ``output_len`` are int64 and >= 1;
+- ``prompt_len`` and ``output_len`` are int64 and >= 1, except on rows with a reject reason
+  (below), where they are >= 0: such a row keeps the trace's own (possibly zero) lengths;
 - ``n`` (parallel samples) and ``beam_width`` are int64 and >= 1;
 - ``prefix_hashes``, when present, has one tuple per request; ``hash_block_size`` is then a
   positive int and request i has at most ceil(prompt_len[i] / hash_block_size) hashes. Hash j names
   tokens [j*B, (j+1)*B) of the prompt (the last one may be partial, as in Mooncake); equal hashes
   mean equal content *and* equal preceding content, so a shared hash sequence is a shared prefix;
 - ``prompt_token_ids``, when present, has one list per request of exactly prompt_len[i] ids;
+- ``reject_reason``, when present, has one string per request: "" for a request to serve, else why
+  the request can never be served (e.g. BurstGPT logs failed requests with zero tokens). Such rows
+  stay in the trace so that every input request gets a result row (rejected, with this reason);
 - when ``has_timestamps`` is False, ``arrival`` is all zeros and an arrival process must be applied
   (see ``traces.arrivals.apply_arrivals``) before the trace is replayed.
 """
@@ -40,6 +44,11 @@ FRAME_COLUMNS = (
     "prefix_hashes",
     "hash_block_size",
     "prompt_token_ids",
+    "reject_reason",
+    "client",
+    "priority",
+    "slo_ttft",
+    "slo_tpot",
 )
 
 
@@ -51,16 +60,22 @@ def _int_array(values: Any, name: str, length: int | None = None) -> np.ndarray:
             raise ValueError(f"{name} must hold integers")
     elif arr.dtype.kind not in "iub":
         raise ValueError(f"{name} must be an integer array, got dtype {arr.dtype}")
+    # casting wraps values beyond int64 (2**63 becomes -2**63): refuse them instead
+    if arr.dtype.kind in "fu" and arr.size and np.any(arr >= 2.0**63 if arr.dtype.kind == "f" else arr > 2**63 - 1):
+        raise ValueError(f"{name} holds a value >= 2**63, beyond int64")
     arr = arr.astype(np.int64).reshape(-1)
     if length is not None and len(arr) != length:
         raise ValueError(f"{name} has {len(arr)} entries, expected {length}")
     return arr
 
 
-def _check_positive(arr: np.ndarray, name: str) -> None:
-    if len(arr) and int(arr.min()) < 1:
-        i = int(np.argmin(arr))
-        raise ValueError(f"{name}[{i}] = {int(arr[i])}, expected an integer >= 1")
+def _check_positive(arr: np.ndarray, name: str, exempt: np.ndarray | None = None) -> None:
+    """Every entry >= 1; entries where ``exempt`` is True (rejected rows) need only be >= 0."""
+    low = np.ones(len(arr), np.int64) if exempt is None else np.where(exempt, 0, 1)
+    bad = arr < low
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"{name}[{i}] = {int(arr[i])}, expected an integer >= {int(low[i])}")
 
 
 def _stats(values: np.ndarray, prefix: str) -> dict[str, float]:
@@ -122,7 +137,11 @@ class Trace:
     name: str = ""
     source: str = ""
     has_timestamps: bool = True
-    dropped: int = 0  # requests the loader removed (e.g. failed requests in BurstGPT)
+    reject_reason: list[str] | None = None  # per request: "" to serve it, else why it cannot be served
+    client: list[str] | None = None         # per request: who sent it (fair-share policies, per-client tables)
+    priority: np.ndarray | None = None      # per request: int, lower is served first by `priority`
+    slo_ttft: np.ndarray | None = None      # per request SLO class: TTFT / TPOT targets in s (NaN: the run's)
+    slo_tpot: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         size = len(np.asarray(self.prompt_len).reshape(-1))
@@ -138,11 +157,41 @@ class Trace:
         if len(arrival) != size:
             raise ValueError(f"arrival has {len(arrival)} entries, expected {size}")
         set_(self, "arrival", arrival)
-        for name in ("prompt_len", "output_len", "n", "beam_width"):
+        rejected = self._check_reasons()
+        for name in ("prompt_len", "output_len"):
+            _check_positive(getattr(self, name), name, rejected)
+        for name in ("n", "beam_width"):
             _check_positive(getattr(self, name), name)
         self._check_arrival()
         self._check_hashes()
         self._check_token_ids()
+        self._check_classes()
+
+    def _check_classes(self) -> None:
+        """Normalise and check the optional client / priority / SLO-class columns."""
+        size, set_ = len(self), object.__setattr__
+        if self.client is not None:
+            clients = ["" if c is None or (isinstance(c, float) and np.isnan(c)) else str(c) for c in self.client]
+            if len(clients) != size:
+                raise ValueError(f"client has {len(clients)} entries, expected {size}")
+            set_(self, "client", clients)
+        if self.priority is not None:
+            set_(self, "priority", _int_array(self.priority, "priority", size))
+        for name in ("slo_ttft", "slo_tpot"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                arr = np.asarray(value, dtype=np.float64).reshape(-1)
+            except (TypeError, ValueError):
+                raise ValueError(f"{name} must hold numbers of seconds (empty or NaN for none)") from None
+            if len(arr) != size:
+                raise ValueError(f"{name} has {len(arr)} entries, expected {size}")
+            bad = ~np.isnan(arr) & ~((arr > 0) & np.isfinite(arr))
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ValueError(f"{name}[{i}] = {arr[i]}, expected a finite number of seconds > 0 (or empty)")
+            set_(self, name, arr)
 
     def _check_arrival(self) -> None:
         arr = self.arrival
@@ -154,6 +203,25 @@ class Trace:
             raise ValueError("arrival must be sorted (non-decreasing)")
         if not self.has_timestamps and np.any(arr != 0):
             raise ValueError("a trace without timestamps must have all-zero arrival")
+
+    def _check_reasons(self) -> np.ndarray | None:
+        """Normalise ``reject_reason`` to a list of str (None when no row is rejected); return the
+        mask of rejected rows, or None."""
+        if self.reject_reason is None:
+            return None
+        reasons = ["" if r is None or (isinstance(r, float) and np.isnan(r)) else str(r) for r in self.reject_reason]
+        if len(reasons) != len(self):
+            raise ValueError(f"reject_reason has {len(reasons)} entries, expected {len(self)}")
+        if not any(reasons):
+            object.__setattr__(self, "reject_reason", None)
+            return None
+        object.__setattr__(self, "reject_reason", reasons)
+        return np.array([bool(r) for r in reasons])
+
+    @property
+    def num_rejected(self) -> int:
+        """Rows that can never be served (see ``reject_reason``)."""
+        return 0 if self.reject_reason is None else sum(1 for r in self.reject_reason if r)
 
     def _check_hashes(self) -> None:
         if self.prefix_hashes is None:
@@ -201,6 +269,10 @@ class Trace:
             beam_width=self.beam_width[cut],
             prefix_hashes=None if self.prefix_hashes is None else self.prefix_hashes[cut],
             prompt_token_ids=None if self.prompt_token_ids is None else self.prompt_token_ids[cut],
+            reject_reason=None if self.reject_reason is None else self.reject_reason[cut],
+            client=None if self.client is None else self.client[cut],
+            **{k: None if getattr(self, k) is None else getattr(self, k)[cut]
+               for k in ("priority", "slo_ttft", "slo_tpot")},
         )
 
     def with_arrivals(self, arrival: np.ndarray) -> Trace:
@@ -211,7 +283,8 @@ class Trace:
         """The on-disk representation: one row per request, columns ``FRAME_COLUMNS``.
 
         ``arrival`` is NaN throughout when the trace has no timestamps; hashes and token ids are
-        space-separated strings (columns omitted when absent).
+        space-separated strings (columns omitted when absent, as is ``reject_reason`` when no row
+        is rejected).
         """
         arrival = self.arrival if self.has_timestamps else np.full(len(self), np.nan)
         frame = pd.DataFrame(
@@ -228,6 +301,11 @@ class Trace:
             frame["hash_block_size"] = np.full(len(self), self.hash_block_size, np.int64)
         if self.prompt_token_ids is not None:
             frame["prompt_token_ids"] = [join_ints(ids) for ids in self.prompt_token_ids]
+        if self.reject_reason is not None:
+            frame["reject_reason"] = self.reject_reason
+        for name in ("client", "priority", "slo_ttft", "slo_tpot"):
+            if getattr(self, name) is not None:
+                frame[name] = getattr(self, name)
         return frame
 
     @classmethod
@@ -246,6 +324,7 @@ class Trace:
         ids = None
         if "prompt_token_ids" in frame:
             ids = [split_ints(v) for v in frame["prompt_token_ids"]]
+        reasons = list(frame["reject_reason"]) if "reject_reason" in frame else None
         return cls(
             arrival=arrival,
             prompt_len=frame["prompt_len"].to_numpy(),
@@ -255,6 +334,9 @@ class Trace:
             prefix_hashes=hashes,
             hash_block_size=block,
             prompt_token_ids=ids,
+            reject_reason=reasons,
+            client=list(frame["client"]) if "client" in frame else None,
+            **{k: frame[k].to_numpy() for k in ("priority", "slo_ttft", "slo_tpot") if k in frame},
             name=name,
             source=source,
             has_timestamps=has_ts,
@@ -278,16 +360,19 @@ class Trace:
 
         ``mean_rate`` is (N-1)/duration, the inverse of the mean inter-arrival time;
         ``interarrival_cv`` is std/mean of inter-arrival times (1 for Poisson, >1 bursty).
+        ``num_requests`` counts every row; the length statistics cover the rows to serve, and
+        ``rejected`` (present when nonzero) counts the others.
         """
         out: dict[str, Any] = {"name": self.name, "num_requests": len(self), "has_timestamps": self.has_timestamps}
         out.update(self._timing())
-        out.update(_stats(self.prompt_len, "prompt"))
-        out.update(_stats(self.output_len, "output"))
+        serve = slice(None) if self.reject_reason is None else np.array([not r for r in self.reject_reason], bool)
+        out.update(_stats(self.prompt_len[serve], "prompt"))
+        out.update(_stats(self.output_len[serve], "output"))
         if self.prefix_hashes is not None:
             out["hash_block_size"] = self.hash_block_size
             out["prefix_reuse"] = prefix_reuse(self.prefix_hashes)
-        if self.dropped:
-            out["dropped"] = self.dropped
+        if self.num_rejected:
+            out["rejected"] = self.num_rejected
         return out
 
     def _timing(self) -> dict[str, float | None]:
