@@ -7,6 +7,16 @@ import sys
 from collections.abc import Sequence
 
 from analysis.report import replica_table, summary_table
+from pagesim.argtypes import (
+    fraction,
+    non_negative_float,
+    non_negative_int,
+    out_dir,
+    positive_float,
+    positive_int,
+    rate,
+    seed,
+)
 from policies.metrics import write_run
 from policies.registry import POLICIES
 from policies.router import MATCH_ROUTERS, ROUTERS
@@ -21,50 +31,47 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", default="sharegpt-like",
                    help=f"a trace file, or a synthetic workload: {', '.join(SYNTHETIC)} (default: sharegpt-like)")
     g.add_argument("--trace-format", choices=KNOWN_FORMATS, help="file format (default: detect from columns)")
-    g.add_argument("--num-requests", type=int, help="use the first N requests (synthetic default: 1000)")
-    g.add_argument("--rate", type=float, help="mean arrival rate, req/s (Poisson; rescales a timestamped trace)")
-    g.add_argument("--burstiness", type=float,
+    g.add_argument("--num-requests", type=positive_int, help="use the first N requests (synthetic default: 1000)")
+    g.add_argument("--rate", type=rate, help="mean arrival rate, req/s (Poisson; rescales a timestamped trace)")
+    g.add_argument("--burstiness", type=non_negative_float,
                    help="inter-arrival coefficient of variation (Gamma arrivals; 1 = Poisson, 0 = constant, evenly "
                         "spaced at 1/rate)")
-    g.add_argument("--n", type=int, help="parallel samples per request (overrides the trace)")
-    g.add_argument("--beam-width", type=int, help="beam width per request (overrides the trace)")
-    g.add_argument("--seed", type=int, default=0, help="seed for every random choice (default 0)")
+    g.add_argument("--n", type=positive_int, help="parallel samples per request (overrides the trace)")
+    g.add_argument("--beam-width", type=positive_int, help="beam width per request (overrides the trace)")
+    g.add_argument("--seed", type=seed, default=0, help="seed for every random choice (default 0)")
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("policy")
     g.add_argument("--policy", default="vllm", choices=list(POLICIES), help="scheduling policy (default vllm)")
-    g.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
+    g.add_argument("--block-size", type=positive_int, default=16, help="KV block size in tokens (default 16)")
     g.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    g.add_argument("--max-num-seqs", type=positive_int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=4096)
     g.add_argument("--chunked-prefill", action="store_true")
     g.add_argument("--prefix-caching", action="store_true")
 
 
 def add_replica_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("replicas (simulation only)")
-    g.add_argument("--replicas", type=int, default=1, help="model replicas, each with its own KV cache (default 1)")
+    g.add_argument("--replicas", type=positive_int, default=1, help="model replicas, each with its own KV cache (default 1)")
     g.add_argument("--router", default="round-robin", choices=list(ROUTERS),
                    help="how arrivals are spread over replicas (default round-robin)")
     g.add_argument("--replica-hardware", nargs="+", metavar="GPU",
                    help="each replica's GPU spec, e.g. a100-80gb a100-80gb h100-sxm (sets --replicas; roofline only)")
-    g.add_argument("--disaggregate", type=int, nargs=2, metavar=("PREFILL", "DECODE"),
+    g.add_argument("--disaggregate", type=positive_int, nargs=2, metavar=("PREFILL", "DECODE"),
                    help="disaggregated serving: PREFILL replicas compute prompts and first tokens, the KV moves to "
                         "DECODE replicas (policy vllm)")
     g.add_argument("--transfer-bandwidth", type=_gigabytes_per_s, metavar="GB/S",
                    help="with --disaggregate: the prefill -> decode KV link, GB/s (default: the NVLink bandwidth)")
-    g.add_argument("--max-imbalance", type=int,
+    g.add_argument("--max-imbalance", type=non_negative_int,
                    help="prefix-affinity, cache-aware: the most outstanding requests a matched replica may hold "
                         "above the least loaded (default 8)")
 
 
 def _gigabytes_per_s(text: str) -> float:
     """A bandwidth argument given in GB/s, as bytes/s."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 GB/s, got {text}")
-    return value * 1e9
+    return positive_float(text) * 1e9
 
 
 def _replica_count(args: argparse.Namespace) -> int:
@@ -98,25 +105,25 @@ def add_live_model_args(p: argparse.ArgumentParser) -> None:
                    help="smollm2-135m (real weights), a HF directory, a config.json, a catalogue name or a HF id in "
                         "--models-dir (random weights)")
     add_device_args(m)
-    m.add_argument("--num-gpu-blocks", type=int, default=512, help="KV cache size in blocks (default 512)")
-    m.add_argument("--num-cpu-blocks", type=int, default=512, help="CPU swap space in blocks (default 512)")
+    m.add_argument("--num-gpu-blocks", type=positive_int, default=512, help="KV cache size in blocks (default 512)")
+    m.add_argument("--num-cpu-blocks", type=non_negative_int, default=512, help="CPU swap space in blocks (default 512)")
 
 
 def add_study_args(p: argparse.ArgumentParser, trace: str, rates: list[float]) -> None:
     """The workload, model and hardware of a study that simulates one trace at several rates."""
     p.add_argument("--trace", default=trace, help=f"a trace file or a synthetic kind (default {trace})")
     p.add_argument("--trace-format", choices=KNOWN_FORMATS)
-    p.add_argument("--num-requests", type=int, default=1000)
-    p.add_argument("--rates", type=float, nargs="+", default=rates,
+    p.add_argument("--num-requests", type=positive_int, default=1000)
+    p.add_argument("--rates", type=rate, nargs="+", default=rates,
                    help=f"request rates, req/s (default {' '.join(f'{r:g}' for r in rates)})")
     p.add_argument("--model", default="opt-13b")
     p.add_argument("--hardware", default="a100-40gb")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--profile", help="price iterations with this profile (file or shipped name) instead of the "
                                      "roofline model; needs --num-gpu-blocks")
-    p.add_argument("--num-gpu-blocks", type=int, help="override the derived KV capacity (blocks)")
-    p.add_argument("--jobs", type=int, default=1,
+    p.add_argument("--num-gpu-blocks", type=positive_int, help="override the derived KV capacity (blocks)")
+    p.add_argument("--jobs", type=positive_int, default=1,
                    help="simulations run at once in worker processes (default 1; the results are the same)")
 
 
@@ -130,8 +137,17 @@ def _study_title(args: argparse.Namespace) -> str:
     return f"{args.model}, profile {args.profile}" if args.profile else f"{args.model} on {args.hardware}"
 
 
+def _check_workload_size(spec: str, num_requests: int | None) -> None:
+    """Refuse a synthetic workload too large to simulate before generating it (sim.limits); a trace
+    file's requests are counted when they become requests (sim.run.requests_from_trace)."""
+    from sim.limits import REQUEST_BYTES, check_fits
+    if spec in SYNTHETIC and num_requests:
+        check_fits(f"--num-requests {num_requests:,}", [(num_requests, REQUEST_BYTES)])
+
+
 def _study_trace(args: argparse.Namespace):
     from traces import resolve_trace
+    _check_workload_size(args.trace, args.num_requests)
     # the lengths are drawn once; each rate re-draws (or rescales) the arrivals
     return resolve_trace(args.trace, num_requests=args.num_requests, format=args.trace_format, seed=args.seed,
                          rate=args.rates[0])
@@ -140,9 +156,9 @@ def _study_trace(args: argparse.Namespace):
 def add_output_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Where a run writes (the same three files, simulated or live) and its goodput SLOs."""
     g = p.add_argument_group("output")
-    g.add_argument("--slo-ttft", type=float, help="TTFT SLO in seconds, for goodput")
-    g.add_argument("--slo-tpot", type=float, help="TPOT SLO in seconds, for goodput")
-    g.add_argument("--out", required=True, help="output directory")
+    g.add_argument("--slo-ttft", type=positive_float, help="TTFT SLO in seconds, for goodput")
+    g.add_argument("--slo-tpot", type=positive_float, help="TPOT SLO in seconds, for goodput")
+    g.add_argument("--out", type=out_dir, required=True, help="output directory")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     return g
 
@@ -164,10 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "one, or a HF id found in --models-dir (default opt-13b)")
     h.add_argument("--hardware", default="a100-40gb", help=f"GPU spec: {', '.join(HARDWARE)}, or a hardware JSON file "
                                                           "(default a100-40gb)")
-    h.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
-    h.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    h.add_argument("--num-gpu-blocks", type=int, help="override the derived KV capacity (blocks)")
-    h.add_argument("--num-cpu-blocks", type=int, help="override the swap space (blocks; default 4 GiB)")
+    h.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
+    h.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
+    h.add_argument("--num-gpu-blocks", type=positive_int, help="override the derived KV capacity (blocks)")
+    h.add_argument("--num-cpu-blocks", type=non_negative_int, help="override the swap space (blocks; default 4 GiB)")
     h.add_argument("--cost-model", choices=("roofline", "profiled"), default="roofline",
                    help="roofline (analytic, from --model and --hardware) or profiled (fitted, needs --profile)")
     h.add_argument("--profile", help="a profile file from `pagesim profile`, or a shipped profile's name "
@@ -179,9 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.set_defaults(func=cmd_simulate)
 
     demo = sub.add_parser("demo", help="a quick tour: vllm vs orca-oracle on a sharegpt-like trace")
-    demo.add_argument("--num-requests", type=int, default=600)
-    demo.add_argument("--rate", type=float, default=1.5)
-    demo.add_argument("--out", default="runs/demo")
+    demo.add_argument("--num-requests", type=positive_int, default=600)
+    demo.add_argument("--rate", type=rate, default=1.5)
+    demo.add_argument("--out", type=out_dir, default="runs/demo")
     demo.set_defaults(func=cmd_demo)
 
     live = sub.add_parser("live", help="replay a trace live on a real model (needs the backend extra)",
@@ -203,14 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="smollm2-135m (real weights), a HF directory, a config.json, a catalogue name or a HF id in "
                         "--models-dir (random weights)")
     add_device_args(prof)
-    prof.add_argument("--block-size", type=int, default=16)
+    prof.add_argument("--block-size", type=positive_int, default=16)
     prof.add_argument("--grid", choices=("default", "quick"), default="default",
                       help="default (35 points, about 2 minutes for SmolLM2 on 2 CPU cores) or quick (a dozen tiny ones, for smoke tests)")
-    prof.add_argument("--reps", type=int, help="timed repetitions per point (median kept; default 3)")
-    prof.add_argument("--block-sizes", type=int, nargs="+", default=[], metavar="BS",
+    prof.add_argument("--reps", type=positive_int, help="timed repetitions per point (median kept; default 3)")
+    prof.add_argument("--block-sizes", type=positive_int, nargs="+", default=[], metavar="BS",
                       help="also time every decode point at these block sizes, so that the fit can price "
                            "KV blocks apart from tokens (what makes small blocks slow)")
-    prof.add_argument("--seed", type=int, default=0)
+    prof.add_argument("--seed", type=seed, default=0)
     prof.add_argument("--from-run", nargs="+", metavar="DIR",
                       help="fit to the iterations of earlier `pagesim live` runs instead of running a grid "
                            "(their measured step times, scheduling included)")
@@ -235,16 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate completions for prompts on a real model")
     gen.add_argument("--model", default="smollm2-135m")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--max-tokens", type=positive_int, default=64)
     mode = gen.add_mutually_exclusive_group()
     mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
-    mode.add_argument("--temperature", type=float, help="sample at this temperature")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=0)
+    mode.add_argument("--temperature", type=non_negative_float, help="sample at this temperature")
+    gen.add_argument("--top-p", type=fraction, default=1.0)
+    gen.add_argument("--top-k", type=non_negative_int, default=0)
+    gen.add_argument("--seed", type=seed, default=0)
     width = gen.add_mutually_exclusive_group()
-    width.add_argument("--n", type=int, default=1, help="parallel samples per prompt")
-    width.add_argument("--beam-width", type=int, default=1)
+    width.add_argument("--n", type=positive_int, default=1, help="parallel samples per prompt")
+    width.add_argument("--beam-width", type=positive_int, default=1)
     gen.add_argument("--ignore-eos", action="store_true")
     add_device_args(gen)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
@@ -256,33 +272,33 @@ def build_parser() -> argparse.ArgumentParser:
     add_study_args(sw, "sharegpt-like", [0.5, 1.0, 1.5, 2.0, 2.5])
     sw.add_argument("--policies", nargs="+", default=["vllm", "orca-oracle", "orca-pow2", "orca-max"],
                     choices=list(POLICIES))
-    sw.add_argument("--tp", type=int, default=1)
-    sw.add_argument("--max-num-seqs", type=int, default=256)
-    sw.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    sw.add_argument("--n", type=int)
-    sw.add_argument("--beam-width", type=int)
+    sw.add_argument("--tp", type=positive_int, default=1)
+    sw.add_argument("--max-num-seqs", type=positive_int, default=256)
+    sw.add_argument("--max-num-batched-tokens", type=positive_int, default=4096)
+    sw.add_argument("--n", type=positive_int)
+    sw.add_argument("--beam-width", type=positive_int)
     paged = sw.add_argument_group("vllm options (the contiguous baselines run without them)")
     paged.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
     paged.add_argument("--chunked-prefill", action="store_true")
     paged.add_argument("--prefix-caching", action="store_true")
     add_replica_args(sw)
-    sw.add_argument("--latency-limit", type=float, default=1.0,
+    sw.add_argument("--latency-limit", type=positive_float, default=1.0,
                     help="normalized latency (s/token) for the max-sustainable-rate line (default 1.0)")
-    sw.add_argument("--out", required=True)
+    sw.add_argument("--out", type=out_dir, required=True)
     sw.set_defaults(func=cmd_sweep)
 
     sh = sub.add_parser("sharing", help="memory saved by block sharing under parallel sampling and beam search",
                         description="The vLLM paper's Figure 15 measure: blocks saved by sharing / blocks "
                                     "without sharing, time-averaged, for each width and rate (policy vllm).")
     add_study_args(sh, "alpaca-like", [10.0])
-    sh.add_argument("--n", type=int, nargs="*", default=[2, 4, 6], help="parallel sampling widths (default 2 4 6)")
-    sh.add_argument("--beam-width", type=int, nargs="*", default=[2, 4, 6], help="beam widths (default 2 4 6)")
-    sh.add_argument("--beam-decay", type=float, nargs="+", default=[0.5],
+    sh.add_argument("--n", type=positive_int, nargs="*", default=[2, 4, 6], help="parallel sampling widths (default 2 4 6)")
+    sh.add_argument("--beam-width", type=positive_int, nargs="*", default=[2, 4, 6], help="beam widths (default 2 4 6)")
+    sh.add_argument("--beam-decay", type=positive_float, nargs="+", default=[0.5],
                     help="q of the simulated beam rule (parents picked ~ q^rank; measure it with `pagesim beams`): "
                          "one value, or one per --beam-width (default 0.5)")
     sh.add_argument("--beam-picks", help="a measured pick table (`pagesim beams --out`) for the widths it covers, "
                                          "instead of the q^rank rule")
-    sh.add_argument("--out", help="write sharing.csv here")
+    sh.add_argument("--out", type=out_dir, help="write sharing.csv here")
     sh.set_defaults(func=cmd_sharing)
 
     rt = sub.add_parser("routing", help="compare routers across replicas over request rates (simulated)",
@@ -292,21 +308,21 @@ def build_parser() -> argparse.ArgumentParser:
                                     "prefixes, more than one replica's cache holds.")
     add_study_args(rt, "shared-prefix", [4.0, 8.0, 12.0, 16.0, 24.0])
     rt.set_defaults(model="llama-3.1-8b", hardware="a100-80gb")
-    rt.add_argument("--replicas", type=int, default=4, help="replicas (default 4)")
+    rt.add_argument("--replicas", type=positive_int, default=4, help="replicas (default 4)")
     rt.add_argument("--replica-hardware", nargs="+", metavar="GPU",
                     help="each replica's GPU spec (sets --replicas; default: all on --hardware)")
     rt.add_argument("--routers", nargs="+", default=["round-robin", "least-loaded", "prefix-affinity", "cache-aware"],
                     choices=list(ROUTERS))
-    rt.add_argument("--max-imbalance", type=int, help="prefix-affinity's and cache-aware's load cap (default 8)")
+    rt.add_argument("--max-imbalance", type=non_negative_int, help="prefix-affinity's and cache-aware's load cap (default 8)")
     rt.add_argument("--no-prefix-caching", action="store_true", help="turn the replicas' prefix caches off")
-    rt.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget (default 8192)")
+    rt.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, help="token budget (default 8192)")
     rt.add_argument("--no-chunked-prefill", action="store_true", help="prefill whole prompts (default: chunked)")
     sp = rt.add_argument_group("the shared-prefix workload (when --trace shared-prefix)")
-    sp.add_argument("--num-prefixes", type=int, default=200)
-    sp.add_argument("--prefix-len", type=int, default=4096)
-    sp.add_argument("--suffix-len", type=int, default=128)
-    sp.add_argument("--output-len", type=int, default=256)
-    rt.add_argument("--out", required=True)
+    sp.add_argument("--num-prefixes", type=positive_int, default=200)
+    sp.add_argument("--prefix-len", type=non_negative_int, default=4096)
+    sp.add_argument("--suffix-len", type=non_negative_int, default=128)
+    sp.add_argument("--output-len", type=positive_int, default=256)
+    rt.add_argument("--out", type=out_dir, required=True)
     rt.set_defaults(func=cmd_routing)
 
     cap = sub.add_parser("capacity", help="the fewest replicas that serve a trace within latency SLOs (simulated)",
@@ -316,15 +332,15 @@ def build_parser() -> argparse.ArgumentParser:
                                      "configuration simulated) and capacity.png to --out.")
     add_study_args(cap, "sharegpt-like", [10.0, 20.0, 40.0])
     cap.add_argument("--routers", nargs="+", default=["least-loaded"], choices=list(ROUTERS))
-    cap.add_argument("--slo-ttft", type=float, help="TTFT SLO, seconds")
-    cap.add_argument("--slo-tpot", type=float, help="TPOT SLO, seconds")
-    cap.add_argument("--attainment", type=float, default=0.9, help="share of requests within the SLOs (default 0.9)")
-    cap.add_argument("--max-replicas", type=int, default=64)
-    cap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of each replica (GPUs = replicas x tp)")
+    cap.add_argument("--slo-ttft", type=positive_float, help="TTFT SLO, seconds")
+    cap.add_argument("--slo-tpot", type=positive_float, help="TPOT SLO, seconds")
+    cap.add_argument("--attainment", type=fraction, default=0.9, help="share of requests within the SLOs (default 0.9)")
+    cap.add_argument("--max-replicas", type=positive_int, default=64)
+    cap.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree of each replica (GPUs = replicas x tp)")
     cap.add_argument("--prefix-caching", action="store_true")
     cap.add_argument("--chunked-prefill", action="store_true")
-    cap.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    cap.add_argument("--out", required=True)
+    cap.add_argument("--max-num-batched-tokens", type=positive_int, default=4096)
+    cap.add_argument("--out", type=out_dir, required=True)
     cap.set_defaults(func=cmd_capacity)
 
     dg = sub.add_parser("disagg", help="colocated or disaggregated prefill/decode on the same GPUs (simulated)",
@@ -333,16 +349,16 @@ def build_parser() -> argparse.ArgumentParser:
                                     "disagg.png (P90 TTFT, P90 TPOT, normalized latency against rate) to --out.")
     add_study_args(dg, "sharegpt-like", [4.0, 8.0, 12.0])
     dg.set_defaults(model="llama-3-8b", hardware="a100-80gb")
-    dg.add_argument("--gpus", type=int, default=4, help="GPUs in every setup (default 4)")
+    dg.add_argument("--gpus", type=positive_int, default=4, help="GPUs in every setup (default 4)")
     dg.add_argument("--splits", nargs="+", metavar="P+D", help="prefill+decode splits to try (default: all)")
     dg.add_argument("--router", default="least-loaded", choices=list(ROUTERS),
                     help="router over the colocated replicas and over the prefill replicas (default least-loaded)")
     dg.add_argument("--transfer-bandwidth", type=_gigabytes_per_s, metavar="GB/S", help="KV link (default: NVLink)")
-    dg.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    dg.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
     dg.add_argument("--chunked-prefill", action="store_true", help="chunked prefill in every replica")
-    dg.add_argument("--slo-ttft", type=float)
-    dg.add_argument("--slo-tpot", type=float)
-    dg.add_argument("--out", required=True)
+    dg.add_argument("--slo-ttft", type=positive_float)
+    dg.add_argument("--slo-tpot", type=positive_float)
+    dg.add_argument("--out", type=out_dir, required=True)
     dg.set_defaults(func=cmd_disagg)
 
     bsz = sub.add_parser("block-size", help="one trace at each block size, the KV capacity held fixed (simulated)",
@@ -352,11 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      "more only under a profile measured at several block sizes "
                                      "(`pagesim profile --block-sizes`).")
     add_study_args(bsz, "sharegpt-like", [2.0])
-    bsz.add_argument("--block-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
-    bsz.add_argument("--kv-tokens", type=int, help="KV cache capacity in tokens at every block size (needed with "
+    bsz.add_argument("--block-sizes", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    bsz.add_argument("--kv-tokens", type=positive_int, help="KV cache capacity in tokens at every block size (needed with "
                                                    "--profile; default: what --model leaves on --hardware)")
     bsz.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
-    bsz.add_argument("--out", required=True)
+    bsz.add_argument("--out", type=out_dir, required=True)
     bsz.set_defaults(func=cmd_block_size)
 
     pre = sub.add_parser("preemption", help="recompute or swap: cost per block size, and end to end (simulated)",
@@ -366,14 +382,14 @@ def build_parser() -> argparse.ArgumentParser:
                                      "preemption.png to --out.")
     pre.add_argument("--model", default="opt-13b")
     pre.add_argument("--hardware", default="a100-40gb")
-    pre.add_argument("--block-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
-    pre.add_argument("--tokens", type=int, default=1024, help="tokens swapped or recomputed (default 1024)")
+    pre.add_argument("--block-sizes", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    pre.add_argument("--tokens", type=positive_int, default=1024, help="tokens swapped or recomputed (default 1024)")
     pre.add_argument("--trace", default="sharegpt-like")
     pre.add_argument("--trace-format", choices=KNOWN_FORMATS)
-    pre.add_argument("--num-requests", type=int, default=1000, help="requests simulated (0: microbenchmark only)")
-    pre.add_argument("--rate", type=float, default=2.0, help="request rate, req/s (default 2)")
-    pre.add_argument("--seed", type=int, default=0)
-    pre.add_argument("--out", required=True)
+    pre.add_argument("--num-requests", type=non_negative_int, default=1000, help="requests simulated (0: microbenchmark only)")
+    pre.add_argument("--rate", type=rate, default=2.0, help="request rate, req/s (default 2)")
+    pre.add_argument("--seed", type=seed, default=0)
+    pre.add_argument("--out", type=out_dir, required=True)
     pre.set_defaults(func=cmd_preemption)
 
     bm = sub.add_parser("beams", help="measure how live beam search picks parents; fit the simulator's beam rule",
@@ -382,10 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "probability proportional to q^rank; `simulate`/`sharing --beam-decay`).")
     bm.add_argument("--model", default="smollm2-135m")
     add_device_args(bm)
-    bm.add_argument("--beam-width", type=int, nargs="+", default=[2, 4, 6])
-    bm.add_argument("--max-tokens", type=int, default=58, help="tokens per beam (default 58, Alpaca's mean output)")
+    bm.add_argument("--beam-width", type=positive_int, nargs="+", default=[2, 4, 6])
+    bm.add_argument("--max-tokens", type=positive_int, default=58, help="tokens per beam (default 58, Alpaca's mean output)")
     bm.add_argument("--prompts-file", help="one prompt per line (default: 24 built-in short instructions)")
-    bm.add_argument("--seed", type=int, default=0)
+    bm.add_argument("--seed", type=seed, default=0)
     bm.add_argument("--out", help="write the counts and fits here (.json)")
     bm.set_defaults(func=cmd_beams)
 
@@ -435,14 +451,15 @@ def _sim_config(args: argparse.Namespace, policy: str | None = None):
 
 def _load_workload(args: argparse.Namespace):
     from traces import resolve_trace
+    _check_workload_size(args.trace, args.num_requests)
     return resolve_trace(args.trace, num_requests=args.num_requests, rate=args.rate,
                          burstiness=args.burstiness, seed=args.seed, format=args.trace_format)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from sim.run import run_simulation
+    cfg = _sim_config(args)  # first: a bad setting fails before the trace is read
     trace = _load_workload(args)
-    cfg = _sim_config(args)
     result = run_simulation(cfg, trace, progress=not args.quiet)
     out = write_run(args.out, result.requests, result.iterations, result.summary)
     print(summary_table({cfg.policy: result.summary}))
@@ -461,6 +478,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from sim.run import SimConfig, run_simulation
     from traces import resolve_trace
+    _check_workload_size("sharegpt-like", args.num_requests)
     trace = resolve_trace("sharegpt-like", num_requests=args.num_requests, rate=args.rate, seed=0)
     print(f"pagesim demo: {len(trace)} sharegpt-like requests (synthetic, fitted to the vLLM paper's "
           f"ShareGPT statistics), Poisson at {args.rate} req/s, OPT-13B on one A100-40GB\n")
@@ -524,6 +542,7 @@ def cmd_routing(args: argparse.Namespace) -> int:
     from traces.synthetic import make_synthetic
 
     if args.trace == "shared-prefix":
+        _check_workload_size(args.trace, args.num_requests)
         trace = apply_arrivals(make_synthetic("shared-prefix", args.num_requests, seed=args.seed,
                                               num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
                                               suffix_len=args.suffix_len, output_len=args.output_len),
@@ -599,6 +618,7 @@ def cmd_preemption(args: argparse.Namespace) -> int:
     from sim.run import SimConfig
     from sim.specs import get_hardware, get_model
 
+    _check_workload_size(args.trace, args.num_requests)  # before the microbenchmark writes anything
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     micro = microbenchmark(RooflineCostModel(get_model(args.model), get_hardware(args.hardware)), args.block_sizes,
@@ -1145,7 +1165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _resolve_specs(args)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"pagesim: error: {exc}", file=sys.stderr)
+        print(f"pagesim {args.command}: error: {exc}", file=sys.stderr)  # as argparse words its errors
         return 2
 
 

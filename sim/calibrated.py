@@ -47,7 +47,9 @@ ArrayLike = Any
 CALIBRATION_FORMAT = "pagesim-calibration"
 CALIBRATION_VERSION = 1
 SHIPPED_DIR = Path(__file__).parent / "calibrations"
-_ELEMENTWISE_KERNELS = 6  # per layer: two norms, rotary embedding, activation, two residual adds
+# Elementwise kernels per layer as vLLM runs them: two RMSNorms with the residual add fused in,
+# the rotary embedding (in place on q and k) and the gated activation.
+_ELEMENTWISE_KERNELS = 4
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,9 @@ class CalibratedCostModel(CostModel):
         self._gemms = gemms
         self._lm = _Gemm(m.vocab_size * h / tp, h + m.vocab_size / tp, 1)
         act = (3 * s.top_k * s.moe_intermediate if s.is_moe else (3 * f if m.arch == "llama" else 2 * f))
-        self._ew_bytes = self._d * L * (4 * h + 6 * h + 2 * (q + kv) / tp + act / tp)  # per token, all layers
+        # per token, all layers: each add+norm reads x and the residual, writes both; rotary reads and
+        # writes q and k; the activation reads gate and up, writes their product
+        self._ew_bytes = self._d * L * (8 * h + 2 * (q + kv) / tp + act / tp)
         self._ew_floor = _ELEMENTWISE_KERNELS * L * self.params.elementwise_floor_s
         self._kv_bytes = m.kv_bytes_per_token / tp
         self._pair_flops = s.attn_flops_per_pair / tp

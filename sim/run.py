@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,12 +24,18 @@ from policies.scheduler import Scheduler
 from sim.cost_model import CostModel, RooflineCostModel
 from sim.engine import ArrivalFeed, Replica, arrival_process, engine_process
 from sim.executor import SimulatedExecutor, load_beam_picks
+from sim.limits import CPU_BLOCK_BYTES, GPU_BLOCK_BYTES, REQUEST_BYTES, check_fits
 from sim.specs import get_hardware, get_model, kv_capacity_blocks
 from traces.trace import Trace
 
 
 @dataclass
 class SimConfig:
+    """One simulation's settings. Construction refuses values no run could use (ValueError naming
+    the field and the `pagesim` flag that sets it): tp must split the model's attention and KV heads
+    evenly; num_gpu_blocks, when given, is >= 1 (None derives it from the hardware); seeds lie in
+    [0, 2**32); SLOs are finite and > 0; a given cache size must fit in this machine's memory."""
+
     model: str = "opt-13b"
     hardware: str = "a100-40gb"
     tp: int = 1
@@ -61,8 +68,60 @@ class SimConfig:
     fast_forward: bool = True
     debug: bool = False
 
+    def __post_init__(self) -> None:
+        _check_config(self)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _check_config(cfg: SimConfig) -> None:
+    if not isinstance(cfg.seed, (int, np.integer)) or not 0 <= cfg.seed < 2**32:
+        raise ValueError(f"seed (--seed): must be an integer in [0, 2**32), got {cfg.seed!r}")
+    for name in ("slo_ttft", "slo_tpot"):
+        value = getattr(cfg, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} (--{name.replace('_', '-')}): must be a finite number of seconds > 0, "
+                             f"got {value!r}")
+    if cfg.num_gpu_blocks is not None and cfg.num_gpu_blocks < 1:
+        raise ValueError(f"num_gpu_blocks (--num-gpu-blocks): must be >= 1 (leave it unset to derive the cache "
+                         f"from the hardware), got {cfg.num_gpu_blocks}")
+    if cfg.num_cpu_blocks is not None and cfg.num_cpu_blocks < 0:
+        raise ValueError(f"num_cpu_blocks (--num-cpu-blocks): must be >= 0, got {cfg.num_cpu_blocks}")
+    if not 0 < cfg.gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization (--gpu-memory-utilization): must be in (0, 1], "
+                         f"got {cfg.gpu_memory_utilization}")
+    _check_tp(cfg)
+    _check_cache_memory(cfg)
+
+
+def _check_tp(cfg: SimConfig) -> None:
+    """Tensor parallelism splits the attention heads and the KV heads evenly over the GPUs."""
+    if not isinstance(cfg.tp, (int, np.integer)) or cfg.tp < 1:
+        raise ValueError(f"tp (--tp): must be an integer >= 1, got {cfg.tp!r}")
+    if cfg.tp == 1:
+        return
+    try:
+        model = get_model(cfg.model)
+    except (ValueError, OSError):
+        return  # an unknown model fails where it is used, listing the known ones
+    heads = math.gcd(model.num_heads, model.num_kv_heads)
+    if heads % cfg.tp:
+        fits = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ValueError(f"tp (--tp): {cfg.tp} does not divide {model.name}'s {model.num_heads} attention heads and "
+                         f"{model.num_kv_heads} KV heads evenly; use one of {', '.join(map(str, fits))}")
+
+
+def _check_cache_memory(cfg: SimConfig) -> None:
+    """A given cache size (every replica holds one) must fit in memory as block bookkeeping."""
+    if cfg.num_gpu_blocks is None and cfg.num_cpu_blocks is None:
+        return  # derived from a hardware spec: at most a few million blocks
+    replicas = sum(cfg.disaggregate) if cfg.disaggregate else max(cfg.replicas, 1)
+    gpu, cpu = cfg.num_gpu_blocks or 0, cfg.num_cpu_blocks or 0
+    what = " and ".join(f"{n:,} {kind} blocks ({flag})" for n, kind, flag in
+                        ((gpu, "GPU", "--num-gpu-blocks"), (cpu, "CPU", "--num-cpu-blocks")) if n)
+    check_fits(f"a KV cache of {what}" + (f" on each of {replicas} replicas" if replicas > 1 else ""),
+               [(replicas * gpu, GPU_BLOCK_BYTES), (replicas * cpu, CPU_BLOCK_BYTES)])
 
 
 @dataclass
@@ -76,8 +135,11 @@ class SimResult:
 
 def requests_from_trace(trace: Trace, max_model_len: int, n: int | None = None,
                         beam_width: int | None = None) -> list[Request]:
-    """Trace rows as requests that decode exactly the trace's output length (ignore EOS).
-    max_tokens is what the context leaves after the prompt (what Orca-Max reserves)."""
+    """Trace rows as requests that decode exactly the trace's output length (ignore EOS), one per
+    row: a row with a reject reason (trace.reject_reason) becomes a request the scheduler rejects
+    on arrival with that reason. max_tokens is what the context leaves after the prompt (what
+    Orca-Max reserves). Refuses (ValueError) a trace whose requests could not fit in memory."""
+    check_fits(f"{len(trace):,} requests", [(len(trace), REQUEST_BYTES)])
     prompts, outputs = trace.prompt_len.tolist(), trace.output_len.tolist()
     arrivals = trace.arrival.astype(float).tolist()
     ns = [n] * len(trace) if n is not None else trace.n.tolist()
@@ -85,6 +147,7 @@ def requests_from_trace(trace: Trace, max_model_len: int, n: int | None = None,
     hashes = trace.prefix_hashes
     ids = trace.prompt_token_ids
     hbs = trace.hash_block_size or 16
+    reasons = trace.reject_reason or [""] * len(trace)
     params: dict[tuple[int, int, int], SamplingParams] = {}  # frozen, so equal ones are shared
     reqs = []
     for i, (p, out, arrival, ni, bi) in enumerate(zip(prompts, outputs, arrivals, ns, beams)):
@@ -93,7 +156,8 @@ def requests_from_trace(trace: Trace, max_model_len: int, n: int | None = None,
         if sp is None:
             sp = params[key] = SamplingParams(max_tokens=key[0], ignore_eos=True, n=ni, beam_width=bi)
         reqs.append(Request(i, arrival, p, sp, out, None if ids is None or ids[i] is None else list(ids[i]),
-                            None if hashes is None or hashes[i] is None else tuple(hashes[i]), hbs))
+                            None if hashes is None or hashes[i] is None else tuple(hashes[i]), hbs,
+                            reject_reason=reasons[i] or None))
     return reqs
 
 
@@ -131,8 +195,10 @@ def _spec_name(model: str) -> str:
 def num_blocks_for(cfg: SimConfig) -> tuple[int, int]:
     """(GPU KV blocks, CPU swap blocks) for the configuration."""
     model, hw = get_model(cfg.model), get_hardware(cfg.hardware)
-    gpu = cfg.num_gpu_blocks or kv_capacity_blocks(model, hw, block_size=cfg.block_size, tp=cfg.tp,
-                                                   gpu_memory_utilization=cfg.gpu_memory_utilization)
+    gpu = cfg.num_gpu_blocks  # 0 is refused by SimConfig, never replaced by the derived size
+    if gpu is None:
+        gpu = kv_capacity_blocks(model, hw, block_size=cfg.block_size, tp=cfg.tp,
+                                 gpu_memory_utilization=cfg.gpu_memory_utilization)
     # swap_space_gib is per GPU, as vLLM's swap_space; each of the tp GPUs holds 1/tp of a block
     cpu = cfg.num_cpu_blocks
     if cpu is None:

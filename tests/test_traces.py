@@ -122,14 +122,17 @@ BURSTGPT = """Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Ty
 """
 
 
-def test_burstgpt_drops_failed_requests(tmp_path):
+def test_burstgpt_keeps_failed_requests_as_rejected_rows(tmp_path):
     path = write(tmp_path / "BurstGPT_1.csv", BURSTGPT)
-    with pytest.warns(UserWarning, match="dropped 2 failed"):
+    with pytest.warns(UserWarning, match="2 failed requests .* kept as rejected rows"):
         trace = load_trace(path)
-    assert trace.dropped == 2 and trace.info()["dropped"] == 2
-    assert list(trace.prompt_len) == [472, 417, 1360]
-    assert list(trace.output_len) == [18, 276, 95]
-    assert list(trace.arrival) == [5.0, 118.0, 130.0]
+    assert len(trace) == 5 and trace.num_rejected == 2 and trace.info()["rejected"] == 2
+    assert list(trace.prompt_len) == [472, 1087, 417, 0, 1360]
+    assert list(trace.output_len) == [18, 0, 276, 0, 95]
+    assert list(trace.arrival) == [5.0, 45.0, 118.0, 120.0, 130.0]
+    assert trace.reject_reason == ["", "zero response tokens in the trace (BurstGPT_1.csv line 3)", "",
+                                   "zero request and response tokens in the trace (BurstGPT_1.csv line 5)", ""]
+    assert trace.info()["prompt_max"] == 1360 and trace.info()["output_mean"] == (18 + 276 + 95) / 3  # served rows
 
 
 def test_burstgpt_error_line_numbers_survive_dropping(tmp_path):

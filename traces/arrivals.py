@@ -37,6 +37,14 @@ def _check_burstiness(value: float) -> float:
         raise ValueError(f"burstiness must be a finite number >= 0 (0: constant arrivals), got {value!r}") from None
 
 
+def _check_rate(value: float) -> float:
+    """A rate > 0 whose mean gap 1/rate is finite too (1e-320 passes > 0 but its gap overflows)."""
+    rate = _check_positive(value, "rate")
+    if not math.isfinite(1.0 / rate):
+        raise ValueError(f"rate {value!r} is too small: the mean gap 1/rate overflows")
+    return rate
+
+
 def _check_count(n: int) -> int:
     if int(n) != n or n < 0:
         raise ValueError(f"n must be an integer >= 0, got {n!r}")
@@ -46,13 +54,13 @@ def _check_count(n: int) -> int:
 def constant(n: int, rate: float) -> np.ndarray:
     """Evenly spaced arrivals, one every 1/rate seconds (what load generators such as
     inference-perf's "constant" load run); no randomness, so no seed."""
-    n, rate = _check_count(n), _check_positive(rate, "rate")
+    n, rate = _check_count(n), _check_rate(rate)
     return np.arange(1, n + 1, dtype=np.float64) / rate
 
 
 def poisson(n: int, rate: float, seed: int = 0) -> np.ndarray:
     """Poisson process: exponential inter-arrival gaps with mean 1/rate."""
-    n, rate = _check_count(n), _check_positive(rate, "rate")
+    n, rate = _check_count(n), _check_rate(rate)
     return np.cumsum(_rng(seed).exponential(1.0 / rate, size=n))
 
 
@@ -62,7 +70,7 @@ def gamma(n: int, rate: float, cv: float, seed: int = 0) -> np.ndarray:
     Shape k = 1/cv^2, scale = 1/(rate*k). cv = 1 is the exponential (Poisson); cv > 1 is burstier
     (clumps of arrivals separated by long gaps), cv < 1 more regular.
     """
-    n, rate = _check_count(n), _check_positive(rate, "rate")
+    n, rate = _check_count(n), _check_rate(rate)
     cv = _check_positive(cv, "cv")
     shape = 1.0 / (cv * cv)
     return np.cumsum(_rng(seed).gamma(shape, 1.0 / (rate * shape), size=n))
@@ -74,7 +82,7 @@ def rescale(timestamps: np.ndarray, rate: float) -> np.ndarray:
     The result starts at 0 and its mean rate (N-1)/duration equals ``rate``; relative gaps (and
     hence the inter-arrival CV) are unchanged.
     """
-    rate = _check_positive(rate, "rate")
+    rate = _check_rate(rate)
     ts = np.asarray(timestamps, dtype=np.float64)
     duration = float(ts[-1] - ts[0]) if len(ts) else 0.0
     if len(ts) < 2 or duration <= 0:
@@ -94,7 +102,7 @@ def apply_arrivals(
     ``burstiness`` only shapes generated arrivals, so it is refused for a timestamped trace.
     """
     if rate is not None:
-        rate = _check_positive(rate, "rate")
+        rate = _check_rate(rate)
     if burstiness is not None:
         burstiness = _check_burstiness(burstiness)
     label = trace.name or "trace"

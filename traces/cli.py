@@ -113,8 +113,8 @@ def format_info(info: dict[str, Any]) -> str:
         ("source", info.get("source", "")),
         ("requests", f"{info['num_requests']:,}"),
     ]
-    if info.get("dropped"):
-        rows.append(("dropped", f"{info['dropped']:,} failed requests"))
+    if info.get("rejected"):
+        rows.append(("rejected", f"{info['rejected']:,} requests that cannot be served (e.g. zero tokens)"))
     if info["has_timestamps"]:
         rows += [
             ("duration", f"{_num(info['duration_s'])} s"),

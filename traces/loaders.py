@@ -14,7 +14,7 @@ import json
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,11 @@ from traces.trace import Trace, split_ints
 KNOWN_FORMATS = ("azure", "length-csv", "splitwise", "mooncake", "burstgpt", "pagesim")
 
 MOONCAKE_BLOCK = 512  # Mooncake hash_ids name 512-token prompt blocks
+
+# The largest token count a trace may hold: beyond 2**53 float64 (how CSV numbers are parsed) no
+# longer holds every integer, and int64 (how lengths are stored) wraps at 2**63. No model's context
+# comes near either.
+MAX_LENGTH = 2**53
 
 # Column aliases for Splitwise-style processed traces: Vidur's trace replay uses
 # arrived_at/num_prefill_tokens/num_decode_tokens, splitwise-sim uses
@@ -89,19 +94,23 @@ def _numeric(frame: pd.DataFrame, column: str, where: _Where, expected: str) -> 
     return values.astype(np.float64)
 
 
-def _lengths(frame: pd.DataFrame, column: str, where: _Where) -> np.ndarray:
-    """A token-length column as int64, every value a positive integer."""
-    expected = "a positive integer token count"
+def _lengths(frame: pd.DataFrame, column: str, where: _Where, minimum: int = 1) -> np.ndarray:
+    """A token-length column as int64, every value an integer in [minimum, MAX_LENGTH]."""
+    expected = "a positive integer token count" if minimum == 1 else f"an integer token count >= {minimum}"
     values = _numeric(frame, column, where, expected)
     frac = ~np.isfinite(values) | (values != np.floor(values))
     if frac.any():
         label = values.index[frac.argmax()]
         raise where.fail(label, column, f"non-integer length {float(values[label])!r}, expected {expected}")
-    small = values < 1
+    small = values < minimum
     if small.any():
         label = values.index[small.argmax()]
         kind = "zero" if values[label] == 0 else "negative"
         raise where.fail(label, column, f"{kind} length {int(values[label])}, expected {expected}")
+    large = values > MAX_LENGTH
+    if large.any():
+        label = values.index[large.argmax()]
+        raise where.fail(label, column, f"length {int(values[label])} is too large, expected at most 2**53")
     return values.to_numpy(np.int64)
 
 
@@ -118,7 +127,7 @@ def _seconds(frame: pd.DataFrame, column: str, where: _Where, scale: float = 1.0
 # ---------------------------------------------------------------- reading files
 
 
-_TEXT_COLUMNS = {"prefix_hashes": str, "prompt_token_ids": str}
+_TEXT_COLUMNS = {"prefix_hashes": str, "prompt_token_ids": str, "reject_reason": str}
 
 
 def _read_csv(path: Path) -> pd.DataFrame:
@@ -129,7 +138,9 @@ def _read_csv(path: Path) -> pd.DataFrame:
         # Int-list columns stay strings: a column of single hashes would otherwise parse as
         # numbers, and as lossy floats when some cells are empty.
         frame = pd.read_csv(path, skip_blank_lines=False, skipinitialspace=True, dtype=_TEXT_COLUMNS)
-    except (pd.errors.ParserError, UnicodeDecodeError, pd.errors.EmptyDataError) as exc:
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(path) from exc
+    except (pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
         raise TraceFormatError(f"{path}: cannot parse as CSV: {exc}") from exc
     frame.columns = [str(c).strip() for c in frame.columns]
     frame = frame.dropna(how="all")
@@ -148,11 +159,31 @@ def _read_parquet(path: Path) -> pd.DataFrame:
     return frame.reset_index(drop=True)
 
 
+def _bad_byte(path: Path, lineno: int, raw: bytes, exc: UnicodeDecodeError) -> TraceFormatError:
+    return TraceFormatError(f"{path}: line {lineno}: byte 0x{raw[exc.start:exc.start + 1].hex()} at column "
+                            f"{exc.start + 1} is not UTF-8, expected UTF-8 text")
+
+
+def _not_utf8(path: Path) -> TraceFormatError:
+    """The error for a file that is not UTF-8, naming the first offending line and byte."""
+    with path.open("rb") as handle:
+        for lineno, raw in enumerate(handle, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return _bad_byte(path, lineno, raw, exc)
+    return TraceFormatError(f"{path}: not UTF-8 text")  # pragma: no cover - the decoder failed somewhere
+
+
 def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
     """(1-based line number, object) for each non-blank line."""
     records = []
-    with path.open("r", encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:  # bytes, so that a non-UTF-8 line is reported by its number
+        for lineno, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _bad_byte(path, lineno, raw, exc) from exc
             if not line.strip():
                 continue
             try:
@@ -182,7 +213,7 @@ def _build(path: Path, arrival: np.ndarray | None, prompt: np.ndarray, output: n
     order = _sorted_order(arrival, path) if has_ts else None
     if order is not None:
         arrival, prompt, output = arrival[order], prompt[order], output[order]
-        for key in ("prefix_hashes", "prompt_token_ids"):
+        for key in ("prefix_hashes", "prompt_token_ids", "reject_reason"):
             if extra.get(key) is not None:
                 extra[key] = [extra[key][i] for i in order]
         for key in ("n", "beam_width"):
@@ -207,14 +238,32 @@ def _load_azure(path: Path) -> Trace:
     where = _Where(path)
     _require(frame, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"), where, "azure")
     raw = frame["TIMESTAMP"]
+    _one_time_zone(raw, where)
     # pandas parses the 7 fractional digits that datetime.strptime's %f rejects.
-    stamps = pd.to_datetime(raw, errors="coerce", format="ISO8601")
+    try:
+        stamps = pd.to_datetime(raw, errors="coerce", format="ISO8601")
+    except ValueError as exc:  # pragma: no cover - mixed zones are caught above; anything else pandas refuses
+        raise TraceFormatError(f"{path}: column 'TIMESTAMP': {exc}") from exc
     bad = stamps.isna()
     if bad.any():
         label = raw.index[bad.argmax()]
         raise where.fail(label, "TIMESTAMP", f"{raw[label]!r} is not a date-time like 2023-11-16 18:15:46.6805900")
     arrival = (stamps - stamps.min()).dt.total_seconds().to_numpy(np.float64)
     return _build(path, arrival, _lengths(frame, "ContextTokens", where), _lengths(frame, "GeneratedTokens", where))
+
+
+def _one_time_zone(raw: pd.Series, where: _Where) -> None:
+    """Refuse date-times in more than one time zone (or some with a zone, some without): the
+    arrival gaps between them would depend on a conversion the trace does not state."""
+    zone = raw.astype(str).str.extract(r"\d\d:\d\d(?::\d\d(?:\.\d*)?)?\s*(Z|[+-]\d\d(?::?\d\d)?)?\s*$")[0]
+    zone = zone.fillna("").str.replace(":", "", regex=False).replace({"Z": "+0000", "+00": "+0000", "-00": "+0000"})
+    differs = (zone != zone.iloc[0]).to_numpy()
+    if differs.any():
+        label = raw.index[differs.argmax()]
+        first, here = (z or "no zone" for z in (zone.iloc[0], zone[label]))
+        raise where.fail(label, "TIMESTAMP", f"{raw[label]!r} is in time zone {here} but {where.unit} "
+                                             f"{int(raw.index[0]) + where.first} is in {first}; expected one time "
+                                             "zone throughout")
 
 
 def _load_length_csv(path: Path) -> Trace:
@@ -239,22 +288,26 @@ def _load_burstgpt(path: Path) -> Trace:
     frame = _read_csv(path)
     where = _Where(path)
     _require(frame, ("Timestamp", "Request tokens", "Response tokens"), where, "burstgpt")
-    request = _numeric(frame, "Request tokens", where, "a token count")
-    response = _numeric(frame, "Response tokens", where, "a token count")
-    # BurstGPT logs failed requests with zero request or response tokens: not work to replay.
-    failed = (request == 0) | (response == 0)
-    dropped = int(failed.sum())
-    if dropped:
-        warnings.warn(
-            f"{path}: dropped {dropped} failed requests (zero request or response tokens)", stacklevel=3
-        )
-        frame = frame[~failed.to_numpy()]
-        if frame.empty:
-            raise TraceFormatError(f"{path}: every request failed (zero tokens); nothing to replay")
     arrival = _seconds(frame, "Timestamp", where)
-    prompt = _lengths(frame, "Request tokens", where)
-    trace = _build(path, arrival, prompt, _lengths(frame, "Response tokens", where))
-    return replace(trace, dropped=dropped)
+    prompt = _lengths(frame, "Request tokens", where, minimum=0)
+    output = _lengths(frame, "Response tokens", where, minimum=0)
+    # BurstGPT logs failed requests with zero request or response tokens: not work to replay, but
+    # still input requests, so they stay as rows the simulator rejects on arrival with this reason.
+    failed = np.flatnonzero((prompt == 0) | (output == 0))
+    reasons = None
+    if len(failed):
+        warnings.warn(f"{path}: {len(failed)} failed requests (zero request or response tokens) kept as rejected "
+                      "rows", stacklevel=3)
+        reasons = [""] * len(prompt)
+        for i in failed:
+            reasons[i] = _zero_tokens(path, int(frame.index[i]) + where.first, prompt[i], output[i])
+    return _build(path, arrival, prompt, output, reject_reason=reasons)
+
+
+def _zero_tokens(path: Path, line: int, prompt: int, output: int) -> str:
+    """The reject reason of a BurstGPT row with zero request and/or response tokens."""
+    which = "request and response" if not (prompt or output) else "request" if not prompt else "response"
+    return f"zero {which} tokens in the trace ({path.name} line {line})"
 
 
 def _mooncake_int(obj: dict[str, Any], key: str, where: str, minimum: int) -> int:
@@ -267,6 +320,8 @@ def _mooncake_int(obj: dict[str, Any], key: str, where: str, minimum: int) -> in
     if value < minimum:
         kind = "zero" if value == 0 else "negative"
         raise TraceFormatError(f"{where}: field {key!r} is {kind} ({value}), expected an integer >= {minimum}")
+    if value > MAX_LENGTH:
+        raise TraceFormatError(f"{where}: field {key!r} = {value!r} is too large, expected at most 2**53")
     return int(value)
 
 
@@ -328,9 +383,22 @@ def _load_pagesim(path: Path) -> Trace:
         extra.update(_pagesim_hashes(frame, where))
     if "prompt_token_ids" in frame:
         extra["prompt_token_ids"] = _int_lists(frame, "prompt_token_ids", where)
-    prompt = _lengths(frame, "prompt_len", where)
+    # a row with a reject reason (a failed request kept from the source trace) may have zero tokens
+    minimum = 1
+    if "reject_reason" in frame:
+        extra["reject_reason"] = frame["reject_reason"].fillna("").astype(str).str.strip().tolist()
+        minimum = 0
+    prompt = _lengths(frame, "prompt_len", where, minimum)
+    output = _lengths(frame, "output_len", where, minimum)
+    if minimum == 0:
+        served = (frame["reject_reason"].fillna("").astype(str).str.strip() == "").to_numpy()
+        for column, values in (("prompt_len", prompt), ("output_len", output)):
+            bad = served & (values == 0)
+            if bad.any():
+                raise where.fail(frame.index[bad.argmax()], column, "zero length without a reject_reason, expected "
+                                                                    "a positive integer token count")
     try:
-        return _build(path, arrival, prompt, _lengths(frame, "output_len", where), **extra)
+        return _build(path, arrival, prompt, output, **extra)
     except ValueError as exc:  # cross-column invariants (hash counts, token id counts)
         raise TraceFormatError(f"{path}: {exc}") from exc
 

@@ -1,0 +1,340 @@
+"""`pagesim calibrate`: fit the calibrated roofline (sim/calibrated.py) of a hardware x engine pair.
+
+Two steps, each fitting what its data can tell:
+1. Operator terms (GEMM efficiency curve, weight streaming, elementwise kernels, all-reduce) from
+   per-operator kernel times (--operators, Vidur's profiles: analysis/operator_fit.py). They are
+   shape-generic: rows of several models and TP degrees are points of the same curves.
+2. Engine terms (`ENGINE_PARAMS`: per-iteration and per-sequence overheads, attention efficiencies,
+   the client's TTFT and per-token adds) by simulation in the loop: every unsaturated measured stage
+   is rebuilt (analysis/measurements.py), simulated over its first `max_duration_s` seconds of
+   arrivals, and scipy's least_squares moves the parameters (in log space) to minimise a soft-L1 loss
+   of log(predicted / measured) over TTFT mean/p90, E2E mean/p90 and time per output token.
+
+Stages the measurement marks overloaded, and stages whose measured mean TTFT exceeds
+`QUEUED_TTFT_S` (a queue built up: the server did not carry the load), are not fitted; they are
+simulated at the end and checked to come out overloaded. Errors are reported in sample, and left
+out (--leave-one-out model|experiment: refit without each group, predict it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sim.calibrated import CalibratedCostModel, Calibration, CalibrationParams, save_calibration
+from sim.specs import get_hardware, get_model
+
+if TYPE_CHECKING:  # the simulation stack loads when a calibration runs, not when the CLI parses
+    from analysis.measurements import Experiment, Stage, StageResult
+
+ENGINE_PARAMS = ("iteration_overhead_s", "per_seq_s", "attn_mem_eff", "prefill_attn_eff", "client_ttft_s",
+                 "weight_mem_eff", "gemm_m_half", "allreduce_latency_s")
+# Three operator terms are refitted end to end, starting from the kernel fits, because the engine's kernels
+# are not the profiler's standalone calls: weight_mem_eff and gemm_m_half (the decode regime's GEMMs, run
+# inside CUDA graphs) and allreduce_latency_s (when a fitted stage runs at tp > 1: a standalone NCCL call,
+# ~30 us, is not vLLM's custom all-reduce inside a CUDA graph).
+FIT_METRICS = ("ttft_mean", "ttft_p90", "e2e_mean", "e2e_p90", "tpot")
+QUEUED_TTFT_S = 1.0   # a measured mean TTFT above this means requests queued: not a carried load
+_LOG_CLIP = 3.0       # |log(pred / meas)| cap: an overloaded trial point stays a finite residual
+_BOUNDS = {  # search ranges (physical limits, not targets)
+    "iteration_overhead_s": (1e-5, 0.05), "per_seq_s": (1e-8, 1e-3), "attn_mem_eff": (0.05, 1.0),
+    "prefill_attn_eff": (0.05, 1.0), "client_ttft_s": (1e-5, 0.5), "client_per_output_token_s": (1e-8, 0.01),
+    "allreduce_latency_s": (1e-7, 1e-3), "weight_mem_eff": (0.3, 1.0),
+    "gemm_m_half": (1.0, 2000.0),
+}
+
+
+@dataclass(frozen=True)
+class StageRef:
+    """A measured stage to simulate, and the group it is left out with."""
+
+    exp: Experiment
+    stage: Stage
+    group: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.exp.name}#{self.stage.index}"
+
+
+def split_stages(experiments: Sequence[Experiment], by: str = "model") -> tuple[list[StageRef], list[StageRef]]:
+    """(stages to fit, overloaded stages to check); `by` names the leave-one-out group."""
+    fit, over = [], []
+    for e in experiments:
+        for s in e.stages:
+            ref = StageRef(e, s, e.model_id if by == "model" else e.name)
+            queued = s.ttft.mean is not None and s.ttft.mean > QUEUED_TTFT_S
+            (over if e.overloaded_by_source or s.overloaded or queued else fit).append(ref)
+    return fit, over
+
+
+# --- one evaluation: simulate stages under trial parameters ----------------------------------------
+
+def simulate_ref(ref: StageRef, params: CalibrationParams, hardware: str, seed: int,
+                 max_duration_s: float | None) -> StageResult:
+    from analysis.measurements import simulate_stage, stage_config
+    cfg = stage_config(ref.exp, ref.stage, hardware)
+    model = CalibratedCostModel(get_model(cfg.model), get_hardware(cfg.hardware), params, tp=cfg.tp)
+    return simulate_stage(ref.exp, ref.stage, cfg, model, seed=seed, max_duration_s=max_duration_s)
+
+
+def _simulate_job(job: tuple) -> StageResult:
+    return simulate_ref(*job)
+
+
+def simulate_all(refs: Sequence[StageRef], params: CalibrationParams, hardware: str, seed: int,
+                 max_duration_s: float | None, pool: ProcessPoolExecutor | None) -> list[StageResult]:
+    jobs = [(r, params, hardware, seed, max_duration_s) for r in refs]
+    if pool is None:
+        return [_simulate_job(j) for j in jobs]
+    return list(pool.map(_simulate_job, jobs))
+
+
+def log_errors(results: Sequence[StageResult], metrics: Sequence[str] = FIT_METRICS) -> np.ndarray:
+    out = []
+    for r in results:
+        for m in metrics:
+            meas, pred = r.measured.get(m), r.predicted.get(m)
+            if meas is None or not meas > 0:
+                continue
+            ratio = pred / meas if pred is not None and pred > 0 and math.isfinite(pred) else math.exp(_LOG_CLIP)
+            out.append(float(np.clip(math.log(ratio), -_LOG_CLIP, _LOG_CLIP)))
+    return np.asarray(out)
+
+
+def error_table(results: Sequence[StageResult], metrics: Sequence[str] = FIT_METRICS) -> dict[str, Any]:
+    """Median absolute relative error per metric, and each stage's errors."""
+    per: dict[str, list[float]] = {m: [] for m in metrics}
+    stages = []
+    for r in results:
+        row = {"stage": f"{r.experiment}#{r.stage}", "rate": r.rate,
+               "predicted_overloaded": r.predicted_overloaded, "measured_overloaded": r.measured_overloaded}
+        for m in metrics:
+            meas, pred = r.measured.get(m), r.predicted.get(m)
+            if meas and pred is not None and math.isfinite(pred):
+                err = pred / meas - 1
+                per[m].append(abs(err))
+                row[m] = {"measured": meas, "predicted": pred, "error": err}
+        stages.append(row)
+    med = {m: float(np.median(v)) if v else None for m, v in per.items()}
+    return {"median_abs_error": med, "stages": stages}
+
+
+# --- the fit --------------------------------------------------------------------------------------
+
+def fit_engine(refs: Sequence[StageRef], start: CalibrationParams, hardware: str, names: Sequence[str] = ENGINE_PARAMS,
+               seed: int = 0, max_duration_s: float | None = 90.0, max_evals: int = 60,
+               pool: ProcessPoolExecutor | None = None, log: Callable[[str], None] = print) -> CalibrationParams:
+    """The parameters `names` that best explain the stages (least squares on clipped log errors,
+    soft-L1 loss, parameters searched in log space within `_BOUNDS`); the others stay as `start`."""
+    from scipy.optimize import least_squares
+    if not refs:
+        raise ValueError("no unsaturated stage to fit the engine terms to")
+    if not any(r.exp.tp > 1 for r in refs):  # nothing here says what an all-reduce costs
+        names = [n for n in names if n != "allreduce_latency_s"]
+    lo = np.log([_BOUNDS[n][0] for n in names])
+    hi = np.log([_BOUNDS[n][1] for n in names])
+    x0 = np.clip(np.log([max(getattr(start, n), _BOUNDS[n][0]) for n in names]), lo, hi)
+    count = [0]
+
+    def params_at(x: np.ndarray) -> CalibrationParams:
+        return replace(start, **{n: float(v) for n, v in zip(names, np.exp(x), strict=True)})
+
+    def resid(x: np.ndarray) -> np.ndarray:
+        t0 = time.perf_counter()
+        r = log_errors(simulate_all(refs, params_at(x), hardware, seed, max_duration_s, pool))
+        count[0] += 1
+        log(f"  eval {count[0]} ({time.perf_counter() - t0:.1f} s): median |log err| {np.median(np.abs(r)):.4f} at "
+            + ", ".join(f"{n} {v:.3g}" for n, v in zip(names, np.exp(x), strict=True)))
+        return r
+
+    res = least_squares(resid, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.05, diff_step=0.03,
+                        max_nfev=max_evals, x_scale=1.0)
+    log(f"  {count[0]} evaluations, {res.message}")
+    return params_at(res.x)
+
+
+def operator_params(directory: str | Path | None, hardware: str) -> tuple[CalibrationParams, dict]:
+    """Step 1: the operator terms fitted to kernel times (the defaults when no directory is given)."""
+    if directory is None:
+        return CalibrationParams(), {"note": "no operator profiles: operator terms are the priors"}
+    from analysis.operator_fit import fit_operators
+    hw = get_hardware(hardware)
+    gpu = hw.name.split("-")[0]
+    params, report = fit_operators(directory, hw, gpu)
+    return replace(CalibrationParams(), **params), report
+
+
+def leave_one_out(refs: Sequence[StageRef], start: CalibrationParams, hardware: str, names: Sequence[str],
+                  seed: int, max_duration_s: float | None, eval_duration_s: float | None, max_evals: int,
+                  pool: ProcessPoolExecutor | None, log: Callable[[str], None]) -> dict[str, Any]:
+    """Refit without each group; predict the group. Median errors over all held-out stages."""
+    groups = sorted({r.group for r in refs})
+    held: list[StageResult] = []
+    per_group = {}
+    for g in groups:
+        train = [r for r in refs if r.group != g]
+        test = [r for r in refs if r.group == g]
+        if not train:
+            continue
+        log(f"leave out {g}: fit on {len(train)} stages, predict {len(test)}")
+        params = fit_engine(train, start, hardware, names, seed, max_duration_s, max_evals, pool, log)
+        results = simulate_all(test, params, hardware, seed, eval_duration_s, pool)
+        held.extend(results)
+        per_group[g] = {"params": {n: getattr(params, n) for n in names}, **error_table(results)}
+    return {"groups": per_group, "median_abs_error": error_table(held)["median_abs_error"]}
+
+
+def sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+# --- the command -----------------------------------------------------------------------------------
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "calibrate", help="fit the calibrated roofline of a hardware x engine pair to measurements",
+        description="Fit the calibrated roofline's operator terms to kernel times (--operators) and its engine "
+                    "terms to measured serving runs by simulating them; write the calibration (JSON), its "
+                    "errors in sample and left out, and a predicted-vs-measured plot beside it.")
+    p.add_argument("--measurements", nargs="+", required=True, help="measurement files (analysis/measurements.py)")
+    p.add_argument("--hardware", required=True, help="the GPU the measurements ran on (a hardware spec name)")
+    p.add_argument("--models-dir", action="append", help="folder of config.json files for the measured models")
+    p.add_argument("--operators", default=None,
+                   help="folder of per-operator kernel times (<gpu>_<model>_mlp.csv, <gpu>_dgx_all_reduce.csv); "
+                        "default ../shared/calibration/vidur-operators when it exists")
+    p.add_argument("--out", required=True, help="calibration file to write (.json); the plot goes beside it")
+    p.add_argument("--name", help="the calibration's name (default: the file's stem)")
+    p.add_argument("--leave-one-out", choices=("model", "experiment"), default="model",
+                   help="refit without each model (default) or experiment and predict it")
+    p.add_argument("--no-leave-one-out", action="store_true", help="skip the left-out fits")
+    p.add_argument("--max-duration", type=float, default=90.0,
+                   help="seconds of each stage's arrivals simulated while fitting (default 90)")
+    p.add_argument("--eval-duration", type=float, default=300.0,
+                   help="seconds of arrivals simulated for the reported errors (default 300; 0: whole stages)")
+    p.add_argument("--max-evals", type=int, default=60, help="simulation rounds per fit (default 60)")
+    p.add_argument("--jobs", type=int, default=2, help="stages simulated at once (worker processes, default 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from analysis.measurements import load_measurements
+
+    hardware = get_hardware(args.hardware).name
+    experiments = load_measurements(args.measurements, args.models_dir)
+    operators = args.operators
+    default_ops = Path("../shared/calibration/vidur-operators")
+    if operators is None and default_ops.is_dir():
+        operators = str(default_ops)
+    start, op_report = operator_params(operators, hardware)
+    print(f"operator terms from {operators or 'priors'}: " + ", ".join(
+        f"{k} {v:.3g}" for k, v in op_report.items() if isinstance(v, float)))
+    fit_refs, over_refs = split_stages(experiments, args.leave_one_out)
+    print(f"{len(fit_refs)} stages to fit, {len(over_refs)} overloaded to check")
+    eval_s = args.eval_duration or None
+    pool = ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
+    try:
+        params = fit_engine(fit_refs, start, hardware, ENGINE_PARAMS, args.seed, args.max_duration, args.max_evals, pool)
+        print("fitted: " + ", ".join(f"{n} {getattr(params, n):.4g}" for n in ENGINE_PARAMS))
+        in_sample = simulate_all(fit_refs, params, hardware, args.seed, eval_s, pool)
+        overloaded = simulate_all(over_refs, params, hardware, args.seed, eval_s, pool)
+        loo = None if args.no_leave_one_out else leave_one_out(
+            fit_refs, start, hardware, ENGINE_PARAMS, args.seed, args.max_duration, eval_s, args.max_evals, pool, print)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    ins = error_table(in_sample)
+    checks = [{"stage": f"{r.experiment}#{r.stage}", "rate": r.rate, "predicted_overloaded": r.predicted_overloaded,
+               "predicted_throughput": r.predicted_throughput} for r in overloaded]
+    meta = {
+        "engine": _engine_description(experiments),
+        "sources": [{"path": str(p), "sha256": sha256(p)} for p in [*args.measurements, *op_report.get("files", [])]],
+        "operators": {k: v for k, v in op_report.items() if k != "files"},
+        "fit": {"engine_params": list(ENGINE_PARAMS), "metrics": list(FIT_METRICS), "seed": args.seed,
+                "fit_duration_s": args.max_duration, "eval_duration_s": eval_s, "in_sample": ins,
+                "overloaded_checks": checks, "leave_one_out": loo, "leave_one_out_by": args.leave_one_out},
+        "command": "pagesim " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] else "pagesim calibrate",
+        "pagesim_version": _version(), "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    cal = Calibration(params, hardware, args.name or Path(args.out).stem, meta)
+    path = save_calibration(cal, args.out)
+    plot = calibration_plot(in_sample, (loo or {}).get("groups"), Path(path).with_suffix(".png"), cal.name)
+    _print_errors("in sample", ins["median_abs_error"])
+    if loo:
+        _print_errors(f"leave one {args.leave_one_out} out", loo["median_abs_error"])
+    for c in checks:
+        print(f"overloaded {c['stage']}: simulated {'overloaded' if c['predicted_overloaded'] else 'NOT overloaded'}")
+    print(f"wrote {path} and {plot}")
+    return 0
+
+
+def calibration_plot(in_sample: Sequence[StageResult], left_out: dict | None, path: str | Path,
+                     title: str = "") -> Path:
+    """Predicted against measured, one panel per metric (log axes): in-sample stages as dots,
+    left-out predictions as crosses, the y = x line and +-10% around it."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(FIT_METRICS), figsize=(3.2 * len(FIT_METRICS), 3.4))
+    for ax, m in zip(axes, FIT_METRICS, strict=True):
+        pts = [(r.measured.get(m), r.predicted.get(m)) for r in in_sample]
+        _scatter(ax, pts, "o", "in sample")
+        held = [(row[m]["measured"], row[m]["predicted"]) for g in (left_out or {}).values()
+                for row in g["stages"] if m in row]
+        _scatter(ax, held, "x", "left out")
+        ax.set_title(m, fontsize=9)
+        ax.set_xlabel("measured (s)", fontsize=8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        lims = ax.get_xlim()
+        xs = np.geomspace(*lims, 10)
+        ax.plot(xs, xs, "k-", lw=0.6)
+        ax.fill_between(xs, 0.9 * xs, 1.1 * xs, color="0.85", zorder=0)
+        ax.tick_params(labelsize=7)
+    axes[0].set_ylabel("predicted (s)", fontsize=8)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def _scatter(ax: Any, pts: list, marker: str, label: str) -> None:
+    pts = [(a, b) for a, b in pts if a and b and math.isfinite(b)]
+    if pts:
+        ax.scatter(*zip(*pts, strict=True), marker=marker, s=18, label=label)
+
+
+def _print_errors(what: str, med: dict[str, float | None]) -> None:
+    print(f"{what}: median |error| " + ", ".join(f"{m} {v:.1%}" for m, v in med.items() if v is not None))
+
+
+def _engine_description(experiments: Sequence[Experiment]) -> dict[str, Any]:
+    e = experiments[0]
+    return {"source": e.source, "policy": e.policy, "block_size": e.block_size, "chunked_prefill": e.chunked_prefill,
+            "prefix_caching": e.prefix_caching, "max_num_batched_tokens": e.max_num_batched_tokens,
+            "max_num_seqs": e.max_num_seqs, "models": sorted({x.model_id for x in experiments}),
+            "tp": sorted({x.tp for x in experiments})}
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("pagesim")
+    except Exception:  # not installed: the version is unknown, not an error
+        return "unknown"

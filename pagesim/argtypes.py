@@ -1,0 +1,101 @@
+"""argparse `type=` converters that refuse bad values while the command line is parsed.
+
+A bad value then ends the command before anything runs, with argparse's one line naming the flag
+(`pagesim simulate: error: argument --rate: must be > 0 ...`) and exit code 2, instead of a
+traceback, a silent replacement, or an error after minutes of simulation. Each converter returns
+the parsed value (`out_dir` the text itself) or raises argparse.ArgumentTypeError.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+SEED_LIMIT = 2**32  # numpy's legacy seeding and most tools take seeds in [0, 2**32)
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (counts, sizes, widths)."""
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def seed(text: str) -> int:
+    """A seed: an integer in [0, 2**32)."""
+    value = _int(text)
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (SLOs, limits, coefficients of variation)."""
+    value = _float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def rate(text: str) -> float:
+    """A request rate (req/s): finite and > 0, with a finite mean gap 1/rate."""
+    value = positive_float(text)
+    if not math.isfinite(1.0 / value):
+        raise argparse.ArgumentTypeError(f"{text} req/s is too small: the mean gap 1/rate overflows")
+    return value
+
+
+def out_dir(text: str) -> str:
+    """An output directory: new or existing, but neither it nor a folder above it an existing file
+    (refused now rather than when the results are written, after the run)."""
+    path = Path(text)
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                where = "names an existing file" if p == path else f"is inside {p}, an existing file"
+                raise argparse.ArgumentTypeError(f"{text} {where}; give a directory")
+            break
+    return text
