@@ -246,6 +246,17 @@ def test_bad_hardware_file_names_file_and_field(tmp_path: Path) -> None:
 
 # --- layering and wiring -------------------------------------------------------------------------------
 
+def test_specs_imports_nothing_of_ours() -> None:
+    import ast
+
+    ours = {"policies", "traces", "sim", "backend", "analysis", "pagesim"}
+    for path in (Path(__file__).resolve().parents[1] / "specs").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not {n.split(".")[0] for n in names} & ours, (path.name, names)
+
+
 def test_specs_imports_no_torch_simpy_or_pandas() -> None:
     code = "import sys, specs; bad = {'torch', 'simpy', 'pandas'} & set(sys.modules); assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
