@@ -122,6 +122,8 @@ def add_study_args(p: argparse.ArgumentParser, trace: str, rates: list[float]) -
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--profile", help="price iterations with this profile (file or shipped name) instead of the "
                                      "roofline model; needs --num-gpu-blocks")
+    p.add_argument("--calibration", help="price iterations with the calibrated roofline: a calibration file from "
+                                         "`pagesim calibrate`, or a shipped one's name (vllm-v1-h100)")
     p.add_argument("--num-gpu-blocks", type=positive_int, help="override the derived KV capacity (blocks)")
     p.add_argument("--jobs", type=positive_int, default=1,
                    help="simulations run at once in worker processes (default 1; the results are the same)")
@@ -130,7 +132,7 @@ def add_study_args(p: argparse.ArgumentParser, trace: str, rates: list[float]) -
 def _study_costs(args: argparse.Namespace) -> dict:
     """SimConfig fields for a study's cost model and cache size."""
     return {"num_gpu_blocks": args.num_gpu_blocks, "profile": args.profile,
-            "cost_model": "profiled" if args.profile else "roofline"}
+            "cost_model": "profiled" if args.profile else "roofline", "calibration": getattr(args, "calibration", None)}
 
 
 def _study_title(args: argparse.Namespace) -> str:
@@ -188,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="roofline (analytic, from --model and --hardware) or profiled (fitted, needs --profile)")
     h.add_argument("--profile", help="a profile file from `pagesim profile`, or a shipped profile's name "
                                      "(implies --cost-model profiled)")
+    h.add_argument("--calibration", help="price iterations with the calibrated roofline: a calibration file from "
+                                         "`pagesim calibrate`, or a shipped one's name (vllm-v1-h100)")
     add_replica_args(sim)
     o = add_output_args(sim)
     o.add_argument("--no-skip-ahead", action="store_true", help="step every iteration (slower, same results)")
@@ -408,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     from analysis.fidelity import add_parser as add_fidelity_parser  # analysis sits on sim: imported late
     add_fidelity_parser(sub)
     add_trace_parser(sub)
+    from analysis.calibrate import add_parser as add_calibrate_parser  # analysis sits on sim: imported late
+    add_calibrate_parser(sub)
     for p in sub.choices.values():  # every command that takes --model can look up HF ids
         if "--model" in p._option_string_actions:
             p.add_argument("--models-dir", action="append", default=[], metavar="DIR",
@@ -443,7 +449,7 @@ def _sim_config(args: argparse.Namespace, policy: str | None = None):
                      slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, fast_forward=not args.no_skip_ahead,
                      debug=args.debug, num_cpu_blocks=args.num_cpu_blocks,
                      cost_model="profiled" if args.profile else args.cost_model, profile=args.profile,
-                     replicas=_replica_count(args), router=getattr(args, "router", "round-robin"),
+                     calibration=getattr(args, "calibration", None), replicas=_replica_count(args), router=getattr(args, "router", "round-robin"),
                      router_options=_router_options(args), replica_hardware=tuple(getattr(args, "replica_hardware", None) or ()),
                      disaggregate=tuple(getattr(args, "disaggregate", None) or ()),
                      transfer_bandwidth=getattr(args, "transfer_bandwidth", None))

@@ -58,6 +58,7 @@ class SimConfig:
     num_cpu_blocks: int | None = None      # override the swap space (blocks)
     cost_model: str = "roofline"           # or "profiled" (then `profile` names the profile file)
     profile: str | None = None
+    calibration: str | None = None         # a calibration file or shipped name: the calibrated roofline (sim.calibrated)
     n: int | None = None                   # override the trace's parallel samples
     beam_width: int | None = None          # override the trace's beam width
     beam_rank_decay: float = 0.5           # the simulated beam rule's q (sim/executor.py)
@@ -164,12 +165,18 @@ def requests_from_trace(trace: Trace, max_model_len: int, n: int | None = None,
 def build_cost_model(cfg: SimConfig) -> CostModel:
     """The roofline model of cfg.model on cfg.hardware, or the profiled model in cfg.profile (which
     must have been measured on cfg.model, at tensor-parallel degree 1, and needs an explicit
-    num_gpu_blocks: a profile does not say how large the measured machine's cache was)."""
+    num_gpu_blocks: a profile does not say how large the measured machine's cache was). With
+    cfg.calibration, the roofline is the calibrated one (warns when fitted on other hardware)."""
     kind = cfg.cost_model.strip().lower()
+    if cfg.calibration and kind in ("roofline", "calibrated"):
+        from sim.calibrated import load_calibration
+        return load_calibration(cfg.calibration).cost_model(get_model(cfg.model), get_hardware(cfg.hardware), tp=cfg.tp)
+    if kind == "calibrated":
+        raise ValueError("cost_model 'calibrated' needs a calibration (a calibration file, or a shipped one's name)")
     if kind == "roofline":
         return RooflineCostModel(get_model(cfg.model), get_hardware(cfg.hardware), tp=cfg.tp)
     if kind != "profiled":
-        raise ValueError(f"cost_model: unknown {cfg.cost_model!r}; known: roofline, profiled")
+        raise ValueError(f"cost_model: unknown {cfg.cost_model!r}; known: roofline, calibrated, profiled")
     from sim.profiled import ProfiledCostModel, load_profile
     if not cfg.profile:
         raise ValueError("cost_model 'profiled' needs a profile (a profile file, or a shipped profile's name)")
