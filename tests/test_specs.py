@@ -273,6 +273,7 @@ def test_backend_refuses_moe_clearly() -> None:
     assert "llama-3.1-8b" not in PRESETS and "opt-13b" in PRESETS  # llama3 RoPE scaling is not built
 
 
+@pytest.mark.slow  # imports the whole CLI and runs a small simulation: ~5 s on a busy 2-core machine
 def test_cli_takes_config_files_and_models_dir(tmp_path: Path, capsys) -> None:
     from pagesim.cli import main
 
