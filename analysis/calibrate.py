@@ -203,6 +203,7 @@ def sha256(path: str | Path) -> str:
 # --- the command -----------------------------------------------------------------------------------
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from pagesim.argtypes import non_negative_float, positive_float, positive_int, seed
     p = subparsers.add_parser(
         "calibrate", help="fit the calibrated roofline of a hardware x engine pair to measurements",
         description="Fit the calibrated roofline's operator terms to kernel times (--operators) and its engine "
@@ -219,13 +220,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--leave-one-out", choices=("model", "experiment"), default="model",
                    help="refit without each model (default) or experiment and predict it")
     p.add_argument("--no-leave-one-out", action="store_true", help="skip the left-out fits")
-    p.add_argument("--max-duration", type=float, default=90.0,
+    p.add_argument("--max-duration", type=positive_float, default=90.0,
                    help="seconds of each stage's arrivals simulated while fitting (default 90)")
-    p.add_argument("--eval-duration", type=float, default=300.0,
+    p.add_argument("--eval-duration", type=non_negative_float, default=300.0,
                    help="seconds of arrivals simulated for the reported errors (default 300; 0: whole stages)")
-    p.add_argument("--max-evals", type=int, default=60, help="simulation rounds per fit (default 60)")
-    p.add_argument("--jobs", type=int, default=2, help="stages simulated at once (worker processes, default 2)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-evals", type=positive_int, default=60, help="simulation rounds per fit (default 60)")
+    p.add_argument("--jobs", type=positive_int, default=2, help="stages simulated at once (worker processes, default 2)")
+    p.add_argument("--seed", type=seed, default=0)
     p.set_defaults(func=run)
     return p
 

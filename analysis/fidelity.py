@@ -183,6 +183,7 @@ def fidelity_figure(table: pd.DataFrame, path: str | Path, title: str = "") -> P
 # --- command line --------------------------------------------------------------------------------
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from pagesim.argtypes import out_dir, positive_float, positive_int, seed
     p = subparsers.add_parser(
         "fidelity", help="simulate measured serving runs and report the simulator's error on each",
         description="Simulate every stage of the measured experiments (the vllm-h100 measurements.json format, "
@@ -197,12 +198,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--models-dir", action="append", metavar="DIR",
                    help="folder of HF config.json files for model ids (repeatable; default ../shared/models beside "
                         "the repository and the working directory)")
-    p.add_argument("--max-duration", type=float, metavar="S",
+    p.add_argument("--max-duration", type=positive_float, metavar="S",
                    help="simulate only each stage's first S seconds of arrivals (default: the whole stage)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--jobs", type=int, default=1,
+    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--jobs", type=positive_int, default=1,
                    help="simulations run at once in worker processes (default 1; the results are the same)")
-    p.add_argument("--out", default="runs/fidelity", help="output folder (default runs/fidelity)")
+    p.add_argument("--out", type=out_dir, default="runs/fidelity", help="output folder (default runs/fidelity)")
     p.set_defaults(func=run)
     return p
 

@@ -134,29 +134,30 @@ def policy_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """`pagesim policies`, with its own arguments."""
+    from pagesim.argtypes import out_dir, positive_float, positive_int, rate
     p = sub.add_parser("policies", help="compare scheduling policies over rates and seeds: latency, SLOs, fairness",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", default="multi-client",
                    help=f"a trace file, or a synthetic workload: {', '.join(SYNTHETIC)} (default multi-client)")
-    p.add_argument("--num-requests", type=int, default=1000, help="requests per run (default 1000)")
+    p.add_argument("--num-requests", type=positive_int, default=1000, help="requests per run (default 1000)")
     p.add_argument("--policies", nargs="+", default=["vllm", "priority", "sjf", "vtc", "edf"],
                    help="registry names or package.module:Class (default: vllm priority sjf vtc edf)")
     p.add_argument("--policy-arg", action="append", metavar="POLICY.KEY=VALUE", dest="policy_args",
                    help="an option of one policy, e.g. sjf.aging=2 or edf.slo_ttft=1 (repeatable)")
-    p.add_argument("--rates", type=float, nargs="+", required=True, help="request rates, req/s")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per (policy, rate) (default 3)")
-    p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--rates", type=rate, nargs="+", required=True, help="request rates, req/s")
+    p.add_argument("--seeds", type=positive_int, default=3, help="seeds per (policy, rate) (default 3)")
+    p.add_argument("--jobs", type=positive_int, default=1, help="worker processes (default 1)")
     p.add_argument("--model", default="opt-13b", help="catalogue name, config.json or HF id (default opt-13b)")
     p.add_argument("--hardware", default="a100-40gb", help="name or hardware JSON file (default a100-40gb)")
     p.add_argument("--calibration", help="price iterations with a calibration (file or shipped name)")
-    p.add_argument("--num-gpu-blocks", type=int, help="override the derived KV capacity (blocks)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--num-gpu-blocks", type=positive_int, help="override the derived KV capacity (blocks)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=4096)
     p.add_argument("--chunked-prefill", action="store_true")
     p.add_argument("--prefix-caching", action="store_true")
-    p.add_argument("--slo-ttft", type=float, help="TTFT SLO (s) for requests without their own SLO class")
-    p.add_argument("--slo-tpot", type=float, help="TPOT SLO (s) for requests without their own SLO class")
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--slo-ttft", type=positive_float, help="TTFT SLO (s) for requests without their own SLO class")
+    p.add_argument("--slo-tpot", type=positive_float, help="TPOT SLO (s) for requests without their own SLO class")
+    p.add_argument("--out", type=out_dir, required=True, help="output folder")
     p.set_defaults(func=run)
 
 

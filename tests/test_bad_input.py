@@ -197,9 +197,10 @@ def test_a_tiny_rate_is_refused_by_the_library():
 OUT_COMMANDS = {
     "simulate": [], "live": [], "validate": ["--profile", "p"], "demo": [], "sweep": [], "sharing": [],
     "routing": [], "capacity": ["--slo-ttft", "1"], "disagg": [], "block-size": [], "preemption": [],
+    "policies": ["--rates", "1"], "fidelity": ["--measurements", "m.json"],
 }
 SEED_COMMANDS = ["simulate", "live", "validate", "sweep", "sharing", "routing", "capacity", "disagg",
-                 "block-size", "preemption", "profile", "generate", "beams"]
+                 "block-size", "preemption", "profile", "generate", "beams", "fidelity", "calibrate"]
 
 
 def parse_error(argv, capsys) -> str:
@@ -259,7 +260,7 @@ def test_every_command_refuses_a_negative_seed(capsys, command):
     assert "argument --seed: must be an integer in [0, 2**32)" in parse_error([command, "--seed", "-1"], capsys)
 
 
-@pytest.mark.parametrize("command", ["sweep", "sharing", "routing", "capacity", "disagg", "block-size"])
+@pytest.mark.parametrize("command", ["sweep", "sharing", "routing", "capacity", "disagg", "block-size", "policies"])
 def test_every_study_refuses_a_tiny_rate_and_a_zero_cache(capsys, command):
     assert "argument --rates: 1e-320 req/s is too small" in parse_error([command, "--rates", "1", "1e-320"], capsys)
     assert "argument --num-gpu-blocks" in parse_error([command, "--num-gpu-blocks", "0"], capsys)
