@@ -288,3 +288,17 @@ def test_a_cache_too_large_for_memory_is_refused_by_simulate(tmp_path, capsys, m
     monkeypatch.setattr(sim.limits, "available_memory", lambda: 64 * 2**30)
     err = run_error(["simulate", "--num-gpu-blocks", "1000000000", "--out", str(tmp_path / "o")], capsys)
     assert "1,000,000,000 GPU blocks (--num-gpu-blocks)" in err and "223.5 GiB" in err
+
+
+def test_trace_generate_refuses_a_negative_seed_and_reports_memory_in_one_line(tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / "t.csv")
+    assert main(["trace", "generate", "--kind", "fixed", "--num-requests", "3", "--seed", "-1", "--out", out]) == 2
+    assert capsys.readouterr().err.strip() == "error: --seed: must be an integer in [0, 2**32), got -1"
+
+    def too_big(*args, **kwargs):
+        raise MemoryError("Unable to allocate 745. GiB for an array with shape (100000000000,)")
+
+    monkeypatch.setattr("traces.cli.make_synthetic", too_big)
+    assert main(["trace", "generate", "--kind", "fixed", "--num-requests", "100000000000", "--out", out]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --num-requests 100,000,000,000: too large for this machine's memory") and "745" in err

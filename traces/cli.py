@@ -79,6 +79,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if extra:
         flags = ", ".join("--" + k.replace("_", "-") for k in extra)
         return _error(f"{flags} not used by --kind {args.kind}", 2)
+    if not 0 <= args.seed < 2**32:
+        return _error(f"--seed: must be an integer in [0, 2**32), got {args.seed}", 2)
     try:
         trace = make_synthetic(args.kind, args.num_requests, seed=args.seed, **given)
         if args.rate is not None or args.burstiness is not None:
@@ -86,6 +88,8 @@ def run_generate(args: argparse.Namespace) -> int:
         path = trace.save(args.out)
     except (ValueError, OSError) as exc:
         return _error(str(exc), 1)
+    except MemoryError as exc:  # numpy says how much it could not allocate
+        return _error(f"--num-requests {args.num_requests:,}: too large for this machine's memory ({exc})", 1)
     timing = f"at {args.rate:g} req/s" if trace.has_timestamps else "without timestamps"
     print(f"wrote {len(trace)} {args.kind} requests {timing} to {path}")
     return 0
