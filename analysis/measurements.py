@@ -246,8 +246,6 @@ def stage_config(exp: Experiment, stage: Stage, hardware: str | None = None, cal
                     chunked_prefill=exp.chunked_prefill, prefix_caching=exp.prefix_caching,
                     gpu_memory_utilization=exp.gpu_memory_utilization, num_gpu_blocks=exp.num_gpu_blocks)
     if calibration is not None:
-        if "calibration" not in SimConfig.__dataclass_fields__:
-            raise ValueError("calibration: this pagesim's SimConfig has no calibrated cost model")
         cfg = dataclasses.replace(cfg, cost_model="calibrated", calibration=str(calibration))
     return dataclasses.replace(cfg, **overrides)
 
