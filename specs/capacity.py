@@ -8,8 +8,6 @@ from specs.model import ModelSpec
 
 GiB = 1024**3
 
-# --- KV-cache capacity ----------------------------------------------------------------------------
-
 # vLLM's defaults for the profiling pass: one forward over max_num_batched_tokens tokens spread over
 # max_num_seqs sequences (max_num_batched_tokens defaults to max(max_model_len, 2048)).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -30,7 +28,8 @@ def estimate_activation_reserve(model: ModelSpec, tp: int = 1,
     the residual stream and the normalised hidden states, 2*h per token. On top of that, the larger
     of the attention step (the fused qkv output plus the attention output, (q + 2kv)/tp + q/tp) and
     the MLP step (OPT: fc1 output and its activation, 2f/tp; Llama: the fused gate_up output and
-    the SiLU*up product, 3f/tp; MoE: that for each of a token's experts, `_mlp_width`). So the transformer peak is T * d * (2h + max(attn, mlp)).
+    the SiLU*up product, 3f/tp; MoE: that for each of a token's experts, `_mlp_width`). So the
+    transformer peak is T * d * (2h + max(attn, mlp)).
     Logits are computed only for the last token of each sequence, in fp32, for max_num_seqs
     sequences; the vocabulary is sharded across devices but gathered for sampling, so every device
     holds _LOGITS_COPIES full [max_num_seqs, vocab] fp32 tensors.
