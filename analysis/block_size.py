@@ -27,11 +27,13 @@ REFERENCE_DECODE = (16, 512)  # a decode step of 16 sequences of 512 tokens: the
 
 def block_size_sweep(trace: Trace, base: SimConfig, block_sizes: Sequence[int] = BLOCK_SIZES,
                      rates: Sequence[float] = (1.0,), kv_tokens: int | None = None,
-                     on_row: Callable[[dict], None] | None = None, jobs: int = 1) -> pd.DataFrame:
+                     on_row: Callable[[dict], None] | None = None, jobs: int = 1, executor: str = "process",
+                     address: str | None = None) -> pd.DataFrame:
     """Simulate `trace` (vllm) at each block size and rate. The cache holds `kv_tokens` tokens at
     every block size (kv_tokens // block_size blocks); without it, what base's model and hardware
     leave for the cache (the same token count at every block size, up to rounding). `jobs` worker
-    processes run the simulations (the same table for any number)."""
+    processes run the simulations, or `executor` "ray" on the Ray cluster at `address` (the same
+    table either way)."""
     if kv_tokens is not None and kv_tokens < max(block_sizes):
         raise ValueError(f"kv_tokens: {kv_tokens} holds not one block of {max(block_sizes)} tokens")
     if min(block_sizes) < 1:
@@ -42,7 +44,8 @@ def block_size_sweep(trace: Trace, base: SimConfig, block_sizes: Sequence[int] =
         tasks += [(dataclasses.replace(base, policy="vllm", block_size=bs,
                                        num_gpu_blocks=kv_tokens // bs if kv_tokens else None), timed, rate)
                   for bs in block_sizes]
-    rows = run_tasks(_block_size_run, tasks, jobs, None if on_row is None else (lambda i, r: on_row(r)))
+    rows = run_tasks(_block_size_run, tasks, jobs, None if on_row is None else (lambda i, r: on_row(r)),
+                     executor, address)
     return pd.DataFrame(rows)
 
 

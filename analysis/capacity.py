@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.parallel import run_tasks
+from analysis.seeds import rate_line, seeded
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
@@ -62,25 +63,31 @@ def min_replicas(trace: Trace, base: SimConfig, attainment: float = 0.9, max_rep
     return hi, [rows[n] for n in sorted(rows)]
 
 
-def capacity_table(trace: Trace, base: SimConfig, routers: Sequence[str], rates: Sequence[float],
+def capacity_table(trace: Trace | Sequence[Trace], base: SimConfig, routers: Sequence[str], rates: Sequence[float],
                    attainment: float = 0.9, max_replicas: int = 64,
                    on_result: Callable[[dict], None] | None = None,
-                   on_run: Callable[[dict], None] | None = None, jobs: int = 1) -> tuple[pd.DataFrame, pd.DataFrame]:
+                   on_run: Callable[[dict], None] | None = None, jobs: int = 1, executor: str = "process",
+                   address: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """For every (router, rate): the fewest replicas meeting the SLOs. Returns (one row per
     (router, rate) with the answer and GPUs = replicas x tp, every simulated configuration).
-    `jobs` worker processes search different (router, rate) pairs at once; `on_run` then sees a
-    pair's configurations together when its search ends."""
-    tasks = []
+    `jobs` worker processes (or `executor` "ray" on the Ray cluster at `address`) search
+    different (router, rate) pairs at once; `on_run` then sees a pair's configurations together
+    when its search ends. A sequence of traces, one per seed (analysis.seeds), searches each
+    seed's workload on its own and adds a `seed` column to both tables."""
+    runs, tagged = seeded(trace, base.seed)
+    tasks, tags = [], []
     for rate in rates:
-        timed = apply_arrivals(trace, rate=rate, seed=base.seed)
-        tasks += [(timed, dataclasses.replace(base, router=router), attainment, max_replicas) for router in routers]
+        for seed, workload in runs:
+            timed = apply_arrivals(workload, rate=rate, seed=seed)
+            for router in routers:
+                tasks.append((timed, dataclasses.replace(base, router=router, seed=seed), attainment, max_replicas))
+                tags.append({"router": router, "rate": rate, **({"seed": seed} if tagged else {})})
     answers: list[dict] = [{} for _ in tasks]
     tried: list[list[dict]] = [[] for _ in tasks]
 
     def done(i: int, result: tuple[int | None, list[dict]]) -> None:
         n, rows = result
-        cfg = tasks[i][1]
-        tag = {"router": cfg.router, "rate": rates[i // len(routers)]}
+        cfg, tag = tasks[i][1], tags[i]
         tried[i] = [{**tag, **r} for r in rows]
         answers[i] = {**tag, "min_replicas": n, "gpus": None if n is None else n * cfg.tp, "simulations": len(rows)}
         for r in tried[i] if on_run is not None else ():
@@ -88,12 +95,13 @@ def capacity_table(trace: Trace, base: SimConfig, routers: Sequence[str], rates:
         if on_result is not None:
             on_result(answers[i])
 
-    run_tasks(min_replicas, tasks, jobs, done)
+    run_tasks(min_replicas, tasks, jobs, done, executor, address)
     return pd.DataFrame(answers), pd.DataFrame([r for rows in tried for r in rows])
 
 
 def capacity_plot(answers: pd.DataFrame, path: str | Path, title: str = "") -> Path:
-    """Fewest replicas meeting the SLOs against request rate, one line per router."""
+    """Fewest replicas meeting the SLOs against request rate, one line per router (with a seed
+    column: the mean over seeds and a 95% CI band)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,7 +110,7 @@ def capacity_plot(answers: pd.DataFrame, path: str | Path, title: str = "") -> P
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for router, g in answers.groupby("router", sort=False):
-        ax.plot(g.rate, g.min_replicas, marker="o", label=router)
+        rate_line(ax, g.astype({"min_replicas": float}), "min_replicas", router)
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("fewest replicas meeting the SLOs")
     ax.set_ylim(bottom=0)

@@ -31,16 +31,19 @@ def setups(gpus: int, splits: Sequence[tuple[int, int]] | None = None) -> list[t
 
 def disagg_study(trace: Trace, base: SimConfig, gpus: int, rates: Sequence[float],
                  splits: Sequence[tuple[int, int]] | None = None, jobs: int = 1,
-                 on_result: Callable[[dict], None] | None = None) -> pd.DataFrame:
+                 on_result: Callable[[dict], None] | None = None, executor: str = "process",
+                 address: str | None = None) -> pd.DataFrame:
     """One row per (setup, rate). Colocated runs `gpus` replicas behind base.router; each split
-    runs its prefill replicas behind base.router and its decode replicas behind least-loaded."""
+    runs its prefill replicas behind base.router and its decode replicas behind least-loaded.
+    `jobs` worker processes, or `executor` "ray" at `address`, run the simulations (same table)."""
     tasks = []
     for rate in rates:
         timed = apply_arrivals(trace, rate=rate, seed=base.seed)
         for name, split in setups(gpus, splits):
             cfg = dataclasses.replace(base, replicas=1 if split else gpus, disaggregate=split)
             tasks.append((cfg, timed, name, rate))
-    return pd.DataFrame(run_tasks(_run, tasks, jobs, None if on_result is None else (lambda i, r: on_result(r))))
+    return pd.DataFrame(run_tasks(_run, tasks, jobs, None if on_result is None else (lambda i, r: on_result(r)),
+                                  executor, address))
 
 
 def _run(cfg: SimConfig, timed: Trace, setup: str, rate: float) -> dict:

@@ -29,7 +29,7 @@ from analysis.measurements import (
     simulate_stage,
     stage_config,
 )
-from analysis.parallel import run_tasks
+from analysis.parallel import add_executor_args, executor_options, run_tasks
 
 DEFAULT_HARDWARE = "h100-sxm"
 METRIC_LABELS = {"ttft_mean": "TTFT mean", "ttft_p90": "TTFT p90", "e2e_mean": "E2E mean", "e2e_p90": "E2E p90",
@@ -38,13 +38,15 @@ METRIC_LABELS = {"ttft_mean": "TTFT mean", "ttft_p90": "TTFT p90", "e2e_mean": "
 
 def fidelity_results(experiments: Sequence[Experiment], calibration: str | None = None, hardware: str | None = None,
                      jobs: int = 1, max_duration_s: float | None = None, seed: int = 0,
-                     on_result: Callable[[StageResult], None] | None = None) -> list[StageResult]:
-    """Every stage of every experiment simulated (in `jobs` worker processes; the same results for
-    any number), in input order. `hardware` overrides each experiment's own (default h100-sxm)."""
+                     on_result: Callable[[StageResult], None] | None = None, executor: str = "process",
+                     address: str | None = None) -> list[StageResult]:
+    """Every stage of every experiment simulated (in `jobs` worker processes, or with `executor`
+    "ray" on the Ray cluster at `address`; the same results either way), in input order.
+    `hardware` overrides each experiment's own (default h100-sxm)."""
     tasks = [(exp, i, hardware or exp.hardware or DEFAULT_HARDWARE, calibration, max_duration_s, seed)
              for exp in experiments for i in range(len(exp.stages))]
     done = None if on_result is None else (lambda _, r: on_result(r))
-    return run_tasks(_simulate, tasks, jobs, done)
+    return run_tasks(_simulate, tasks, jobs, done, executor, address)
 
 
 def _simulate(exp: Experiment, index: int, hardware: str, calibration: str | None, max_duration_s: float | None,
@@ -203,6 +205,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--jobs", type=positive_int, default=1,
                    help="simulations run at once in worker processes (default 1; the results are the same)")
+    add_executor_args(p)
     p.add_argument("--out", type=out_dir, default="runs/fidelity", help="output folder (default runs/fidelity)")
     p.set_defaults(func=run)
     return p
@@ -221,7 +224,8 @@ def run(args: argparse.Namespace) -> int:
     if unsaid and not args.hardware:
         print(f"note: {len(unsaid)} experiments do not say their hardware ({', '.join(unsaid[:3])}"
               f"{', ...' if len(unsaid) > 3 else ''}): simulated on {DEFAULT_HARDWARE} (--hardware to choose)")
-    results = fidelity_results(experiments, args.calibration, args.hardware, args.jobs, args.max_duration, args.seed)
+    results = fidelity_results(experiments, args.calibration, args.hardware, args.jobs, args.max_duration, args.seed,
+                                 **executor_options(args))
     table = results_table(results, experiments)
     summary = fidelity_summary(table)
     out = Path(args.out)

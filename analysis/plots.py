@@ -10,6 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from analysis.seeds import rate_line
+
 CATEGORY_COLORS = {"kv_token_states": "#4c72b0", "kv_reserved": "#dd8452", "kv_internal_frag": "#c44e52",
                    "kv_external_frag": "#8172b3"}
 CATEGORY_LABELS = {"kv_token_states": "token states", "kv_reserved": "reserved",
@@ -17,10 +19,11 @@ CATEGORY_LABELS = {"kv_token_states": "token states", "kv_reserved": "reserved",
 
 
 def latency_vs_rate(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
-    """Mean normalized latency (s/token) against request rate, one line per policy."""
+    """Mean normalized latency (s/token) against request rate, one line per policy (with a seed
+    column: the mean over seeds and a 95% CI band)."""
     fig, ax = plt.subplots(figsize=(6, 4))
     for policy, g in table.groupby("policy", sort=False):
-        ax.plot(g.rate, g.mean_normalized_latency, marker="o", label=policy)
+        rate_line(ax, g, "mean_normalized_latency", policy)
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("mean normalized latency (s/token)")
     finite = table.mean_normalized_latency[table.mean_normalized_latency.notna()]
@@ -39,11 +42,11 @@ def rate_panels(table: pd.DataFrame, by: str, panels: list[tuple[str, str, bool,
                 path: str | Path, title: str = "", label=str) -> Path:
     """One panel per (column, y label, log scale, y limits or None) against request rate, one line
     per value of `by` (legend text `label(value)` in the first panel; log only where every value
-    is > 0)."""
+    is > 0). With a seed column: the mean over seeds and a 95% CI band per line."""
     fig, axes = plt.subplots(1, len(panels), figsize=(13, 4))
     for ax, (col, ylabel, log, ylim) in zip(axes, panels):
         for key, g in table.groupby(by, sort=False):
-            ax.plot(g.rate, g[col], marker="o", label=label(key))
+            rate_line(ax, g, col, label(key))
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(ylabel)
         if log and (table[col] > 0).all():

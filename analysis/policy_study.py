@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from analysis.parallel import run_tasks
+from analysis.parallel import add_executor_args, executor_options, run_tasks
 from policies.metrics import per_client
 from policies.registry import parse_policy_args, resolve_policy
 from sim.run import SimConfig, run_simulation
@@ -70,8 +70,10 @@ def _window(trace: Trace, start: int, n: int) -> Trace:
 
 def policy_study(spec: str, base: SimConfig, policies: Sequence[str], rates: Sequence[float], seeds: int,
                  num_requests: int, options: dict[str, dict[str, Any]] | None = None, jobs: int = 1,
-                 on_result: Callable[[dict], None] | None = None) -> pd.DataFrame:
-    """One row per (policy, rate, seed); `options[policy]` are that policy's keyword options."""
+                 on_result: Callable[[dict], None] | None = None, executor: str = "process",
+                 address: str | None = None) -> pd.DataFrame:
+    """One row per (policy, rate, seed); `options[policy]` are that policy's keyword options.
+    `jobs` worker processes, or `executor` "ray" at `address`, run the simulations (same table)."""
     for p in policies:
         resolve_policy(p)  # a bad name fails before any simulation
     tasks = []
@@ -81,7 +83,8 @@ def policy_study(spec: str, base: SimConfig, policies: Sequence[str], rates: Seq
             for p in policies:
                 cfg = dataclasses.replace(base, policy=p, policy_options=(options or {}).get(p, {}), seed=seed)
                 tasks.append((cfg, trace, rate))
-    return pd.DataFrame(run_tasks(_one_run, tasks, jobs, None if on_result is None else (lambda i, r: on_result(r))))
+    return pd.DataFrame(run_tasks(_one_run, tasks, jobs, None if on_result is None else (lambda i, r: on_result(r)),
+                                  executor, address))
 
 
 def _one_run(cfg: SimConfig, trace: Trace, rate: float) -> dict:
@@ -147,6 +150,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rates", type=rate, nargs="+", required=True, help="request rates, req/s")
     p.add_argument("--seeds", type=positive_int, default=3, help="seeds per (policy, rate) (default 3)")
     p.add_argument("--jobs", type=positive_int, default=1, help="worker processes (default 1)")
+    add_executor_args(p)
     p.add_argument("--model", default="opt-13b", help="catalogue name, config.json or HF id (default opt-13b)")
     p.add_argument("--hardware", default="a100-40gb", help="name or hardware JSON file (default a100-40gb)")
     p.add_argument("--calibration", help="price iterations with a calibration (file or shipped name)")
@@ -193,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
               f"{r['jain_service']:>6.3f} {r['wall_s']:>7.2f}", flush=True)
 
     table = policy_study(args.trace, base, args.policies, args.rates, args.seeds, args.num_requests, options,
-                         args.jobs, on_result=show)
+                         args.jobs, on_result=show, **executor_options(args))
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "policies.csv", index=False)
     summary_table(table).to_csv(out / "policies_summary.csv", index=False)

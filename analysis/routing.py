@@ -11,6 +11,7 @@ import pandas as pd
 
 from analysis.parallel import run_tasks
 from analysis.plots import rate_panels
+from analysis.seeds import seeded
 from analysis.sweep import headline
 from policies.router import MATCH_ROUTERS
 from sim.run import SimConfig, run_simulation
@@ -18,33 +19,39 @@ from traces import apply_arrivals
 from traces.trace import Trace
 
 
-def router_sweep(trace: Trace, base: SimConfig, routers: Sequence[str], rates: Sequence[float],
-                 on_result: Callable[[dict], None] | None = None,
-                 router_options: dict | None = None, jobs: int = 1) -> pd.DataFrame:
+def router_sweep(trace: Trace | Sequence[Trace], base: SimConfig, routers: Sequence[str], rates: Sequence[float],
+                 on_result: Callable[[dict], None] | None = None, router_options: dict | None = None,
+                 jobs: int = 1, executor: str = "process", address: str | None = None) -> pd.DataFrame:
     """Simulate every (router, rate) with base.replicas replicas. Arrivals are Poisson at the rate
     (or the trace's timestamps rescaled to it) with the config's seed, the same for every router.
     Each row also says which share of the finished requests' prompt tokens the prefix caches
     served, and how uneven the spread was (requests per replica, max over mean). `router_options`
     go to the routers that take them (the others run with their defaults). `jobs` worker processes
-    run the simulations (the same table for any number)."""
+    run the simulations, or `executor` "ray" runs them on the Ray cluster at `address` (the same
+    table either way). A sequence of traces, one per seed (analysis.seeds), repeats the study for
+    each and adds a `seed` column."""
     if base.replicas < 2:
         raise ValueError(f"a router study needs replicas >= 2, got {base.replicas}")
+    runs, tagged = seeded(trace, base.seed)
     tasks = []
     for rate in rates:
-        timed = apply_arrivals(trace, rate=rate, seed=base.seed)
-        for router in routers:
-            opts = (router_options or {}) if router in MATCH_ROUTERS else {}
-            tasks.append((dataclasses.replace(base, router=router, router_options=opts), timed, rate))
-    rows = run_tasks(_routing_run, tasks, jobs, None if on_result is None else (lambda i, r: on_result(r)))
+        for seed, workload in runs:
+            timed = apply_arrivals(workload, rate=rate, seed=seed)
+            for router in routers:
+                opts = (router_options or {}) if router in MATCH_ROUTERS else {}
+                tasks.append((dataclasses.replace(base, router=router, router_options=opts, seed=seed), timed, rate,
+                              tagged))
+    rows = run_tasks(_routing_run, tasks, jobs, None if on_result is None else (lambda i, r: on_result(r)),
+                     executor, address)
     return pd.DataFrame(rows)
 
 
-def _routing_run(cfg: SimConfig, timed: Trace, rate: float) -> dict:
+def _routing_run(cfg: SimConfig, timed: Trace, rate: float, tag_seed: bool = False) -> dict:
     res = run_simulation(cfg, timed)
     done = res.requests[res.requests.status == "finished"]
     prompt_tokens = int(done.prompt_len.sum())
     router_info = res.summary["router"]
-    return {"router": cfg.router, "rate": rate, **headline(res.summary),
+    return {"router": cfg.router, "rate": rate, **({"seed": cfg.seed} if tag_seed else {}), **headline(res.summary),
             "prefix_hit_fraction": res.summary["prefix_hit_tokens"] / max(prompt_tokens, 1),
             "imbalance": router_info["imbalance"],
             "busiest_replica": max(r["busy_fraction"] for r in router_info["replicas"]),

@@ -56,11 +56,12 @@ def sharing_saving(trace: Trace, cfg: SimConfig, beam_picks: dict | None = None)
 
 
 def sharing_table(trace: Trace, base: SimConfig, rates: Sequence[float], widths: Sequence[tuple[str, int]],
-                  on_row=None, beam_decay: dict[int, float] | None = None, jobs: int = 1) -> pd.DataFrame:
+                  on_row=None, beam_decay: dict[int, float] | None = None, jobs: int = 1,
+                  executor: str = "process", address: str | None = None) -> pd.DataFrame:
     """One row per (decoding, width, rate): the saving and the run's headline numbers. `widths` are
     ("n", k) for parallel sampling or ("beam", k) for beam search; `beam_decay` gives the beam
     rule's q per beam width (else base.beam_rank_decay). `jobs` worker processes run the
-    simulations (the same table for any number)."""
+    simulations, or `executor` "ray" on the Ray cluster at `address` (the same table either way)."""
     tasks = []
     for rate in rates:
         timed = apply_arrivals(trace, rate=rate, seed=base.seed)
@@ -69,7 +70,7 @@ def sharing_table(trace: Trace, base: SimConfig, rates: Sequence[float], widths:
             cfg = dataclasses.replace(base, policy="vllm", n=k if kind == "n" else 1,
                                       beam_width=k if kind == "beam" else 1, beam_rank_decay=q)
             tasks.append((timed, cfg, "parallel sampling" if kind == "n" else "beam search", k, rate))
-    rows = run_tasks(_sharing_run, tasks, jobs, None if on_row is None else (lambda i, r: on_row(r)))
+    rows = run_tasks(_sharing_run, tasks, jobs, None if on_row is None else (lambda i, r: on_row(r)), executor, address)
     return pd.DataFrame(rows)
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 import pandas as pd
 
 from analysis.parallel import run_tasks
+from analysis.seeds import seeded
 from policies.registry import PAGED_ONLY_DEFAULTS
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
@@ -18,27 +19,34 @@ from traces.trace import Trace
 PAGED_ONLY = {k: v for k, v in PAGED_ONLY_DEFAULTS.items() if k in SimConfig.__dataclass_fields__}
 
 
-def sweep(trace: Trace, base: SimConfig, policies: Sequence[str], rates: Sequence[float],
-          on_result: Callable[[dict], None] | None = None, jobs: int = 1) -> tuple[pd.DataFrame, dict]:
+def sweep(trace: Trace | Sequence[Trace], base: SimConfig, policies: Sequence[str], rates: Sequence[float],
+          on_result: Callable[[dict], None] | None = None, jobs: int = 1, executor: str = "process",
+          address: str | None = None) -> tuple[pd.DataFrame, dict]:
     """Simulate every (policy, rate). The same lengths are used at every rate; arrivals are
     Poisson at the rate with the config's seed. The base config's paged-only options (preemption
     mode, chunked prefill, prefix caching) apply to the vllm runs; the contiguous baselines run
     without them. Returns (one row per run, the memory breakdown of each policy's run at the
-    highest rate). `jobs` worker processes run the simulations (the same table for any number)."""
+    highest rate, first seed). `jobs` worker processes run the simulations, or `executor` "ray"
+    runs them on the Ray cluster at `address` (the same table either way). A sequence of traces,
+    one per seed (analysis.seeds), repeats the sweep for each and adds a `seed` column."""
+    runs, tagged = seeded(trace, base.seed)
     tasks = []
     for rate in rates:
-        timed = apply_arrivals(trace, rate=rate, seed=base.seed)  # Poisson, or a timestamped trace rescaled
-        for policy in policies:
-            cfg = dataclasses.replace(base, policy=policy, **({} if policy == "vllm" else PAGED_ONLY))
-            tasks.append((cfg, timed, rate, rate == max(rates)))
-    done = run_tasks(_sweep_run, tasks, jobs, None if on_result is None else (lambda i, r: on_result(r[0])))
+        for seed, workload in runs:
+            timed = apply_arrivals(workload, rate=rate, seed=seed)  # Poisson, or a timestamped trace rescaled
+            for policy in policies:
+                cfg = dataclasses.replace(base, policy=policy, seed=seed, **({} if policy == "vllm" else PAGED_ONLY))
+                tasks.append((cfg, timed, rate, rate == max(rates) and seed == runs[0][0], tagged))
+    done = run_tasks(_sweep_run, tasks, jobs, None if on_result is None else (lambda i, r: on_result(r[0])),
+                     executor, address)
     memory = {row["policy"]: mem for row, mem in done if mem is not None}
     return pd.DataFrame([row for row, _ in done]), memory
 
 
-def _sweep_run(cfg: SimConfig, timed: Trace, rate: float, with_memory: bool) -> tuple[dict, dict | None]:
+def _sweep_run(cfg: SimConfig, timed: Trace, rate: float, with_memory: bool,
+               tag_seed: bool = False) -> tuple[dict, dict | None]:
     res = run_simulation(cfg, timed)
-    row = {"policy": cfg.policy, "rate": rate, **headline(res.summary)}
+    row = {"policy": cfg.policy, "rate": rate, **({"seed": cfg.seed} if tag_seed else {}), **headline(res.summary)}
     if not with_memory:
         return row, None
     it = res.iterations
@@ -57,7 +65,10 @@ def headline(s: dict) -> dict:
 
 
 def max_sustainable_rate(table: pd.DataFrame, latency_limit: float) -> dict[str, float]:
-    """Per policy, the highest swept rate whose mean normalized latency stays under the limit."""
+    """Per policy, the highest swept rate whose mean normalized latency stays under the limit (with
+    seeds: its mean over seeds)."""
+    if "seed" in table:
+        table = table.groupby(["policy", "rate"], sort=False, as_index=False).mean_normalized_latency.mean()
     out = {}
     for policy, g in table.groupby("policy", sort=False):
         ok = g[g.mean_normalized_latency <= latency_limit]

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from analysis.parallel import add_executor_args, executor_options
 from analysis.report import replica_table, summary_table
 from pagesim.argtypes import (
     fraction,
@@ -127,6 +128,13 @@ def add_study_args(p: argparse.ArgumentParser, trace: str, rates: list[float]) -
     p.add_argument("--num-gpu-blocks", type=positive_int, help="override the derived KV capacity (blocks)")
     p.add_argument("--jobs", type=positive_int, default=1,
                    help="simulations run at once in worker processes (default 1; the results are the same)")
+    add_executor_args(p)
+
+
+def add_seeds_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seeds", type=positive_int, default=1,
+                   help="repeat the study with seeds --seed, --seed+1, ...: each re-draws a synthetic workload and "
+                        "generated arrivals; adds a seed column and a summary with 95%% CIs (default 1)")
 
 
 def _study_costs(args: argparse.Namespace) -> dict:
@@ -147,12 +155,37 @@ def _check_workload_size(spec: str, num_requests: int | None) -> None:
         check_fits(f"--num-requests {num_requests:,}", [(num_requests, REQUEST_BYTES)])
 
 
-def _study_trace(args: argparse.Namespace):
+def _study_trace(args: argparse.Namespace, seed: int | None = None):
     from traces import resolve_trace
     _check_workload_size(args.trace, args.num_requests)
     # the lengths are drawn once; each rate re-draws (or rescales) the arrivals
-    return resolve_trace(args.trace, num_requests=args.num_requests, format=args.trace_format, seed=args.seed,
-                         rate=args.rates[0])
+    return resolve_trace(args.trace, num_requests=args.num_requests, format=args.trace_format,
+                         seed=args.seed if seed is None else seed, rate=args.rates[0])
+
+
+def _study_workloads(args: argparse.Namespace, draw=None):
+    """(the study's workload: one trace, or one per seed with --seeds > 1; the first trace)."""
+    from analysis.seeds import seed_workloads
+    workload = seed_workloads(draw or (lambda s: _study_trace(args, s)), args.seed, getattr(args, "seeds", 1))
+    return workload, workload[0] if isinstance(workload, list) else workload
+
+
+def _seed_cell(row: dict) -> str:
+    return f" {row['seed']:>5}" if "seed" in row else ""
+
+
+def _write_seed_summary(table, keys: list[str], path, metric: str) -> None:
+    """With a seed column: the per-configuration means and 95% CIs to `path`, and `metric`'s printed."""
+    from analysis.seeds import ci_table
+    if "seed" not in table:
+        return
+    summary = ci_table(table, keys)
+    summary.to_csv(path, index=False)
+    print(f"\n{metric}, mean +- 95% CI over {int(summary.seeds.max())} seeds:")
+    for r in summary.itertuples(index=False):
+        d = r._asdict()
+        print("  " + " ".join(f"{d[k]}" for k in keys) + f": {d[metric]:.4g} +- {d[metric + '_ci95']:.2g}")
+    print(f"wrote {path}")
 
 
 def add_output_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -274,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Throughput-latency curves: writes sweep.csv, latency_vs_rate.png and "
                                     "memory_breakdown.png to --out.")
     add_study_args(sw, "sharegpt-like", [0.5, 1.0, 1.5, 2.0, 2.5])
+    add_seeds_arg(sw)
     sw.add_argument("--policies", nargs="+", default=["vllm", "orca-oracle", "orca-pow2", "orca-max"],
                     choices=list(POLICIES))
     sw.add_argument("--tp", type=positive_int, default=1)
@@ -311,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "hits against rate) to --out. The default workload: 200 shared 4,096-token "
                                     "prefixes, more than one replica's cache holds.")
     add_study_args(rt, "shared-prefix", [4.0, 8.0, 12.0, 16.0, 24.0])
+    add_seeds_arg(rt)
     rt.set_defaults(model="llama-3.1-8b", hardware="a100-80gb")
     rt.add_argument("--replicas", type=positive_int, default=4, help="replicas (default 4)")
     rt.add_argument("--replica-hardware", nargs="+", metavar="GPU",
@@ -335,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "bisecting). Writes capacity.csv (the answers), capacity_runs.csv (every "
                                      "configuration simulated) and capacity.png to --out.")
     add_study_args(cap, "sharegpt-like", [10.0, 20.0, 40.0])
+    add_seeds_arg(cap)
     cap.add_argument("--routers", nargs="+", default=["least-loaded"], choices=list(ROUTERS))
     cap.add_argument("--slo-ttft", type=positive_float, help="TTFT SLO, seconds")
     cap.add_argument("--slo-tpot", type=positive_float, help="TPOT SLO, seconds")
@@ -505,7 +541,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from analysis.sweep import max_sustainable_rate, sweep
     from sim.run import SimConfig
 
-    trace = _study_trace(args)
+    workload, trace = _study_workloads(args)
     base = SimConfig(model=args.model, hardware=args.hardware, tp=args.tp, block_size=args.block_size,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      n=args.n, beam_width=args.beam_width, seed=args.seed, preemption=args.preemption,
@@ -519,17 +555,20 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                                  (f"--preemption {args.preemption}", args.preemption != "recompute")) if on]
     if vllm_opts:
         print(f"{' '.join(vllm_opts)}: vllm runs only")
-    print(f"{'policy':<12} {'rate':>6} {'req/s':>7} {'norm lat':>9} {'p90 TTFT':>9} {'preempt':>8} {'wall s':>7}")
+    print(f"{'policy':<12} {'rate':>6} {'req/s':>7} {'norm lat':>9} {'p90 TTFT':>9} {'preempt':>8} {'wall s':>7}"
+          + (f" {'seed':>5}" if args.seeds > 1 else ""))
 
     def show(r: dict) -> None:
         print(f"{r['policy']:<12} {r['rate']:>6.2f} {r['throughput']:>7.3f} {r['mean_normalized_latency']:>9.4f} "
-              f"{r['ttft_p90']:>9.2f} {r['preemptions']:>8} {r['wall_s']:>7.2f}", flush=True)
+              f"{r['ttft_p90']:>9.2f} {r['preemptions']:>8} {r['wall_s']:>7.2f}" + _seed_cell(r), flush=True)
 
-    table, memory = sweep(trace, base, args.policies, args.rates, on_result=show, jobs=args.jobs)
+    table, memory = sweep(workload, base, args.policies, args.rates, on_result=show, jobs=args.jobs,
+                          **executor_options(args))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "sweep.csv", index=False)
-    title = f"{trace.name}, {_study_title(args)}"
+    _write_seed_summary(table, ["policy", "rate"], out / "sweep_summary.csv", "mean_normalized_latency")
+    title = f"{trace.name}, {_study_title(args)}" + (f"; 95% CI over {args.seeds} seeds" if args.seeds > 1 else "")
     latency_vs_rate(table, out / "latency_vs_rate.png", title)
     memory_breakdown(memory, out / "memory_breakdown.png", f"KV memory at {max(args.rates)} req/s")
     best = max_sustainable_rate(table, args.latency_limit)
@@ -547,14 +586,15 @@ def cmd_routing(args: argparse.Namespace) -> int:
     from traces import apply_arrivals
     from traces.synthetic import make_synthetic
 
+    def shared_prefix(seed: int):
+        return apply_arrivals(make_synthetic("shared-prefix", args.num_requests, seed=seed,
+                                             num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
+                                             suffix_len=args.suffix_len, output_len=args.output_len),
+                              rate=args.rates[0], seed=seed)
+
     if args.trace == "shared-prefix":
         _check_workload_size(args.trace, args.num_requests)
-        trace = apply_arrivals(make_synthetic("shared-prefix", args.num_requests, seed=args.seed,
-                                              num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
-                                              suffix_len=args.suffix_len, output_len=args.output_len),
-                               rate=args.rates[0], seed=args.seed)
-    else:
-        trace = _study_trace(args)
+    workload, trace = _study_workloads(args, shared_prefix if args.trace == "shared-prefix" else None)
     opts = {} if args.max_imbalance is None else {"max_imbalance": args.max_imbalance}
     if opts and not set(MATCH_ROUTERS) & set(args.routers):
         raise ValueError(f"--max-imbalance applies to the {' and '.join(MATCH_ROUTERS)} routers, neither in --routers")
@@ -567,17 +607,19 @@ def cmd_routing(args: argparse.Namespace) -> int:
     print(f"routing: {len(trace)} requests of {trace.name}, {base.replicas} replicas of {on}, "
           f"prefix caching {'off' if args.no_prefix_caching else 'on'}")
     print(f"{'router':<16} {'rate':>6} {'req/s':>7} {'TTFT':>8} {'norm lat':>9} {'cache hit':>9} {'spread':>7} "
-          f"{'wall s':>7}")
+          f"{'wall s':>7}" + (f" {'seed':>5}" if args.seeds > 1 else ""))
 
     def show(r: dict) -> None:
         print(f"{r['router']:<16} {r['rate']:>6.2f} {r['throughput']:>7.3f} {r['ttft_mean']:>8.3f} "
               f"{r['mean_normalized_latency']:>9.4f} {r['prefix_hit_fraction']:>9.1%} {r['imbalance']:>7.2f} "
-              f"{r['wall_s']:>7.2f}", flush=True)
+              f"{r['wall_s']:>7.2f}" + _seed_cell(r), flush=True)
 
-    table = router_sweep(trace, base, args.routers, args.rates, on_result=show, router_options=opts, jobs=args.jobs)
+    table = router_sweep(workload, base, args.routers, args.rates, on_result=show, router_options=opts, jobs=args.jobs,
+                         **executor_options(args))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "routing.csv", index=False)
+    _write_seed_summary(table, ["router", "rate"], out / "routing_summary.csv", "ttft_mean")
     routing_plot(table, out / "routing.png", f"{trace.name}, {base.replicas} replicas of {on}")
     print(f"wrote {out}/routing.csv, routing.png")
     return 0
@@ -607,7 +649,8 @@ def cmd_sharing(args: argparse.Namespace) -> int:
         print(f"{r['decoding']:<18} {r['width']:>5} {r['rate']:>6.2f} {r['saving']:>7.1%} {r['throughput']:>7.3f} "
               f"{r['mean_normalized_latency']:>9.4f} {r['preemptions']:>8}", flush=True)
 
-    table = sharing_table(trace, base, args.rates, widths, on_row=show, beam_decay=decay, jobs=args.jobs)
+    table = sharing_table(trace, base, args.rates, widths, on_row=show, beam_decay=decay, jobs=args.jobs,
+                          **executor_options(args))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -665,7 +708,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
 
     if args.slo_ttft is None and args.slo_tpot is None:
         raise ValueError("--slo-ttft and/or --slo-tpot: capacity is the fewest replicas meeting an SLO")
-    trace = _study_trace(args)
+    workload, trace = _study_workloads(args)
     base = SimConfig(model=args.model, hardware=args.hardware, tp=args.tp, block_size=args.block_size, seed=args.seed,
                      prefix_caching=args.prefix_caching, chunked_prefill=args.chunked_prefill,
                      max_num_batched_tokens=args.max_num_batched_tokens, slo_ttft=args.slo_ttft,
@@ -674,24 +717,26 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                                    args.slo_tpot and f"TPOT <= {args.slo_tpot:g} s") if s)
     print(f"capacity: {len(trace)} requests of {trace.name} on {_study_title(args)}, {args.attainment:.0%} of "
           f"requests within {slo}")
-    print(f"{'router':<16} {'rate':>6} {'replicas':>8} {'in SLO':>7} {'p90 TTFT':>9} {'p90 TPOT':>9} {'wall s':>7}")
+    print(f"{'router':<16} {'rate':>6} {'replicas':>8} {'in SLO':>7} {'p90 TTFT':>9} {'p90 TPOT':>9} {'wall s':>7}"
+          + (f" {'seed':>5}" if args.seeds > 1 else ""))
 
     def run(r: dict) -> None:
         print(f"{r['router']:<16} {r['rate']:>6g} {r['replicas']:>8} {r['slo_attainment']:>7.1%} {r['ttft_p90']:>9.3f} "
-              f"{r['tpot_p90']:>9.4f} {r['wall_s']:>7.2f}", flush=True)
+              f"{r['tpot_p90']:>9.4f} {r['wall_s']:>7.2f}" + _seed_cell(r), flush=True)
 
     def answer(r: dict) -> None:
         n = r["min_replicas"]
-        print(f"  -> {r['router']} at {r['rate']:g} req/s: "
+        print(f"  -> {r['router']} at {r['rate']:g} req/s" + (f", seed {r['seed']}" if "seed" in r else "") + ": "
               + (f"{n} replicas ({r['gpus']} GPUs)" if n is not None else f"more than {args.max_replicas} replicas"),
               flush=True)
 
-    answers, tried = capacity_table(trace, base, args.routers, args.rates, args.attainment, args.max_replicas,
-                                    on_result=answer, on_run=run, jobs=args.jobs)
+    answers, tried = capacity_table(workload, base, args.routers, args.rates, args.attainment, args.max_replicas,
+                                    on_result=answer, on_run=run, jobs=args.jobs, **executor_options(args))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     answers.to_csv(out / "capacity.csv", index=False)
     tried.to_csv(out / "capacity_runs.csv", index=False)
+    _write_seed_summary(answers, ["router", "rate"], out / "capacity_summary.csv", "min_replicas")
     capacity_plot(answers, out / "capacity.png", f"{trace.name}, {_study_title(args)}, {slo}")
     print(f"wrote {out}/capacity.csv, capacity_runs.csv, capacity.png")
     return 0
@@ -726,7 +771,7 @@ def cmd_disagg(args: argparse.Namespace) -> int:
         print(f"{r['setup']:<10} {r['rate']:>6g} {r['ttft_p90']:>9.3f} {r['tpot_p90']:>9.4f} "
               f"{r['mean_normalized_latency']:>9.4f} {r['throughput']:>7.3f} {r['wall_s']:>7.2f}", flush=True)
 
-    table = disagg_study(trace, base, args.gpus, args.rates, splits, args.jobs, on_result=show)
+    table = disagg_study(trace, base, args.gpus, args.rates, splits, args.jobs, on_result=show, **executor_options(args))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "disagg.csv", index=False)
@@ -758,7 +803,8 @@ def cmd_block_size(args: argparse.Namespace) -> int:
               f"{r['throughput']:>7.3f} {r['preemptions']:>8} {r['mean_batched_seqs']:>6.1f} "
               f"{r['internal_frag']:>6.1%} {r['reference_decode_ms']:>7.2f}", flush=True)
 
-    table = block_size_sweep(trace, base, args.block_sizes, args.rates, args.kv_tokens, on_row=show, jobs=args.jobs)
+    table = block_size_sweep(trace, base, args.block_sizes, args.rates, args.kv_tokens, on_row=show, jobs=args.jobs,
+                             **executor_options(args))
     print("ref ms: the cost model's decode step of 16 sequences of 512 tokens at that block size")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
