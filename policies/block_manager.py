@@ -424,8 +424,17 @@ class PagedBlockManager:
         child.block_hashes = list(parent.block_hashes)
 
     def free(self, seq: Sequence) -> None:
-        """Drop the sequence's table; blocks whose count reaches zero return to the free queue,
-        last block first so that a prompt's leading (most shared) blocks are evicted last."""
+        """Drop everything the sequence holds: its device table (blocks whose count reaches zero
+        return to the free queue, last block first so that a prompt's leading, most shared blocks
+        are evicted last) and, when it is swapped out, its CPU table (an aborted swapped group)."""
+        self._free_device(seq)
+        cpu_table = self.cpu_tables.pop(seq.seq_id, None)
+        if cpu_table is not None:
+            self.cpu_slots.pop(seq.seq_id, None)
+            for c in cpu_table:
+                self.cpu.release(c)
+
+    def _free_device(self, seq: Sequence) -> None:
         table = self.tables.pop(seq.seq_id, None)
         self.slots.pop(seq.seq_id, None)
         if table is None:
@@ -461,7 +470,7 @@ class PagedBlockManager:
                 cpu_table.append(mapping[b])
             self.cpu_tables[s.seq_id] = cpu_table
             self.cpu_slots[s.seq_id] = self.slots[s.seq_id]
-            self.free(s)
+            self._free_device(s)
         return list(mapping.items())
 
     def can_swap_in(self, group: SequenceGroup) -> bool:

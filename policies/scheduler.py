@@ -151,6 +151,39 @@ class Scheduler(ABC):
         self.done.append(group)
         self.policy.on_finished(group)
 
+    def abort(self, group_id: int, now: float, reason: str = "aborted") -> SequenceGroup | None:
+        """End an unfinished request from outside (its client went away, the server shuts down).
+        It leaves waiting / running / swapped; a running or swapped group's sequences are
+        finished through `_free_seq` (only the block pool changes counts) and keep their outputs
+        as finished sequences; it is recorded as done and rejected with `reason`. Returns the
+        group, or None when no unfinished group has that id. Call between steps, never while a
+        plan is being executed."""
+        self.settle()
+        for queue in (self.waiting, self.running, self.swapped):
+            group = next((g for g in queue if g.group_id == group_id), None)
+            if group is not None:
+                break
+        else:
+            return None
+        queue.remove(group)
+        if queue is self.waiting:  # a waiting group holds no memory (never admitted, or freed when preempted)
+            for s in group.seqs:
+                s.status = SeqStatus.FINISHED
+                self.seqs.pop(s.seq_id, None)
+        else:
+            for s in list(group.seqs):
+                self._finish_seq(s, keep_record=True)
+        group.rejected = reason
+        group.status = SeqStatus.FINISHED
+        group.finish_time = now
+        self.done.append(group)
+        self.policy.on_finished(group)
+        return group
+
+    def settle(self) -> None:
+        """Apply bookkeeping a scheduler deferred (skipped-ahead decode steps); the base defers none."""
+        return
+
     @abstractmethod
     def schedule(self, now: float) -> StepPlan:
         """Decide the next iteration."""
