@@ -75,7 +75,7 @@ def _run_ray(fn: Callable[..., Any], tasks: Sequence[tuple], address: str | None
              finish: Callable[[int, Any], None]) -> None:
     ray = import_ray()
     ray.init(address=address or None, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False)
-    remote = ray.remote(fn)
+    remote = ray.remote(_apply)  # not ray.remote(fn): any picklable callable, builtins too
     # an argument object shared by several tasks (a study's trace at one rate) goes to the object
     # store once, not once per task; plain numbers and strings travel inline
     stored: dict[int, Any] = {}
@@ -87,7 +87,8 @@ def _run_ray(fn: Callable[..., Any], tasks: Sequence[tuple], address: str | None
             stored[id(arg)] = ray.put(arg)
         return stored[id(arg)]
 
-    pending = {remote.remote(*(ref(a) for a in task)): i for i, task in enumerate(tasks)}
+    fn_ref = ray.put(fn)
+    pending = {remote.remote(fn_ref, *(ref(a) for a in task)): i for i, task in enumerate(tasks)}
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
         for r in done:
@@ -99,6 +100,10 @@ def _run_ray(fn: Callable[..., Any], tasks: Sequence[tuple], address: str | None
                     ray.cancel(rest)
                 raise (e.cause if isinstance(e.cause, BaseException) else e) from None
             finish(i, result)
+
+
+def _apply(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
 
 
 def import_ray():

@@ -74,6 +74,7 @@ def rate_line(ax: Any, data: pd.DataFrame, y: str, label: str, x: str = "rate") 
     if "seed" in data:
         import seaborn as sns
 
-        sns.lineplot(data=data, x=x, y=y, marker="o", errorbar=("ci", 95), seed=0, ax=ax, label=label)
+        # legend=False: the line keeps its label, the caller decides which panel shows a legend
+        sns.lineplot(data=data, x=x, y=y, marker="o", errorbar=("ci", 95), seed=0, ax=ax, label=label, legend=False)
     else:
         ax.plot(data[x], data[y], marker="o", label=label)

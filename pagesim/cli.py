@@ -170,6 +170,10 @@ def _study_workloads(args: argparse.Namespace, draw=None):
     return workload, workload[0] if isinstance(workload, list) else workload
 
 
+def _seeds_note(args: argparse.Namespace) -> str:
+    return f"; 95% CI over {args.seeds} seeds" if args.seeds > 1 else ""
+
+
 def _seed_cell(row: dict) -> str:
     return f" {row['seed']:>5}" if "seed" in row else ""
 
@@ -568,7 +572,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "sweep.csv", index=False)
     _write_seed_summary(table, ["policy", "rate"], out / "sweep_summary.csv", "mean_normalized_latency")
-    title = f"{trace.name}, {_study_title(args)}" + (f"; 95% CI over {args.seeds} seeds" if args.seeds > 1 else "")
+    title = f"{trace.name}, {_study_title(args)}" + _seeds_note(args)
     latency_vs_rate(table, out / "latency_vs_rate.png", title)
     memory_breakdown(memory, out / "memory_breakdown.png", f"KV memory at {max(args.rates)} req/s")
     best = max_sustainable_rate(table, args.latency_limit)
@@ -620,7 +624,7 @@ def cmd_routing(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "routing.csv", index=False)
     _write_seed_summary(table, ["router", "rate"], out / "routing_summary.csv", "ttft_mean")
-    routing_plot(table, out / "routing.png", f"{trace.name}, {base.replicas} replicas of {on}")
+    routing_plot(table, out / "routing.png", f"{trace.name}, {base.replicas} replicas of {on}" + _seeds_note(args))
     print(f"wrote {out}/routing.csv, routing.png")
     return 0
 
@@ -737,7 +741,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     answers.to_csv(out / "capacity.csv", index=False)
     tried.to_csv(out / "capacity_runs.csv", index=False)
     _write_seed_summary(answers, ["router", "rate"], out / "capacity_summary.csv", "min_replicas")
-    capacity_plot(answers, out / "capacity.png", f"{trace.name}, {_study_title(args)}, {slo}")
+    capacity_plot(answers, out / "capacity.png", f"{trace.name}, {_study_title(args)}, {slo}" + _seeds_note(args))
     print(f"wrote {out}/capacity.csv, capacity_runs.csv, capacity.png")
     return 0
 
