@@ -19,6 +19,8 @@ are not modelled here.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -164,8 +166,9 @@ def _content_names(r: Request) -> tuple[tuple[int, ...] | None, int]:
 
 def _prefill_half(r: Request) -> Request:
     hashes, hbs = _content_names(r)
-    return Request(r.request_id, r.arrival, r.prompt_len, SamplingParams(max_tokens=1, ignore_eos=True), 1,
-                   r.prompt_token_ids, hashes, hbs, r.priority)
+    # the request's own fields (priority, client, SLO class, a reject reason) carry over
+    return dataclasses.replace(r, sampling=SamplingParams(max_tokens=1, ignore_eos=True), output_len=1,
+                               prefix_hashes=hashes, hash_block_size=hbs)
 
 
 def _decode_half(r: Request, first: SequenceGroup, now: float) -> Request:

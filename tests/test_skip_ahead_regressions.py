@@ -110,3 +110,11 @@ def test_injected_prefix_survives_one_eviction_like_a_computed_one():
 
     assert served_after_one_eviction(False) == 3
     assert served_after_one_eviction(True) == 3
+
+
+def test_disaggregated_run_keeps_unservable_trace_rows_as_rejected():
+    tr = Trace(arrival=np.array([0.0, 0.1]), prompt_len=np.array([0, 30]), output_len=np.array([5, 5]),
+               reject_reason=["zero tokens in the trace", ""])
+    res = run_simulation(SimConfig(disaggregate=(1, 1)), tr)
+    assert res.requests.status.tolist() == ["rejected", "finished"]
+    assert res.requests.reject_reason[0] == "zero tokens in the trace"

@@ -73,7 +73,7 @@ def multi_client(n: int, seed: int = 0, clients: tuple[ClientSpec, ...] = DEFAUL
     parts = []
     for i, c in enumerate(clients):
         share = c.share / total
-        count = int(math.ceil(1.5 * share * n)) + 8  # more than needed: the merge keeps the first n
+        count = math.ceil(1.5 * share * n) + 8  # more than needed: the merge keeps the first n
         arrival = _arrivals(c, count, share, int(streams[2 * i].generate_state(1)[0]))
         lengths = make_synthetic(c.lengths, count, seed=int(streams[2 * i + 1].generate_state(1)[0]))
         parts.append((arrival, lengths.prompt_len, lengths.output_len, i))
