@@ -4,8 +4,13 @@ Each case runs in its own process so that its peak memory (max RSS) is its own. 
 2-core machine: 10,000 requests in <= 3 s wall and <= 1 GB peak; 100,000 in <= 30 s (linear).
 Replicas: the smallest size again over R replicas at R times the rate (each replica as loaded as
 the one), least-loaded routing; target: at most 2x the one replica's wall time.
+Policies (issue 12): the smallest size under each policy written only against the public policy API
+(`--policies sjf vtc ...`), target: within 1.5x of vllm's wall time in the same run. Scale-out:
+`--million` simulates 1,000,000 requests over 16 replicas behind least-loaded routing (target
+<= 120 s on a 2-core machine).
 
-    python -m benchmarks.bench_sim [--sizes 10000 100000] [--rate 100] [--replicas 4]
+    python -m benchmarks.bench_sim [--sizes 10000 100000] [--rate 100] [--replicas 4] [--policies sjf]
+        [--million]
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from traces import resolve_trace
 from sim.run import SimConfig, run_simulation
 trace = resolve_trace("sharegpt-like", num_requests={n}, rate={rate}, seed=0)
 t0 = time.perf_counter()
-res = run_simulation(SimConfig(policy="vllm", model="opt-13b", hardware="a100-40gb", fast_forward={ff},
+res = run_simulation(SimConfig(policy="{policy}", model="opt-13b", hardware="a100-40gb", fast_forward={ff},
                               replicas={replicas}, router="least-loaded"), trace)
 wall = time.perf_counter() - t0
 s = res.summary
@@ -33,9 +38,9 @@ print(json.dumps({{"wall": wall, "sim": s["duration_s"], "iters": s["num_iterati
 TARGET_WALL = {10_000: 3.0, 100_000: 30.0}
 
 
-def run_case(n: int, rate: float, ff: bool = True, replicas: int = 1) -> dict:
-    out = subprocess.run([sys.executable, "-c", CASE.format(n=n, rate=rate, ff=ff, replicas=replicas)], check=True,
-                         capture_output=True, text=True)
+def run_case(n: int, rate: float, ff: bool = True, replicas: int = 1, policy: str = "vllm") -> dict:
+    code = CASE.format(n=n, rate=rate, ff=ff, replicas=replicas, policy=policy)
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -45,6 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rate", type=float, default=100.0, help="arrival rate, far above capacity (saturation)")
     ap.add_argument("--no-step-baseline", action="store_true", help="skip the one-iteration-at-a-time run")
     ap.add_argument("--replicas", type=int, default=4, help="replicas for the multi-replica case (0: skip it)")
+    ap.add_argument("--policies", nargs="*", default=["sjf", "vtc"],
+                    help="policies timed against vllm at the smallest size (default sjf vtc)")
+    ap.add_argument("--million", action="store_true", help="also 1,000,000 requests over 16 replicas")
     args = ap.parse_args(argv)
     print("Simulator speed (vllm, OPT-13B / A100-40GB, sharegpt-like at saturation)")
     print(f"{'requests':>9} {'mode':>10} {'wall s':>8} {'target s':>8} {'ratio':>6} {'peak MB':>8} "
@@ -69,6 +77,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{n0:,} requests on {args.replicas} replicas (least-loaded) at {args.rate * args.replicas:g} req/s: "
               f"{r['wall']:.2f} s wall, {r['wall'] / r0['wall']:.2f}x one replica (target <= 2x), "
               f"{r['iters']:,} iterations, peak {r['rss_mb']:.0f} MB, {r['finished']:,} finished")
+    if args.policies and ff_rows:
+        n0, r0 = ff_rows[0]
+        print(f"policies on the public API, {n0:,} requests (target <= 1.5x vllm):")
+        for policy in args.policies:
+            r = run_case(n0, args.rate, True, 1, policy)
+            print(f"  {policy:<8} {r['wall']:>6.2f} s wall vs vllm {r0['wall']:.2f} s: {r['wall'] / r0['wall']:.2f}x, "
+                  f"{r['iters']:,} iterations, {r['finished']:,} finished")
+    if args.million:
+        r = run_case(1_000_000, args.rate * 16, True, 16)
+        print(f"1,000,000 requests on 16 replicas (least-loaded) at {args.rate * 16:g} req/s: {r['wall']:.1f} s wall "
+              f"(target <= 120 s), {r['iters']:,} iterations, peak {r['rss_mb']:.0f} MB, {r['finished']:,} finished")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ contract below (which is what lets the engine skip iterations and still match st
 
 - `key(group)`: the order of the waiting queue and of the running batch (smallest first: the first
   gets its tokens first, the last is preempted first). It is read when a group is queued and must not
-  change while the group waits or runs, unless the policy sets `dynamic_order` (the scheduler then
-  re-sorts the waiting queue at every step and skips ahead only while nothing waits).
+  change while the group waits or runs, unless the policy sets `dynamic_order`: it then owns the
+  waiting queue (`new_queue`, whose `[0]` is the group to consider next, now) and names the groups
+  that could come first while the running batch decodes (`head_candidates`); skipped windows need
+  every one of them blocked.
 - `admit(group, now)`: ADMIT (memory and budgets permitting), DEFER (head of line: nothing further is
   admitted this step), or a rejection reason (str). A pure function of the group, `now` and the
   policy's state: the engine asks it when deciding whether iterations may be skipped.
@@ -29,8 +31,9 @@ contract below (which is what lets the engine skip iterations and still match st
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from typing import ClassVar
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -55,6 +58,17 @@ class QueuePolicy:
     def running_key(self, group: SequenceGroup) -> tuple:
         """The running batch's order; the key itself unless the order is dynamic (then arrival)."""
         return self.key(group) if not self.dynamic_order else (group.request.arrival, group.group_id)
+
+    def new_queue(self) -> Any:
+        """The waiting queue: a deque (arrival or key order, kept by the scheduler), or for a
+        `dynamic_order` policy its own queue with the deque methods the scheduler uses (len, iter,
+        [0], popleft) and push(group, front)."""
+        return deque()
+
+    def head_candidates(self, waiting: Any) -> list[SequenceGroup]:
+        """The waiting groups that could be considered first in the coming iterations, while the
+        running batch only decodes: the head, for an order fixed at queueing."""
+        return [waiting[0]]
 
     def admit(self, group: SequenceGroup, now: float) -> str:
         return ADMIT
@@ -231,11 +245,12 @@ class SrptPolicy(ShortestFirstPolicy):
 
 class VtcPolicy(QueuePolicy):
     """Fair sharing across clients by Virtual Token Counter (Sheng et al., OSDI 2024): each client's
-    counter grows by `input_weight` per prompt token and `output_weight` per generated token served;
-    the waiting request of the client with the smallest counter goes first (FCFS within a client). A
-    client that becomes active again is lifted to the smallest counter among active clients, so idle
-    time does not bank service. Tokens are counted as integers and the counter computed from them,
-    so a skipped window (k tokens at once) and k stepped iterations give the same float."""
+    counter grows by `input_weight` per prompt token (charged when a request is admitted) and
+    `output_weight` per generated token served; the next request is the oldest of the client with
+    the smallest counter. A client that becomes active again is lifted to the smallest counter among
+    active clients, so idle time does not bank service. Tokens are counted as integers and the
+    counter computed from them, so a skipped window (k tokens at once) and k stepped iterations give
+    the same float. The waiting queue is one FIFO per client (`ClientQueues`)."""
 
     name = "vtc"
     arrival_order = False
@@ -258,6 +273,12 @@ class VtcPolicy(QueuePolicy):
     def key(self, group: SequenceGroup) -> tuple:
         return (self.counter(group.request.client), group.request.arrival, group.group_id)
 
+    def new_queue(self) -> ClientQueues:
+        return ClientQueues(self.counter)
+
+    def head_candidates(self, waiting: ClientQueues) -> list[SequenceGroup]:
+        return waiting.heads()
+
     def on_queued(self, group: SequenceGroup) -> None:
         if group.num_preemptions:  # back from a preemption: still active
             return
@@ -268,14 +289,60 @@ class VtcPolicy(QueuePolicy):
                 self.lift[c] = self.lift.get(c, 0.0) + floor - self.counter(c)
         self.active[c] = self.active.get(c, 0) + 1
 
+    def on_admitted(self, group: SequenceGroup, now: float) -> None:
+        self.tokens.setdefault(group.request.client, [0, 0])[0] += group.request.prompt_len
+
     def on_served(self, group: SequenceGroup, prefill_tokens: int, decode_tokens: int) -> None:
-        t = self.tokens.setdefault(group.request.client, [0, 0])
-        t[0] += prefill_tokens
-        t[1] += decode_tokens
+        self.tokens.setdefault(group.request.client, [0, 0])[1] += decode_tokens
 
     def on_finished(self, group: SequenceGroup) -> None:
         c = group.request.client
         self.active[c] = self.active.get(c, 1) - 1
+
+
+class ClientQueues:
+    """A waiting queue of one FIFO per client; `[0]` is the head of the client whose counter is
+    smallest now (ties: the older head), found in O(clients)."""
+
+    def __init__(self, counter: Any) -> None:
+        self.counter = counter
+        self.queues: dict[str, deque[SequenceGroup]] = {}
+        self.size = 0
+
+    def push(self, group: SequenceGroup, front: bool = False) -> None:
+        q = self.queues.setdefault(group.request.client, deque())
+        q.appendleft(group) if front else q.append(group)
+        self.size += 1
+
+    def _best(self) -> deque[SequenceGroup]:
+        best = None
+        for c, q in self.queues.items():
+            if q:
+                k = (self.counter(c), q[0].request.arrival, q[0].group_id)
+                if best is None or k < best[0]:
+                    best = (k, q)
+        if best is None:
+            raise IndexError("the waiting queue is empty")
+        return best[1]
+
+    def __getitem__(self, i: int) -> SequenceGroup:
+        if i != 0:
+            raise IndexError("ClientQueues gives only its head, [0]")
+        return self._best()[0]
+
+    def popleft(self) -> SequenceGroup:
+        self.size -= 1
+        return self._best().popleft()
+
+    def heads(self) -> list[SequenceGroup]:
+        return [q[0] for q in self.queues.values() if q]
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[SequenceGroup]:
+        for q in self.queues.values():
+            yield from q
 
 
 class EdfPolicy(QueuePolicy):

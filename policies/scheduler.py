@@ -47,7 +47,6 @@ class Scheduler(ABC):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
-        self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
         self.done: list[SequenceGroup] = []
@@ -56,6 +55,7 @@ class Scheduler(ABC):
         self.num_added = 0
         self.num_preemptions = 0
         self.policy = policy if policy is not None else QueuePolicy()
+        self.waiting: deque[SequenceGroup] = self.policy.new_queue()  # or a dynamic policy's own queue
 
     # ---------------------------------------------------------------- life cycle
     def add_request(self, request: Request) -> SequenceGroup:
@@ -75,7 +75,9 @@ class Scheduler(ABC):
         (an arrival) or the front (`front`: a preempted group, as vLLM requeues it)."""
         policy = self.policy
         policy.on_queued(group)
-        if not policy.arrival_order:
+        if policy.dynamic_order:  # the policy's own queue orders itself
+            self.waiting.push(group, front)
+        elif not policy.arrival_order:
             bisect.insort(self.waiting, group, key=policy.key)
         elif front:
             self.waiting.appendleft(group)

@@ -11,7 +11,6 @@ nothing new is admitted while any group is swapped out).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -247,8 +246,6 @@ class VllmScheduler(Scheduler):
         bm = self.bm
         demand = self._demand()
         policy = self.policy
-        if policy.dynamic_order and len(self.waiting) > 1:
-            self.waiting = deque(sorted(self.waiting, key=policy.key))
         while self.waiting and budget[0] > 0:
             group = self.waiting[0]
             req = group.request
@@ -334,9 +331,9 @@ class VllmScheduler(Scheduler):
         running = self.running
         if not running or self.swapped or len(running) > self.max_num_batched_tokens:
             return None
-        if self.waiting and self.policy.dynamic_order:
-            return None  # the head may change as tokens are served
-        head_blocked = not self.waiting or self._head_stays_blocked(len(running), now)
+        # whichever waiting group could come first while the batch decodes must stay refused
+        head_blocked = not self.waiting or all(self._stays_blocked(g, len(running), now)
+                                               for g in self.policy.head_candidates(self.waiting))
         free = self.bm.num_free_blocks
         if not head_blocked and free >= len(running):
             return None  # an admission comes next, and no group can run out of blocks first
@@ -376,11 +373,10 @@ class VllmScheduler(Scheduler):
         self._horizon = DecodeHorizon(k, exhausts, rem, context, by_phase)
         return self._horizon
 
-    def _head_stays_blocked(self, num_running: int, now: float) -> bool:
-        """True if the waiting head is refused now for a reason that persists while running
-        sequences only grow (free blocks only shrink, counts and budgets stay), or deferred by the
-        policy (until its wake_time, where the engine ends the window)."""
-        head = self.waiting[0]
+    def _stays_blocked(self, head: SequenceGroup, num_running: int, now: float) -> bool:
+        """True if the waiting group `head`, considered first, is refused now for a reason that
+        persists while running sequences only grow (free blocks only shrink, counts and budgets
+        stay), or deferred by the policy (until its wake_time, where the engine ends the window)."""
         if len(head.seqs) != 1 or head.rejected is not None:
             return False
         req = head.request

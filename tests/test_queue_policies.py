@@ -124,11 +124,12 @@ def test_vtc_lifts_a_returning_client_to_the_active_floor():
     v = VtcPolicy()
     a = SequenceGroup(_req(0, 10, 1, client="a"), 0)
     v.on_queued(a)
-    v.on_served(a, 100, 50)
-    assert v.counter("a") == 200
+    v.on_admitted(a, 0.0)      # the prompt is charged at admission: 10 tokens x 1
+    v.on_served(a, 10, 50)     # then each generated token x 2 (the prompt is not charged again)
+    assert v.counter("a") == 110
     b = SequenceGroup(_req(1, 10, 1, client="b"), 1)
     v.on_queued(b)
-    assert v.counter("b") == 200  # no banked credit for having been idle
+    assert v.counter("b") == 110  # no banked credit for having been idle
 
 
 def test_edf_rejects_requests_whose_deadline_passed_and_says_why():
@@ -204,7 +205,8 @@ def _clients_trace(n: int, rate: float, seed: int):
        chunked=st.booleans(), seed=st.integers(0, 2**16))
 def test_skip_ahead_equals_stepping_for_every_policy(policy, tokens_in_cache, rate, preemption, max_num_seqs,
                                                      chunked, seed):
-    tr = resolve_trace("sharegpt-like", num_requests=40, rate=rate, seed=seed)
+    # clients, priorities and SLO classes from the multi-client workload
+    tr = resolve_trace("multi-client", num_requests=40, rate=rate, seed=seed)
     options = {"sjf": {"predictor": "noisy", "aging": 5.0, "seed": seed}, "srpt": {"predictor": "fitted"},
                "edf": {"slo_ttft": 0.5}}.get(policy, {})
     cfg = SimConfig(policy=policy, policy_options=options, num_gpu_blocks=tokens_in_cache // 16,
@@ -216,9 +218,9 @@ def test_skip_ahead_equals_stepping_for_every_policy(policy, tokens_in_cache, ra
     pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
 
 
-@pytest.mark.parametrize("policy", ["sjf", "priority", "edf"])
+@pytest.mark.parametrize("policy", ["sjf", "priority", "edf", "vtc"])
 def test_policies_still_skip_ahead(policy):
-    tr = resolve_trace("sharegpt-like", num_requests=200, rate=2.0, seed=0)
+    tr = resolve_trace("multi-client", num_requests=200, rate=2.0, seed=0)
     res = run_simulation(SimConfig(policy=policy), tr)
     e = res.summary["engine"]
     assert e["skipped_iterations"] > 5 * e["stepped_iterations"]
