@@ -77,6 +77,10 @@ class LiveExecutor:
         self.beam_results: dict[int, list[tuple[list[int], float]]] = {}
         # called as beam_observer(group id, number of current beams, parent rank of each new beam)
         self.beam_observer = None
+        # group id -> the request's own seeded generator (a served request's `seed`); its owner drops it
+        self.generators: dict[int, torch.Generator] = {}
+        # stop_check(seq, token) -> True when `token` ends the sequence early (a served request's stop strings)
+        self.stop_check = None
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
@@ -106,6 +110,8 @@ class LiveExecutor:
         req = seq.group.request
         if seq.output_len + 1 >= req.max_output:
             return True
+        if self.stop_check is not None and self.stop_check(seq, token):
+            return True
         return not req.sampling.ignore_eos and token in self.eos
 
     def _sample_plain(self, sampling, logits, rows, result: StepResult) -> None:
@@ -124,7 +130,10 @@ class LiveExecutor:
         for sid, k in draws:
             sp = seqs[sid].group.request.sampling
             params += [RowParams(sp.temperature, sp.top_k, sp.top_p)] * k
-        tokens = self.sampler(logits[idx], params).tolist()
+        gens = None
+        if self.generators:
+            gens = [self.generators.get(seqs[sid].group.group_id) for sid, k in draws for _ in range(k)]
+        tokens = self.sampler(logits[idx], params, gens).tolist()
         logp = log_softmax(logits[idx]).gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
         pos = 0
         for sid, k in draws:

@@ -51,8 +51,11 @@ class Sampler:
     def __init__(self, seed: int = 0, device: str | torch.device = "cpu") -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """logits [N, V], one `SamplingParams` per row -> tokens [N] (int64)."""
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
+        """logits [N, V], one `SamplingParams` per row -> tokens [N] (int64). A row with its own
+        generator (a request's seed) draws from that one, so that its samples do not depend on
+        what else is in the batch; the other rows share the sampler's."""
         logits = logits.float()
         dev = logits.device
         temps = torch.tensor([p.temperature for p in params], device=dev)
@@ -61,8 +64,20 @@ class Sampler:
         if rows.numel():
             sub = [params[i] for i in rows.tolist()]
             probs = filtered_probs(logits[rows] / temps[rows, None], [p.top_k for p in sub], [p.top_p for p in sub])
-            out[rows] = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+            if generators is None:
+                out[rows] = torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+            else:
+                self._sample_own(out, rows, probs, [generators[i] for i in rows.tolist()])
         return out
+
+    def _sample_own(self, out: torch.Tensor, rows: torch.Tensor, probs: torch.Tensor,
+                    gens: list[torch.Generator | None]) -> None:
+        by_gen: dict[int, list[int]] = {}
+        for j, g in enumerate(gens):
+            by_gen.setdefault(id(g), []).append(j)
+        for js in by_gen.values():
+            g = gens[js[0]] if gens[js[0]] is not None else self.generator
+            out[rows[js]] = torch.multinomial(probs[js], 1, generator=g)[:, 0]
 
 
 def filtered_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

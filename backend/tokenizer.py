@@ -44,6 +44,10 @@ class GGUFTokenizer:
         self.bos_token_id: int | None = meta.get("tokenizer.ggml.bos_token_id")
         self.eos_token_id: int | None = meta.get("tokenizer.ggml.eos_token_id")
         self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+        # the Jinja chat template the model was tuned with (rendered by a server's chat endpoint), if any
+        self.chat_template: str | None = meta.get("tokenizer.chat_template")
+        name = lambda i: tokens[i] if i is not None and 0 <= i < len(tokens) else ""
+        self.bos_token, self.eos_token = name(self.bos_token_id), name(self.eos_token_id)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike | None = None) -> GGUFTokenizer:

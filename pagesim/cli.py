@@ -307,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=cmd_generate)
 
+    from pagesim.serve import add_serve_parser  # the server's parser and run function live there
+    add_serve_parser(sub)
+
     sw = sub.add_parser("sweep", help="simulate several policies over several request rates and plot",
                         description="Throughput-latency curves: writes sweep.csv, latency_vs_rate.png and "
                                     "memory_breakdown.png to --out.")

@@ -1,0 +1,319 @@
+"""The OpenAI-compatible HTTP face of `AsyncEngine` (Starlette; uvicorn runs it, see pagesim/serve.py).
+
+Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events, one event
+per token per choice, or whole), GET /v1/models, /health and /metrics (Prometheus text).
+
+Each prompt of a call is one engine request; its outputs come back on the engine thread and are
+moved onto this event loop with `loop.call_soon_threadsafe`. A call waits for its first output
+before answering, so a request the scheduler rejects still gets an HTTP error status; a client
+that goes away (while waiting, or mid-stream) has its requests aborted, which frees their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from backend.openai_protocol import (
+    ApiError,
+    ParsedRequest,
+    choice,
+    envelope,
+    parse_chat,
+    parse_completion,
+    usage,
+)
+from backend.serve_metrics import ServeMetrics
+from backend.server import AsyncEngine, EngineRequest, RequestOutput
+from policies.request import Request, SamplingParams
+
+
+@dataclass
+class ServeOptions:
+    model_name: str
+    max_model_len: int          # prompt + max_tokens of one request, at most
+    max_pending: int = 0        # requests in the engine beyond which a new one is answered 429 (0: no limit)
+    created: int = 0            # when the server started (unix seconds), for /v1/models
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _Text:
+    """One choice's text, decoded incrementally: a delta never ends inside a UTF-8 character or
+    inside what may become a stop string; the stop string and what follows are never sent."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = 0
+        self.stopped = False  # a stop string was found
+
+    def add(self, ids: list[int], final: bool) -> str:
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        end = len(text)
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            end, self.stopped, final = min(hits), True, True
+        if not final:
+            end -= self.hold
+            while end > self.sent and text[end - 1] == "\ufffd":
+                end -= 1
+        delta = text[self.sent:max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return delta
+
+
+class _Call:
+    """One HTTP call's engine requests and what has come back for them."""
+
+    def __init__(self, api: OpenAIServer, parsed: ParsedRequest, arrival: float) -> None:
+        self.api, self.parsed = api, parsed
+        p = parsed.params
+        self.id = ("cmpl-" if parsed.kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.rids: list[int] = []
+        self.texts: dict[tuple[int, int], _Text] = {}       # (prompt index, choice) -> text
+        self.finish: dict[tuple[int, int], str] = {}
+        self.tokens: dict[tuple[int, int], int] = {}
+        self.open: set[int] = set()                          # engine requests not yet finished
+        self.prompt_tokens = sum(len(ids) for ids in parsed.prompts)
+        self.requests = [self._request(ids, arrival) for ids in parsed.prompts]
+        for i in range(len(parsed.prompts)):
+            for j in range(p.n):
+                self.texts[i, j] = _Text(api.tokenizer, p.stop)
+
+    def _request(self, ids: list[int], arrival: float) -> Request:
+        p, opts = self.parsed.params, self.api.options
+        max_tokens = p.max_tokens if p.max_tokens is not None else opts.max_model_len - len(ids)
+        if len(ids) + max_tokens > opts.max_model_len:
+            raise ApiError(f"This model's maximum context length is {opts.max_model_len} tokens. However, you "
+                           f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} "
+                           "for the completion). Please reduce the length of the prompt or completion.",
+                           param="max_tokens" if p.max_tokens is not None else "prompt",
+                           code="context_length_exceeded")
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=p.ignore_eos, n=p.n, temperature=p.temperature,
+                            top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+        req = Request(self.api.engine.new_request_id(), arrival, len(ids), sp, prompt_token_ids=ids)
+        reason = self.api.engine.refusal(req)
+        if reason is not None:
+            raise ApiError(f"this request can never be served: {reason}", param="prompt",
+                           code="context_length_exceeded")
+        return req
+
+    def submit(self, loop: asyncio.AbstractEventLoop) -> None:
+        put = self.queue.put_nowait
+        for r in self.requests:
+            self.rids.append(r.request_id)
+            self.open.add(r.request_id)
+            self.api.engine.submit(EngineRequest(r, lambda out: loop.call_soon_threadsafe(put, out),
+                                                 self.parsed.params.stop, self.parsed.params.seed))
+
+    def abort_open(self) -> None:
+        for rid in self.open:
+            self.api.engine.abort(rid)
+        self.open.clear()
+
+    def apply(self, out: RequestOutput) -> list[tuple[int, str, str | None]]:
+        """Take one output in: (choice index, text delta, finish reason) per choice it touched."""
+        if out.error is not None:
+            self.open.discard(out.request_id)
+            raise _failure(out)
+        i = self.rids.index(out.request_id)
+        n = self.parsed.params.n
+        touched = []
+        for j in sorted(set(out.new_tokens) | set(out.finish_reasons)):
+            key = (i, j)
+            text = self.texts[key]
+            if key in self.finish:  # a stop string ended it earlier; the engine's reason comes later
+                continue
+            new = out.new_tokens.get(j, [])
+            self.tokens[key] = self.tokens.get(key, 0) + len(new)
+            reason = out.finish_reasons.get(j)
+            delta = text.add(new, final=reason is not None)
+            if text.stopped:
+                reason = "stop"
+            if reason is not None:
+                self.finish[key] = reason
+            touched.append((i * n + j, delta, reason))
+        if out.finished:
+            self.open.discard(out.request_id)
+        return touched
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+    def usage(self) -> dict:
+        return usage(self.prompt_tokens, self.completion_tokens)
+
+
+def _failure(out: RequestOutput) -> ApiError:
+    if out.aborted:
+        return ApiError(out.error, status=503, code="aborted", type="server_error")
+    if out.error.startswith("engine error"):
+        return ApiError(out.error, status=500, code="engine_error", type="server_error")
+    return ApiError(f"the scheduler rejected the request: {out.error}", status=429, code="rejected",
+                    type="rate_limit_error")
+
+
+class OpenAIServer:
+    """The routes, over one engine. `draining` (set on shutdown) answers new calls 503."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer, metrics: ServeMetrics, options: ServeOptions) -> None:
+        self.engine, self.tokenizer, self.metrics, self.options = engine, tokenizer, metrics, options
+        self.draining = False
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_text, methods=["GET"]),
+        ])
+
+    # ---------------------------------------------------------------- small routes
+    async def models(self, request: HttpRequest) -> Response:
+        o = self.options
+        return JSONResponse({"object": "list", "data": [{
+            "id": o.model_name, "object": "model", "created": o.created, "owned_by": "pagesim",
+            "root": o.model_name, "parent": None, "max_model_len": o.max_model_len}]})
+
+    async def health(self, request: HttpRequest) -> Response:
+        if not self.engine.alive:
+            return _error(ApiError(f"engine stopped: {self.engine.error or 'shut down'}", status=503,
+                                   type="server_error"))
+        return Response(status_code=503 if self.draining else 200)
+
+    async def metrics_text(self, request: HttpRequest) -> Response:
+        return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ---------------------------------------------------------------- generation
+    async def completions(self, request: HttpRequest) -> Response:
+        return await self._generate(request, parse_completion)
+
+    async def chat(self, request: HttpRequest) -> Response:
+        return await self._generate(request, parse_chat)
+
+    async def _generate(self, request: HttpRequest, parse) -> Response:
+        arrival = self.engine.clock()
+        try:
+            call = await self._accept(request, parse, arrival)
+        except ApiError as e:
+            self.metrics.refused.inc()
+            return _error(e)
+        call.submit(asyncio.get_running_loop())
+        try:
+            first = await self._next(call, request)
+            events = call.apply(first)
+        except _ClientGone:
+            call.abort_open()
+            return Response(status_code=499)
+        except ApiError as e:
+            call.abort_open()
+            return _error(e)
+        if call.parsed.params.stream:
+            return StreamingResponse(self._stream(call, request, first, events), media_type="text/event-stream")
+        try:
+            while call.open:
+                call.apply(await self._next(call, request))
+        except _ClientGone:
+            call.abort_open()
+            return Response(status_code=499)
+        except ApiError as e:
+            call.abort_open()
+            return _error(e)
+        return JSONResponse(self._whole(call))
+
+    async def _accept(self, request: HttpRequest, parse, arrival: float) -> _Call:
+        if self.draining or not self.engine.alive:
+            raise ApiError("the server is shutting down" if self.draining else "the engine has stopped",
+                           status=503, type="server_error")
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(f"malformed JSON in the request body: {e}", code="invalid_json") from None
+        parsed = parse(body, self.options.model_name, self.tokenizer)
+        call = _Call(self, parsed, arrival)
+        limit = self.options.max_pending
+        if limit and self.engine.num_outstanding + len(call.requests) > limit:
+            raise ApiError(f"the server holds {self.engine.num_outstanding} requests (--max-pending {limit}); "
+                           "retry later", status=429, code="too_many_requests", type="rate_limit_error")
+        return call
+
+    async def _next(self, call: _Call, request: HttpRequest, poll: float = 0.25) -> RequestOutput:
+        """The call's next output; raises _ClientGone when the client disconnects meanwhile."""
+        getter = asyncio.ensure_future(call.queue.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({getter}, timeout=poll)
+                if done:
+                    return getter.result()
+                if await request.is_disconnected():
+                    raise _ClientGone()
+                if not self.engine.alive and call.queue.empty():
+                    raise ApiError("the engine stopped", status=500, code="engine_error", type="server_error")
+        finally:
+            if not getter.done():
+                getter.cancel()
+
+    def _whole(self, call: _Call) -> dict:
+        p = call.parsed
+        choices = []
+        for (i, j), text in sorted(call.texts.items()):
+            whole = text.tokenizer.decode(text.ids, skip_special_tokens=True)
+            cut = min([k for k in (whole.find(s) for s in p.params.stop) if k >= 0], default=len(whole))
+            choices.append(choice(p.kind, i * p.params.n + j, whole[:cut], call.finish.get((i, j)), delta=False))
+        body = envelope(p.kind, call.id, p.created, self.options.model_name, choices, stream=False)
+        body["usage"] = call.usage()
+        return body
+
+    async def _stream(self, call: _Call, request: HttpRequest, first: RequestOutput,
+                      events: list) -> AsyncIterator[str]:
+        p = call.parsed
+        try:
+            if p.kind == "chat":  # OpenAI opens each chat choice with the assistant's role
+                roles = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for k in range(len(p.prompts) * p.params.n)]
+                yield self._sse(call, roles, None)
+            while True:
+                last = not call.open
+                for k, (index, delta, reason) in enumerate(events):
+                    u = call.usage() if p.params.continuous_usage or (
+                        last and k == len(events) - 1 and not p.params.include_usage) else None
+                    yield self._sse(call, [choice(p.kind, index, delta, reason, delta=True)], u)
+                if last:
+                    break
+                try:
+                    events = call.apply(await call.queue.get())
+                except ApiError as e:
+                    yield f"data: {json.dumps(e.body())}\n\n"
+                    break
+            if p.params.include_usage:
+                yield self._sse(call, [], call.usage())
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (Starlette cancels this generator) or an error ended it
+            call.abort_open()
+
+    def _sse(self, call: _Call, choices: list[dict], use: dict | None) -> str:
+        p = call.parsed
+        body = envelope(p.kind, call.id, p.created, self.options.model_name, choices, stream=True)
+        if use is not None:
+            body["usage"] = use
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)

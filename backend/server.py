@@ -1,0 +1,330 @@
+"""The live engine behind a server (no HTTP here): `AsyncEngine` runs the DESIGN.md step loop
+
+    plan = scheduler.schedule(now); result = executor.execute(plan); scheduler.on_step_done(...)
+
+in a background thread (torch releases the GIL in its kernels, so an event loop beside it keeps
+answering). Callers hand it requests and aborts through a thread-safe inbox, read between steps, so
+a request enters the scheduler as soon as the current step ends. After each step every request
+that sampled gets one `RequestOutput` with its new tokens, delivered by its own `sink` callback
+(called on the engine thread; it must not block: a server passes it on with
+`loop.call_soon_threadsafe`). Every request ends with exactly one output whose `finished` is set:
+done, rejected by the scheduler, or aborted.
+
+Per-request timestamps and per-iteration rows are recorded as `backend.live.serve` records them, so
+`tables()` gives the same requests / iterations tables as `pagesim live`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+
+from backend.live import LiveExecutor
+from policies.metrics import IterationLog, request_frame
+from policies.request import Request, SequenceGroup
+from policies.scheduler import Scheduler
+
+
+@dataclass
+class RequestOutput:
+    """What one step gave one request. Choice i is the request's i-th sequence (n > 1: the first
+    sequence is choice 0, its forks follow in the order they were made)."""
+
+    request_id: int
+    new_tokens: dict[int, list[int]]                              # choice -> tokens new in this step
+    finish_reasons: dict[int, str] = field(default_factory=dict)  # choice -> "stop" | "length", once
+    finished: bool = False                                        # the last output for this request
+    error: str | None = None                                      # why it ended without finishing
+    aborted: bool = False                                         # error came from an abort, not the scheduler
+
+
+@dataclass
+class EngineRequest:
+    """A request and how to tell its caller. `stop`: strings that end a sequence when its text
+    contains one (the caller trims the text); `seed`: the request's own sampling seed."""
+
+    request: Request
+    sink: Callable[[RequestOutput], None]
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+class EngineObserver:
+    """Hooks the engine calls on its thread (a metrics exporter overrides them); no-ops here."""
+
+    def on_step(self, scheduler: Scheduler, duration: float, num_preempted: int) -> None:
+        return
+
+    def on_first_token(self, group: SequenceGroup, ttft: float) -> None:
+        return
+
+    def on_token_gap(self, group: SequenceGroup, gap: float) -> None:
+        return
+
+    def on_end(self, group: SequenceGroup, status: str) -> None:
+        """status: "stop", "length", "abort" or "rejected"."""
+        return
+
+
+@dataclass
+class _Live:
+    """The engine's view of one unfinished request."""
+
+    req: EngineRequest
+    sent: list[int] = field(default_factory=list)  # tokens delivered, per choice
+    last_token_time: float | None = None
+
+
+class AsyncEngine:
+    """Owns a scheduler and a live executor and steps them in a thread; see the module docstring.
+    Invariant: every request submitted is, once the engine has stopped, in `scheduler.done`."""
+
+    def __init__(self, scheduler: Scheduler, executor: LiveExecutor, tokenizer=None,
+                 observer: EngineObserver | None = None, debug: bool = False) -> None:
+        self.scheduler, self.executor, self.tokenizer = scheduler, executor, tokenizer
+        self.observer = observer or EngineObserver()
+        self.debug = debug  # check the block pool after every step
+        self.log = IterationLog()
+        self.error: str | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[int, _Live] = {}
+        self._ids = itertools.count()
+        self._count_lock = threading.Lock()
+        self._outstanding = 0
+        self._t0 = time.perf_counter()
+        self._stopping: bool | None = None  # None: serving; True: drain then stop; False: abort all and stop
+        self._thread = threading.Thread(target=self._run, name="pagesim-engine", daemon=True)
+        executor.stop_check = self._stop_check
+
+    # ---------------------------------------------------------------- caller side (any thread)
+    def clock(self) -> float:
+        """Seconds since the engine was made: the time base of every timestamp it records."""
+        return time.perf_counter() - self._t0
+
+    def new_request_id(self) -> int:
+        return next(self._ids)
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+        self._thread.start()
+
+    def submit(self, req: EngineRequest) -> None:
+        with self._count_lock:
+            self._outstanding += 1
+        self._inbox.put(("add", req))
+
+    def abort(self, request_id: int, reason: str = "aborted: client disconnected") -> None:
+        self._inbox.put(("abort", request_id, reason))
+
+    def shutdown(self, drain: bool = True) -> None:
+        """Ask the engine to stop (returns at once): after finishing every request already submitted
+        (`drain`), or at its next step boundary, aborting them all."""
+        self._inbox.put(("stop", drain))
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """`shutdown(drain)`, then wait for the engine thread to end."""
+        self.shutdown(drain)
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def num_outstanding(self) -> int:
+        """Requests submitted and not yet ended (queued, running, or still in the inbox)."""
+        return self._outstanding
+
+    def refusal(self, request: Request) -> str | None:
+        """Why the scheduler could never serve `request` (too long for the context or the KV
+        cache, a prompt over the token budget without chunked prefill), or None. Reads only the
+        scheduler's configuration, so any thread may call it."""
+        sched = self.scheduler
+        reason = sched.refusal_on_arrival(request)
+        bm = getattr(sched, "bm", None)
+        if reason is None and bm is not None:
+            need, have = bm.max_blocks_needed(SequenceGroup(request, -1)), bm.num_gpu_blocks - bm.watermark_blocks
+            if need > have:
+                reason = f"needs {need} KV cache blocks but the cache holds {have}"
+        if reason is None and not getattr(sched, "chunked_prefill", True) \
+                and request.prompt_len > sched.max_num_batched_tokens:
+            reason = (f"a prompt of {request.prompt_len} tokens exceeds max_num_batched_tokens="
+                      f"{sched.max_num_batched_tokens} and chunked prefill is off")
+        return reason
+
+    def tables(self) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """(requests, iterations) as `pagesim live` writes them; call after `stop`."""
+        return request_frame(self.scheduler.done), self.log.frame()
+
+    # ---------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                self._read_inbox(block=not self.scheduler.has_unfinished())
+                if self._stopping is not None and not self.scheduler.has_unfinished():
+                    break
+                if self.scheduler.has_unfinished():
+                    self._step()
+        except BaseException:  # the server must learn of it: every waiting caller gets the error
+            self.error = traceback.format_exc(limit=4)
+            self._fail_all(f"engine error: {self.error.strip().splitlines()[-1]}")
+
+    def _read_inbox(self, block: bool, timeout: float = 0.05) -> None:
+        try:
+            item = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                item = None
+        self.observer.on_step(self.scheduler, 0.0, 0)  # queues changed: gauges follow at once
+
+    def _handle(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == "add":
+            self._add(item[1])
+        elif kind == "abort":
+            self._abort(item[1], item[2])
+        elif kind == "stop":
+            self._stopping = item[1]
+            if not item[1]:
+                for rid in list(self._live):
+                    self._abort(rid, "aborted: server shutdown")
+
+    def _add(self, req: EngineRequest) -> None:
+        r = req.request
+        live = self._live[r.request_id] = _Live(req, [0] * r.sampling.n)
+        if req.seed is not None:
+            dev = self.executor.runner.device
+            self.executor.generators[r.request_id] = torch.Generator(device=dev).manual_seed(req.seed)
+        group = self.scheduler.add_request(r)
+        if group.rejected is not None:  # refused on arrival
+            self._end(group, live, error=group.rejected)
+
+    def _abort(self, request_id: int, reason: str) -> None:
+        live = self._live.get(request_id)
+        group = self.scheduler.abort(request_id, self.clock(), reason)
+        if group is None or live is None:
+            return
+        self.executor.beams.pop(request_id, None)
+        self._end(group, live, error=reason, aborted=True)
+        if self.debug:
+            self._check_pool()
+
+    def _step(self) -> None:
+        sched = self.scheduler
+        now = self.clock()
+        plan = sched.schedule(now)
+        for gid, reason in plan.rejected:
+            group = next(g for g in reversed(sched.done) if g.group_id == gid)
+            self._end(group, self._live[gid], error=reason)
+        if plan.is_empty:
+            if not plan.rejected:  # nothing can run until something arrives or a policy's wait ends
+                wait = min(max(sched.wake_time(now) - now, 0.0), 0.05)
+                self._read_inbox(block=True, timeout=wait or 0.001)
+            return
+        comp = plan.composition()
+        sampling = {ss.seq_id: sched.seqs[ss.seq_id].group for ss in plan.seqs if ss.samples}
+        result = self.executor.execute(plan)
+        end = self.clock()
+        result.duration = end - now
+        finished = sched.on_step_done(plan, result, end)
+        hits = sched.bm.prefix_hits if hasattr(sched, "bm") else 0
+        self.log.add(now, result.duration, comp, len(plan.preempted), len(sched.waiting), len(sched.running),
+                     sched.memory(), hits)
+        self.observer.on_step(sched, result.duration, len(plan.preempted))
+        done = {g.group_id for g in finished}
+        for group in {g.group_id: g for g in sampling.values()}.values():
+            self._publish(group, end, group.group_id in done)
+        if self.debug:
+            self._check_pool()
+
+    def _publish(self, group: SequenceGroup, now: float, finished: bool) -> None:
+        live = self._live[group.group_id]
+        choices = sorted(group.seqs + group.finished_seqs, key=lambda s: s.seq_id)
+        if len(live.sent) < len(choices):
+            live.sent += [0] * (len(choices) - len(live.sent))
+        out = RequestOutput(group.group_id, {})
+        p = group.request.prompt_len
+        for i, s in enumerate(choices):
+            # after a restart preemption (a forked group recomputed from its prompt) the tokens
+            # already sent are not sent again
+            new = s.token_ids[p + live.sent[i]:]
+            if new:
+                out.new_tokens[i] = new
+                live.sent[i] += len(new)
+        if out.new_tokens:
+            if live.last_token_time is None:
+                self.observer.on_first_token(group, now - group.arrival)
+            else:
+                self.observer.on_token_gap(group, now - live.last_token_time)
+            live.last_token_time = now
+        finished_ids = {s.seq_id for s in group.finished_seqs}
+        for i, s in enumerate(choices):
+            if s.seq_id in finished_ids:
+                out.finish_reasons[i] = "length" if s.output_len >= group.request.max_output else "stop"
+        if finished:
+            out.finished = True
+            self._forget(group)
+            self.observer.on_end(group, "length" if set(out.finish_reasons.values()) == {"length"} else "stop")
+        live.req.sink(out)
+
+    def _end(self, group: SequenceGroup, live: _Live, error: str, aborted: bool = False) -> None:
+        self._forget(group)
+        self.observer.on_end(group, "abort" if aborted else "rejected")
+        live.req.sink(RequestOutput(group.group_id, {}, finished=True, error=error, aborted=aborted))
+
+    def _forget(self, group: SequenceGroup) -> None:
+        """Drop what a finished request no longer needs, so that a long-running server's memory
+        grows only by its table rows (token lists go; counts and timestamps stay)."""
+        gid = group.group_id
+        if self._live.pop(gid, None) is not None:
+            with self._count_lock:
+                self._outstanding -= 1
+        self.executor.generators.pop(gid, None)
+        for s in group.seqs + group.finished_seqs:
+            s.token_ids = None
+        group.request.prompt_token_ids = None
+
+    def _fail_all(self, message: str) -> None:
+        for live in list(self._live.values()):
+            live.req.sink(RequestOutput(live.req.request.request_id, {}, finished=True, error=message))
+        self._live.clear()
+        while True:  # and those still in the inbox
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "add":
+                item[1].sink(RequestOutput(item[1].request.request_id, {}, finished=True, error=message))
+
+    def _check_pool(self) -> None:
+        bm = getattr(self.scheduler, "bm", None)
+        if bm is not None:
+            bm.check_invariants()
+            if not self.scheduler.has_unfinished():
+                bm.assert_empty()
+
+    # ---------------------------------------------------------------- stop strings
+    def _stop_check(self, seq, token: int) -> bool:
+        live = self._live.get(seq.group.group_id)
+        if live is None or not live.req.stop or self.tokenizer is None:
+            return False
+        longest = max(len(s) for s in live.req.stop)
+        # every token is at least one byte and a character at most four, so the text of the last
+        # 4 * longest + 1 tokens holds any stop string that ends in this token
+        tail = seq.token_ids[max(seq.prompt_len, len(seq.token_ids) - 4 * longest):] + [token]
+        text = self.tokenizer.decode(tail)
+        return any(s in text for s in live.req.stop)
+
