@@ -74,7 +74,8 @@ def _run_processes(fn: Callable[..., Any], tasks: Sequence[tuple], jobs: int,
 def _run_ray(fn: Callable[..., Any], tasks: Sequence[tuple], address: str | None,
              finish: Callable[[int, Any], None]) -> None:
     ray = import_ray()
-    ray.init(address=address or None, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False)
+    if not ray.is_initialized():  # a Ray started by the caller (or a test) is used as it is
+        ray.init(address=address or None, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False)
     remote = ray.remote(_apply)  # not ray.remote(fn): any picklable callable, builtins too
     # an argument object shared by several tasks (a study's trace at one rate) goes to the object
     # store once, not once per task; plain numbers and strings travel inline

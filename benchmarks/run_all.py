@@ -6,7 +6,7 @@ import importlib
 import sys
 import time
 
-BENCHMARKS = ("bench_policies", "bench_sim", "bench_attention", "bench_live", "bench_validate")
+BENCHMARKS = ("bench_policies", "bench_sim", "bench_ray", "bench_attention", "bench_live", "bench_validate")
 
 
 def main() -> int:
