@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -188,6 +189,51 @@ def test_models_and_metrics(server):
     assert _metric(server, "vllm:time_to_first_token_seconds_count") >= 1
 
 
+def _engine_requests(server) -> float:
+    """Requests the server's engine has ended so far (finished, aborted or rejected)."""
+    return sum(_metric(server, m) for m in ("vllm:request_success_total", "pagesim:requests_aborted_total",
+                                           "pagesim:requests_rejected_total"))
+
+
+def test_guidellm_load_and_its_result_file(server, tmp_path):
+    """A real benchmark tool (guidellm, concurrent streams on loopback) against the server; its
+    result file loads as a measured experiment (analysis.benchmark_results). The client's
+    latencies are compared with the server's tables in the last test."""
+    import shutil
+
+    from analysis.benchmark_results import load_guidellm
+    from backend.tokenizer import GGUFTokenizer
+
+    exe = shutil.which("guidellm") or str(Path(sys.executable).parent / "guidellm")
+    if not Path(exe).exists():
+        pytest.skip("guidellm is not installed (dev extra)")
+    tok = GGUFTokenizer.from_gguf()  # guidellm counts prompt tokens with a HF tokenizer: the same one
+    (tmp_path / "tok").mkdir()
+    tok.tk.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token, "eos_token": tok.eos_token}))
+    scenario = {"spec": {
+        "backend": {"kind": "openai_http", "target": server["base"], "model": MODEL,
+                    "request_format": "/v1/completions"},
+        "profile": {"kind": "concurrent", "streams": 4},
+        "data": [{"kind": "synthetic_text", "prompt_tokens": 24, "output_tokens": 6}],
+        "tokenizer": {"kind": "huggingface_auto", "model": str(tmp_path / "tok")},
+        "constraints": [{"kind": "max_requests", "count": 12}]}}
+    (tmp_path / "scenario.json").write_text(json.dumps(scenario))
+    before = _engine_requests(server)
+    run = subprocess.run([exe, "run", "--config", str(tmp_path / "scenario.json"), "--output",
+                          f"kind=json,path={tmp_path / 'result.json'}", "--disable-console"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    (exp,) = load_guidellm(tmp_path / "result.json")
+    stage = exp.stages[0]
+    assert stage.successes == 12 and stage.failures == 0 and exp.model == MODEL
+    assert set(stage.requests.output_len) == {6}
+    assert _engine_requests(server) - before == 12  # every request answered exactly once
+    report = json.loads((tmp_path / "result.json").read_text())
+    server["guidellm"] = {"before": int(before), "requests": report["benchmarks"][0]["requests"]["successful"]}
+
+
 def _timed_stream(c, ids: list[int], max_tokens: int) -> dict:
     """Client-side TTFT and mean inter-token gap of one streamed completion."""
     t0 = time.perf_counter()
@@ -216,8 +262,7 @@ def test_sigterm_drains_in_flight_and_writes_tables(server):
     while not seen:
         assert time.time() < deadline
         time.sleep(0.05)
-    engine_requests = (_metric(server, "vllm:request_success_total") + _metric(server, "pagesim:requests_aborted_total")
-                       + _metric(server, "pagesim:requests_rejected_total") + 1)  # + the one streaming now
+    engine_requests = _engine_requests(server) + 1  # + the one streaming now
     server["proc"].send_signal(signal.SIGTERM)
     t.join(120)
     assert len(seen) == 40 and seen[-1].finish_reason == "length"  # drained, not cut
@@ -236,3 +281,12 @@ def test_sigterm_drains_in_flight_and_writes_tables(server):
         # inside the client's span, short of it by the HTTP and streaming overhead only
         assert 0 < row.ttft <= m["ttft"] + 0.01 and m["ttft"] - row.ttft < 0.5
         assert abs(row.tpot - m["itl"]) < 0.1
+    if "guidellm" in server:  # the benchmark tool's view of its requests against the server's rows
+        g = server["guidellm"]
+        ours = rows.sort_values("request_id").iloc[g["before"]:g["before"] + len(g["requests"])]
+        assert len(ours) == len(g["requests"]) and (ours.status == "finished").all()
+        client_ttft = np.array([r["time_to_first_token_ms"] / 1e3 for r in g["requests"]])
+        client_itl = np.array([r["inter_token_latency_ms"] / 1e3 for r in g["requests"]])
+        assert 0 < ours.ttft.mean() <= client_ttft.mean() + 0.01
+        assert client_ttft.mean() - ours.ttft.mean() < 0.5  # the HTTP and streaming overhead
+        assert abs(ours.tpot.mean() - client_itl.mean()) < 0.1
