@@ -34,6 +34,8 @@ def seed_workloads(draw: Callable[[int], Trace], base_seed: int, seeds: int) -> 
     table as without seeds), else the list a seeded study takes."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
+    if base_seed + seeds > 2**32:  # numpy and the simulator take seeds in [0, 2**32)
+        raise ValueError(f"--seeds {seeds} from --seed {base_seed} goes past the largest seed, 2**32 - 1")
     traces = [draw(base_seed + i) for i in range(seeds)]
     return traces[0] if seeds == 1 else traces
 

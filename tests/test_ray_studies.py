@@ -82,6 +82,11 @@ def test_bad_executor_settings_fail_in_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == "pagesim sweep: error: a Ray address applies to --executor ray only"
 
 
+def test_seeds_past_the_largest_seed_fail_in_one_line():
+    with pytest.raises(ValueError, match=r"--seeds 2 from --seed 4294967295 goes past"):
+        seed_workloads(_workload, 2**32 - 1, 2)
+
+
 def test_progress_bar_on_request_only(capsys):
     run_tasks(len, [("ab",), ("abc",)], progress=True)
     assert "simulations" in capsys.readouterr().err
