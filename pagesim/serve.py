@@ -112,7 +112,12 @@ def _build_engine(args: argparse.Namespace):
     sched = make_scheduler(args.policy, runner.num_gpu_blocks, args.block_size, policy_options=options, **kw)
     sched.max_model_len = cfg.max_position
     executor = LiveExecutor(sched, runner, [cfg.eos_token_id], seed=args.seed)  # warms the model up
-    return AsyncEngine(sched, executor, model.tokenizer, debug=args.debug), model.tokenizer, cfg.max_position
+    # the longest request served: the model's context, or what the KV cache holds if less (so that
+    # a chat request without max_tokens, given what the context leaves, still fits the cache)
+    bm = getattr(sched, "bm", None)
+    usable = bm.num_gpu_blocks - bm.watermark_blocks if bm is not None else runner.num_gpu_blocks
+    max_len = min(cfg.max_position, usable * args.block_size)
+    return AsyncEngine(sched, executor, model.tokenizer, debug=args.debug), model.tokenizer, max_len
 
 
 def _write_tables(args: argparse.Namespace, engine) -> int:
