@@ -285,7 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_live_model_args(val)
     val.set_defaults(num_requests=32)  # every request is served live, in real time: keep the default small
     val.add_argument("--profile", required=True, help="profile file (or shipped profile name) for the simulator")
-    val.add_argument("--live-run", help="reuse this earlier `pagesim live` output directory instead of serving again")
+    val.add_argument("--live-run", help="reuse this earlier `pagesim live` or `pagesim serve` output directory instead "
+                                        "of serving again, or a guidellm result file (its requests and client "
+                                        "latencies; the workload options are then unused)")
     add_output_args(val)
     val.set_defaults(func=cmd_validate)
 
@@ -1089,7 +1091,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from sim.run import SimConfig, run_simulation
 
     out = Path(args.out)
-    trace = _load_workload(args)
+    bench = None  # a benchmark tool's result file as --live-run: its requests are the trace
+    if args.live_run and Path(args.live_run).is_file():
+        from analysis.benchmark_results import guidellm_requests
+        trace, bench = guidellm_requests(args.live_run)
+    else:
+        trace = _load_workload(args)
     cfg = SimConfig(model=_spec_of(args.model), policy=args.policy, block_size=args.block_size, preemption=args.preemption,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching,
@@ -1101,7 +1108,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     cost = ProfiledCostModel.from_profile(profile, sim_block_size=args.block_size)  # as the simulation priced it
     drift = {}
-    if args.live_run:
+    if bench is not None:
+        live_requests = bench
+    elif args.live_run:
         live_requests = pd.read_csv(Path(args.live_run) / "requests.csv")
         earlier = Path(args.live_run) / "summary.json"
         if earlier.is_file():  # a live run made by `validate` recorded the machine speed around it

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pandas as pd
 import pytest
 
 from analysis.benchmark_results import is_guidellm, load_guidellm
@@ -56,3 +57,26 @@ def test_other_files_are_refused(tmp_path):
     path.write_text(json.dumps({"request_rate": 1.0}))
     with pytest.raises(ValueError, match="not a guidellm report"):
         load_guidellm(path)
+
+
+def test_guidellm_requests_table_and_validate(tmp_path):
+    """The file as a trace and a client-measured requests table, and `pagesim validate --live-run`
+    simulating exactly those requests against it."""
+    from analysis.benchmark_results import guidellm_requests
+    from pagesim.cli import main
+
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(_report([_request(10.0 + 0.5 * i, 150 + 10 * i, 1.2 + 0.1 * i, prompt=20 + i)
+                                        for i in range(8)])))
+    trace, table = guidellm_requests(path)
+    assert list(table.request_id) == list(range(8)) and list(trace.prompt_len) == list(range(20, 28))
+    assert table.ttft.iloc[3] == pytest.approx(0.18) and table.tpot.iloc[0] == pytest.approx((1.2 - 0.15) / 5)
+    with pytest.raises(ValueError, match=r"benchmarks\[1\]"):
+        guidellm_requests(path, benchmark=1)
+    out = tmp_path / "val"
+    assert main(["validate", "--model", "smollm2-135m", "--profile", "smollm2-135m-cpu", "--live-run", str(path),
+                 "--out", str(out), "--quiet"]) == 0
+    rows = json.loads((out / "validation.json").read_text())
+    assert rows["num_requests"] == 8
+    sim = pd.read_csv(out / "sim" / "requests.csv")
+    assert list(sim.prompt_len) == list(range(20, 28)) and list(sim.arrival) == pytest.approx(list(trace.arrival))
