@@ -44,13 +44,33 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("policy")
-    g.add_argument("--policy", default="vllm", choices=list(POLICIES), help="scheduling policy (default vllm)")
+    g.add_argument("--policy", default="vllm", type=_policy_name,
+                   help=f"scheduling policy: {', '.join(POLICIES)}, a class as package.module:Class (a "
+                        "policies.queue_policy.QueuePolicy or a Scheduler), or a 'pagesim.policies' entry point "
+                        "(default vllm)")
+    g.add_argument("--policy-arg", action="append", metavar="KEY=VALUE", dest="policy_args",
+                   help="a keyword option of the policy class (repeatable), e.g. --policy sjf --policy-arg aging=2")
     g.add_argument("--block-size", type=positive_int, default=16, help="KV block size in tokens (default 16)")
     g.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
     g.add_argument("--max-num-seqs", type=positive_int, default=256)
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=4096)
     g.add_argument("--chunked-prefill", action="store_true")
     g.add_argument("--prefix-caching", action="store_true")
+
+
+def _policy_name(text: str) -> str:
+    """A policy argument that resolves (registry name, module:Class, entry point), checked up front."""
+    from policies.registry import resolve_policy
+    try:
+        resolve_policy(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _policy_options(args: argparse.Namespace) -> dict:
+    from policies.registry import parse_policy_args
+    return parse_policy_args(getattr(args, "policy_args", None))
 
 
 def add_replica_args(p: argparse.ArgumentParser) -> None:
@@ -459,6 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_parser(sub)
     from analysis.calibrate import add_parser as add_calibrate_parser  # analysis sits on sim: imported late
     add_calibrate_parser(sub)
+    from analysis.policy_study import add_parser as add_policies_parser
+    add_policies_parser(sub)
     for p in sub.choices.values():  # every command that takes --model can look up HF ids
         if "--model" in p._option_string_actions:
             p.add_argument("--models-dir", action="append", default=[], metavar="DIR",
@@ -487,6 +509,7 @@ def _resolve_specs(args: argparse.Namespace) -> None:
 def _sim_config(args: argparse.Namespace, policy: str | None = None):
     from sim.run import SimConfig
     return SimConfig(model=args.model, hardware=args.hardware, tp=args.tp, policy=policy or args.policy,
+                     policy_options=_policy_options(args) if policy is None else {},
                      block_size=args.block_size, preemption=args.preemption, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens, chunked_prefill=args.chunked_prefill,
                      prefix_caching=args.prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -920,7 +943,7 @@ def _serve_live(args: argparse.Namespace, trace, realtime: bool, check=None):
     live = _backend()
     from backend.model_runner import ModelRunner
     from policies.metrics import request_frame, summarize
-    from policies.registry import make_scheduler, scheduler_options
+    from policies.registry import is_paged, make_scheduler, scheduler_options
     from sim.run import requests_from_trace
 
     t0 = time.perf_counter()
@@ -930,9 +953,10 @@ def _serve_live(args: argparse.Namespace, trace, realtime: bool, check=None):
                          num_cpu_blocks=args.num_cpu_blocks, block_size=args.block_size)
     kw = scheduler_options(args.policy, args.max_num_seqs, args.max_num_batched_tokens, args.preemption,
                            args.chunked_prefill, args.prefix_caching, args.num_cpu_blocks)
-    if args.policy != "vllm":
+    if not is_paged(args.policy):
         kw["alloc_unit"] = args.block_size  # contiguous chunks must map onto the cache's blocks
-    sched = make_scheduler(args.policy, runner.num_gpu_blocks, args.block_size, **kw)
+    sched = make_scheduler(args.policy, runner.num_gpu_blocks, args.block_size, policy_options=_policy_options(args),
+                           **kw)
     sched.max_model_len = cfg.max_position
     requests = requests_from_trace(trace, cfg.max_position, args.n, args.beam_width)
     for r in requests:
@@ -1097,7 +1121,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         trace, bench = guidellm_requests(args.live_run)
     else:
         trace = _load_workload(args)
-    cfg = SimConfig(model=_spec_of(args.model), policy=args.policy, block_size=args.block_size, preemption=args.preemption,
+    cfg = SimConfig(model=_spec_of(args.model), policy=args.policy, policy_options=_policy_options(args),
+                    block_size=args.block_size, preemption=args.preemption,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching,
                     num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks, n=args.n,

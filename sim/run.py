@@ -39,7 +39,8 @@ class SimConfig:
     model: str = "opt-13b"
     hardware: str = "a100-40gb"
     tp: int = 1
-    policy: str = "vllm"
+    policy: str = "vllm"                   # a registry name, package.module:Class, or an entry point
+    policy_options: dict[str, Any] = field(default_factory=dict)  # the policy class's keyword options
     replicas: int = 1                      # model replicas serving the trace, each with its own KV cache
     router: str = "round-robin"            # how arrivals are spread over replicas (policies.router)
     router_options: dict[str, Any] = field(default_factory=dict)
@@ -149,6 +150,7 @@ def requests_from_trace(trace: Trace, max_model_len: int, n: int | None = None,
     ids = trace.prompt_token_ids
     hbs = trace.hash_block_size or 16
     reasons = trace.reject_reason or [""] * len(trace)
+    classes = request_classes(trace)
     params: dict[tuple[int, int, int], SamplingParams] = {}  # frozen, so equal ones are shared
     reqs = []
     for i, (p, out, arrival, ni, bi) in enumerate(zip(prompts, outputs, arrivals, ns, beams)):
@@ -158,8 +160,25 @@ def requests_from_trace(trace: Trace, max_model_len: int, n: int | None = None,
             sp = params[key] = SamplingParams(max_tokens=key[0], ignore_eos=True, n=ni, beam_width=bi)
         reqs.append(Request(i, arrival, p, sp, out, None if ids is None or ids[i] is None else list(ids[i]),
                             None if hashes is None or hashes[i] is None else tuple(hashes[i]), hbs,
-                            reject_reason=reasons[i] or None))
+                            reject_reason=reasons[i] or None, **classes[i]))
     return reqs
+
+
+def request_classes(trace: Trace) -> list[dict[str, Any]]:
+    """Per trace row, the Request fields of its client / priority / SLO class (empty when absent)."""
+    out: list[dict[str, Any]] = [{} for _ in range(len(trace))]
+    if trace.client is not None:
+        for d, c in zip(out, trace.client):
+            d["client"] = c
+    if trace.priority is not None:
+        for d, p in zip(out, trace.priority.tolist()):
+            d["priority"] = p
+    for name in ("slo_ttft", "slo_tpot"):
+        values = getattr(trace, name)
+        if values is not None:
+            for d, v in zip(out, values.tolist()):
+                d[name] = None if v != v else v  # NaN: the run's SLO
+    return out
 
 
 def build_cost_model(cfg: SimConfig) -> CostModel:
@@ -290,7 +309,7 @@ def replica_scheduler(cfg: SimConfig, gpu_blocks: int, cpu_blocks: int, max_mode
     caching = cfg.prefix_caching if prefix_caching is None else prefix_caching
     kw = scheduler_options(cfg.policy, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.preemption,
                            cfg.chunked_prefill, caching, cpu_blocks)
-    sched = make_scheduler(cfg.policy, gpu_blocks, cfg.block_size, **kw)
+    sched = make_scheduler(cfg.policy, gpu_blocks, cfg.block_size, policy_options=cfg.policy_options, **kw)
     sched.max_model_len = max_model_len
     return sched
 
