@@ -225,7 +225,7 @@ class OpenAIServer:
             call.abort_open()
             return _error(e)
         if call.parsed.params.stream:
-            return StreamingResponse(self._stream(call, request, first, events), media_type="text/event-stream")
+            return StreamingResponse(self._stream(call, events), media_type="text/event-stream")
         try:
             while call.open:
                 call.apply(await self._next(call, request))
@@ -280,8 +280,9 @@ class OpenAIServer:
         body["usage"] = call.usage()
         return body
 
-    async def _stream(self, call: _Call, request: HttpRequest, first: RequestOutput,
-                      events: list) -> AsyncIterator[str]:
+    async def _stream(self, call: _Call, events: list) -> AsyncIterator[str]:
+        """SSE: the events of the call's first output, then one event per token per choice as they
+        come; usage on the last chunk (or its own chunk with stream_options.include_usage)."""
         p = call.parsed
         try:
             if p.kind == "chat":  # OpenAI opens each chat choice with the assistant's role

@@ -182,3 +182,33 @@ def test_chat_template_and_params():
     assert (p.params.max_tokens, p.params.stop, p.params.seed, p.params.top_k) == (3, ("\n",), 4, 0)
     batch = parse_completion({"model": "m", "prompt": ["ab", [1, 2, 3]]}, "m", CharTokenizer())
     assert batch.prompts == [[97, 98], [1, 2, 3]] and batch.params.max_tokens == 16
+
+
+def test_http_refuses_past_max_pending_and_while_draining(tiny):
+    """429 once --max-pending requests are in the server, 503 while draining; the engine untouched."""
+    from starlette.testclient import TestClient
+
+    from backend.http_api import OpenAIServer, ServeOptions
+    from backend.serve_metrics import ServeMetrics
+
+    engine = _engine(tiny)
+    tok = CharTokenizer()
+    tok.vocab_size = tiny[0].vocab_size
+    api = OpenAIServer(engine, tok, ServeMetrics("tiny"), ServeOptions("tiny", 256, max_pending=1))
+    busy = _submit(engine, range(5, 30), max_tokens=200)
+    assert busy.first.wait(60)
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
+    with TestClient(api.app()) as client:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_requests"
+        engine.abort(0)
+        assert busy.done.wait(60)
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        api.draining = True
+        assert client.post("/v1/completions", json=body).status_code == 503
+        assert client.get("/health").status_code == 503
+    engine.stop()
+    reqs, _ = engine.tables()
+    assert len(reqs) == 2  # the refused requests never reached the engine
+    _pool_whole(engine)
