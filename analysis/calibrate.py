@@ -12,7 +12,8 @@ Two steps, each fitting what its data can tell:
 
 Stages the measurement marks overloaded, and stages whose measured mean TTFT exceeds
 `QUEUED_TTFT_S` (a queue built up: the server did not carry the load), are not fitted; they are
-simulated at the end and checked to come out overloaded. Errors are reported in sample, and left
+simulated at the end and checked to come out overloaded by the same rule (completions below the
+offered rate, or a simulated mean TTFT above `QUEUED_TTFT_S`). Errors are reported in sample, and left
 out (--leave-one-out model|experiment: refit without each group, predict it).
 """
 
@@ -83,10 +84,47 @@ def split_stages(experiments: Sequence[Experiment], by: str = "model") -> tuple[
 
 def simulate_ref(ref: StageRef, params: CalibrationParams, hardware: str, seed: int,
                  max_duration_s: float | None) -> StageResult:
+    """The stage simulated under `params` over `max_duration_s` seconds of arrivals (None: all).
+
+    A truncated shared-prefix stage is simulated for one prompt cycle more, and that first cycle
+    (whose prompts meet a cold prefix cache) is left out of the latencies: a measured stage of
+    minutes repeats each prompt tens of times, so its figures are those of a warm cache, which a
+    short cold window would misstate (its TTFT most of all)."""
     from analysis.measurements import simulate_stage, stage_config
-    cfg = stage_config(ref.exp, ref.stage, hardware)
+    exp, stage = ref.exp, ref.stage
+    cfg = stage_config(exp, stage, hardware)
     model = CalibratedCostModel(get_model(cfg.model), get_hardware(cfg.hardware), params, tp=cfg.tp)
-    return simulate_stage(ref.exp, ref.stage, cfg, model, seed=seed, max_duration_s=max_duration_s)
+    cycle = exp.workload.num_groups * exp.workload.prompts_per_group if exp.workload is not None else 0
+    warm_s = cycle / stage.rate if cycle else 0.0
+    if max_duration_s is None or not cycle or max_duration_s + warm_s >= stage.duration_s:
+        return simulate_stage(exp, stage, cfg, model, seed=seed, max_duration_s=max_duration_s)
+    return _simulate_warm(ref, cfg, model, seed, max_duration_s + warm_s, cycle)
+
+
+def _simulate_warm(ref: StageRef, cfg: Any, model: CalibratedCostModel, seed: int, duration_s: float,
+                   skip: int) -> StageResult:
+    """simulate_stage over `duration_s`, latencies over the requests after the first `skip`."""
+    from analysis.measurements import (
+        StageResult,
+        client_overhead,
+        predicted_metrics,
+        stage_workload,
+        steady_state,
+    )
+    from sim.run import run_simulation
+    t0 = time.perf_counter()
+    exp, stage = ref.exp, ref.stage
+    trace = stage_workload(exp, stage, seed, duration_s)
+    res = run_simulation(replace(cfg, seed=seed), trace, model)
+    steady = steady_state(res.requests)
+    return StageResult(
+        experiment=exp.name, stage=stage.index, rate=stage.rate, measured=stage.metrics(),
+        predicted=predicted_metrics(res.requests[res.requests.request_id >= skip], client_overhead(model)),
+        measured_overloaded=exp.overloaded_by_source or stage.overloaded,
+        predicted_overloaded=steady.overloaded,
+        measured_throughput=stage.throughput_rps, predicted_throughput=steady.completion_rate, num_requests=len(trace),
+        simulated_s=float(trace.arrival[-1] - trace.arrival[0]) if len(trace) else 0.0,
+        wall_s=time.perf_counter() - t0)
 
 
 def _simulate_job(job: tuple) -> StageResult:
@@ -134,7 +172,7 @@ def error_table(results: Sequence[StageResult], metrics: Sequence[str] = FIT_MET
 # --- the fit --------------------------------------------------------------------------------------
 
 def fit_engine(refs: Sequence[StageRef], start: CalibrationParams, hardware: str, names: Sequence[str] = ENGINE_PARAMS,
-               seed: int = 0, max_duration_s: float | None = 90.0, max_evals: int = 60,
+               seed: int = 0, max_duration_s: float | None = 40.0, max_evals: int = 8,
                pool: ProcessPoolExecutor | None = None, log: Callable[[str], None] = print) -> CalibrationParams:
     """The parameters `names` that best explain the stages (least squares on clipped log errors,
     soft-L1 loss, parameters searched in log space within `_BOUNDS`); the others stay as `start`."""
@@ -220,11 +258,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--leave-one-out", choices=("model", "experiment"), default="model",
                    help="refit without each model (default) or experiment and predict it")
     p.add_argument("--no-leave-one-out", action="store_true", help="skip the left-out fits")
-    p.add_argument("--max-duration", type=positive_float, default=90.0,
-                   help="seconds of each stage's arrivals simulated while fitting (default 90)")
+    p.add_argument("--max-duration", type=positive_float, default=40.0,
+                   help="seconds of each stage's arrivals simulated while fitting (default 40)")
     p.add_argument("--eval-duration", type=non_negative_float, default=300.0,
                    help="seconds of arrivals simulated for the reported errors (default 300; 0: whole stages)")
-    p.add_argument("--max-evals", type=positive_int, default=60, help="simulation rounds per fit (default 60)")
+    p.add_argument("--max-evals", type=positive_int, default=8,
+                   help="least-squares steps per fit (default 8; each simulates every stage 1 + parameters times)")
     p.add_argument("--jobs", type=positive_int, default=2, help="stages simulated at once (worker processes, default 2)")
     p.add_argument("--seed", type=seed, default=0)
     p.set_defaults(func=run)
@@ -258,8 +297,10 @@ def run(args: argparse.Namespace) -> int:
         if pool is not None:
             pool.shutdown()
     ins = error_table(in_sample)
-    checks = [{"stage": f"{r.experiment}#{r.stage}", "rate": r.rate, "predicted_overloaded": r.predicted_overloaded,
-               "predicted_throughput": r.predicted_throughput} for r in overloaded]
+    checks = [{"stage": f"{r.experiment}#{r.stage}", "rate": r.rate, "measured_ttft_mean": r.measured.get("ttft_mean"),
+               "predicted_ttft_mean": r.predicted.get("ttft_mean"), "predicted_throughput": r.predicted_throughput,
+               "predicted_overloaded": r.predicted_overloaded or r.predicted.get("ttft_mean", 0) > QUEUED_TTFT_S}
+              for r in overloaded]
     meta = {
         "engine": _engine_description(experiments),
         "sources": [{"path": str(p), "sha256": sha256(p)} for p in [*args.measurements, *op_report.get("files", [])]],

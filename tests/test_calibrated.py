@@ -179,3 +179,11 @@ def test_tiny_calibrate_fits_the_client_term_on_a_truncated_stage() -> None:
     before = error_table(simulate_all(ref, start, "h100-sxm", 0, 8.0, None))["median_abs_error"]["ttft_mean"]
     after = error_table(simulate_all(ref, params, "h100-sxm", 0, 8.0, None))["median_abs_error"]["ttft_mean"]
     assert params.client_ttft_s > start.client_ttft_s and after < before
+
+
+def test_shipped_calibration_loads_by_name_and_prices_other_models() -> None:
+    cal = load_calibration("vllm-v1-h100")
+    assert cal.hardware == "h100-sxm" and cal.meta["fit"]["in_sample"]["median_abs_error"]["tpot"] is not None
+    model = build_cost_model(SimConfig(model="llama-3-8b", hardware="h100-sxm", tp=2, calibration="vllm-v1-h100"))
+    assert isinstance(model, CalibratedCostModel)
+    assert 0 < model.decode_step_time(8, 8000) < 0.1
