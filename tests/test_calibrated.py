@@ -166,6 +166,7 @@ def test_bad_calibration_file_names_the_field(tmp_path) -> None:
 MEASUREMENTS = Path("/work/shared/calibration/vllm-h100/measurements.json")
 
 
+@pytest.mark.slow  # a few seconds: ~100 requests simulated 5 times
 @pytest.mark.skipif(not MEASUREMENTS.is_file(), reason="the vllm-h100 measurements are not here")
 def test_tiny_calibrate_fits_the_client_term_on_a_truncated_stage() -> None:
     from analysis.calibrate import error_table, fit_engine, simulate_all, split_stages
@@ -175,9 +176,9 @@ def test_tiny_calibrate_fits_the_client_term_on_a_truncated_stage() -> None:
     assert over and all(r.stage.ttft.mean > 1 or r.exp.overloaded_by_source for r in over)
     ref = [r for r in fit if "llama-2-7b" in r.label][:1]
     start = CalibrationParams(client_ttft_s=1e-4)
-    params = fit_engine(ref, start, "h100-sxm", ["client_ttft_s"], max_duration_s=8.0, max_evals=4, log=lambda _: None)
-    before = error_table(simulate_all(ref, start, "h100-sxm", 0, 8.0, None))["median_abs_error"]["ttft_mean"]
-    after = error_table(simulate_all(ref, params, "h100-sxm", 0, 8.0, None))["median_abs_error"]["ttft_mean"]
+    params = fit_engine(ref, start, "h100-sxm", ["client_ttft_s"], max_duration_s=3.0, max_evals=4, log=lambda _: None)
+    before = error_table(simulate_all(ref, start, "h100-sxm", 0, 3.0, None))["median_abs_error"]["ttft_mean"]
+    after = error_table(simulate_all(ref, params, "h100-sxm", 0, 3.0, None))["median_abs_error"]["ttft_mean"]
     assert params.client_ttft_s > start.client_ttft_s and after < before
 
 
