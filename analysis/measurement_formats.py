@@ -120,13 +120,17 @@ def load_file(path: Path, models_dirs: Sequence[str | Path] | None = None) -> li
         f = Fields(objects[0], path)
         hardware = _source_hardware(objects[0].get("source"))
         return [_vllm_h100_experiment(e, models_dirs, hardware) for e in f.items("experiments")]
+    if len(objects) == 1:
+        from analysis.benchmark_results import is_guidellm, load_guidellm  # it builds on this module
+        if is_guidellm(objects[0]):
+            return load_guidellm(path, models_dirs)
     if all(isinstance(o, dict) and "request_rate" in o for o in objects):
         many = len(objects) > 1
         return [_vllm_bench(Fields(o, path, f"[{i}]" if many else ""), f"{path.stem}" + (f"#{i}" if many else ""),
                             models_dirs) for i, o in enumerate(objects)]
     raise ValueError(f"{path}: not a measurements file: expected an object with \"experiments\" (vllm-h100 "
-                     "measurements.json), a `vllm bench serve` result (with \"request_rate\"), or a pagesim run "
-                     "folder (requests.csv + summary.json)")
+                     "measurements.json), a `vllm bench serve` result (with \"request_rate\"), a guidellm result, "
+                     "or a pagesim run folder (requests.csv + summary.json)")
 
 
 def _json_objects(path: Path) -> list[Any]:

@@ -19,7 +19,6 @@ import pandas as pd
 
 from analysis.parallel import run_tasks
 from policies.scheduler import Scheduler
-from policies.vllm_scheduler import VllmScheduler
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
@@ -33,11 +32,11 @@ class SharingMeter:
     physical: float = 0.0
 
     def __call__(self, start: float, duration: float, sched: Scheduler) -> None:
-        if not isinstance(sched, VllmScheduler):
+        if not hasattr(sched, "block_usage"):
             raise TypeError("sharing is measured on the paged block manager (policy 'vllm')")
-        bm = sched.bm
-        self.logical += duration * sum(len(t) for t in bm.tables.values())
-        self.physical += duration * (bm.num_gpu_blocks - bm.num_free_blocks)
+        logical, physical = sched.block_usage()
+        self.logical += duration * logical
+        self.physical += duration * physical
 
     @property
     def saving(self) -> float:

@@ -22,9 +22,10 @@ from backend.model_runner import Batch, ModelRunner, SeqInput
 from backend.sampler import BeamSearcher, Sampler, log_softmax
 from backend.sampler import SamplingParams as RowParams
 from policies.metrics import IterationLog
-from policies.plan import SeqOutcome, StepPlan, StepResult
+from policies.plan import SeqOutcome, StepComposition, StepPlan, StepResult
 from policies.request import Request, SequenceGroup
 from policies.scheduler import Scheduler
+from policies.step import ReplicaStep
 
 
 # ---- models ---------------------------------------------------------------------------------------
@@ -82,7 +83,9 @@ class LiveExecutor:
         # stop_check(seq, token) -> True when `token` ends the sequence early (a served request's stop strings)
         self.stop_check = None
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, comp: StepComposition | None = None) -> StepResult:
+        """Run the plan's forward pass and sample (`comp`, the plan's composition, is not needed
+        live: the model does the work the plan names)."""
         t0 = time.perf_counter()
         for gid, mode in plan.preempted:
             if mode == "restart":
@@ -194,7 +197,7 @@ def serve(scheduler: Scheduler, executor: LiveExecutor, requests: list[Request],
     once. Each iteration's duration is measured wall time, scheduling and bookkeeping included.
     `observer(start, duration, scheduler)` is called after every iteration, as in simulation."""
     pending = deque(sorted(requests, key=lambda r: r.arrival))
-    log = IterationLog()
+    replica = ReplicaStep(scheduler, executor)  # the loop's one iteration, as the simulator runs it
     t0 = time.perf_counter()
     def clock() -> float:
         return time.perf_counter() - t0
@@ -209,30 +212,22 @@ def serve(scheduler: Scheduler, executor: LiveExecutor, requests: list[Request],
         if not scheduler.has_unfinished():
             time.sleep(max(0.0, pending[0].arrival - clock()))
             continue
-        plan = scheduler.schedule(now)
-        if plan.is_empty:
-            if not plan.rejected:
+        step = replica.begin(now)
+        if step.idle:
+            if not step.plan.rejected:
                 if not pending:
                     raise RuntimeError(f"scheduler {scheduler.name} is stuck with nothing running")
                 time.sleep(max(0.0, min(pending[0].arrival - clock(), 0.01)))
             continue
-        comp = plan.composition()
-        result = executor.execute(plan)
         end = clock()
-        result.duration = end - now
-        scheduler.on_step_done(plan, result, end)
-        hits = scheduler.bm.prefix_hits if hasattr(scheduler, "bm") else 0
-        log.add(now, result.duration, comp, len(plan.preempted), len(scheduler.waiting), len(scheduler.running),
-                scheduler.memory(), hits)
+        step.result.duration = end - now  # measured: the model, scheduling and bookkeeping
+        replica.complete(step, end)
         if observer is not None:
-            observer(now, result.duration, scheduler)
+            observer(now, step.result.duration, scheduler)
         if on_progress is not None:
             on_progress(end, len(scheduler.done))
-    scheduler.check_conservation()
-    bm = getattr(scheduler, "bm", None)
-    if bm is not None:
-        bm.assert_empty()
-    return LiveRun(list(scheduler.done), log, time.perf_counter() - t0, executor.beam_results)
+    scheduler.assert_drained()
+    return LiveRun(list(scheduler.done), replica.log, time.perf_counter() - t0, executor.beam_results)
 
 
 def synthetic_prompt_ids(request: Request, vocab_size: int, seed: int = 0) -> list[int]:

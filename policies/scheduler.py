@@ -30,6 +30,7 @@ class Scheduler(ABC):
     running tail is the first preemption victim."""
 
     name = "base"
+    supports_skip_ahead = False  # decode_horizon / fast_forward (the paged scheduler)
 
     def __init__(self, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
                  block_size: int = 16, max_model_len: int | None = None,
@@ -97,6 +98,25 @@ class Scheduler(ABC):
             return (f"prompt {request.prompt_len} + output {request.max_output} tokens exceeds "
                     f"the model's context of {self.max_model_len}")
         return None
+
+    # ---------------------------------------------------------------- what engines, routers, studies ask
+    @property
+    def prefix_hits(self) -> int:
+        """Prompt blocks found in the prefix cache so far (0 without a prefix cache)."""
+        return 0
+
+    def kv_usage(self) -> float:
+        """The share of the KV cache allocated now (any category but free)."""
+        m = self.memory()
+        return 1.0 - m.free / m.total if m.total else 0.0
+
+    def check_invariants(self) -> None:
+        """Request conservation, and the memory manager's own invariants (debug mode)."""
+        self.check_conservation()
+
+    def assert_drained(self) -> None:
+        """After a run: every request accounted for, and no memory held (none leaked)."""
+        self.check_conservation()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)

@@ -44,6 +44,7 @@ class DecodeHorizon:
 
 class VllmScheduler(Scheduler):
     name = "vllm"
+    supports_skip_ahead = True
 
     def __init__(self, num_gpu_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
@@ -82,6 +83,29 @@ class VllmScheduler(Scheduler):
 
     def cached_prefix_tokens(self, request: Request) -> int:
         return self.bm.cached_prefix_blocks(request) * self.block_size
+
+    @property
+    def prefix_hits(self) -> int:
+        return self.bm.prefix_hits
+
+    def check_invariants(self) -> None:
+        self.check_conservation()
+        self.bm.check_invariants()
+
+    def assert_drained(self) -> None:
+        self.check_conservation()
+        self.bm.assert_empty()
+
+    def inject_prefix(self, request: Request) -> int:
+        """Hold the request's prompt KV as cached blocks (a transfer from another replica); see
+        PagedBlockManager.inject_prefix."""
+        return self.bm.inject_prefix(request)
+
+    def block_usage(self) -> tuple[int, int]:
+        """(logical blocks: the sum of every sequence's table length, physical blocks in use): what
+        sharing saves is 1 - physical / logical."""
+        bm = self.bm
+        return sum(len(t) for t in bm.tables.values()), bm.num_gpu_blocks - bm.num_free_blocks
 
     # ---------------------------------------------------------------- scheduling
     def schedule(self, now: float) -> StepPlan:

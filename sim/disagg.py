@@ -20,7 +20,6 @@ are not modelled here.
 from __future__ import annotations
 
 import dataclasses
-
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -97,7 +96,7 @@ def run_disaggregated(cfg: SimConfig, trace: Trace, cost_model: CostModel | None
                 yield env.timeout(group.request.prompt_len * bytes_per_token / bandwidth)
             j = decode_router.route(original, decode_scheds)
             second = _decode_half(original, group, env.now)
-            decode[j].scheduler.bm.inject_prefix(group.request)  # the prompt's KV, now on replica j
+            decode[j].scheduler.inject_prefix(group.request)  # the prompt's KV, now on replica j
             transfers[original.request_id] = {"prefill_replica": source, "decode_replica": j,
                                               "transfer_s": env.now - start}
             decode[j].deliver(second)

@@ -23,11 +23,11 @@ import numpy as np
 import simpy
 
 from policies.metrics import IterationLog
-from policies.plan import StepComposition
 from policies.request import Request
 from policies.router import Router
 from policies.scheduler import Scheduler
-from policies.vllm_scheduler import VllmScheduler
+from policies.step import ReplicaStep
+from policies.vllm_scheduler import VllmScheduler  # the skip-ahead protocol's type
 from sim.executor import SimulatedExecutor
 
 
@@ -80,9 +80,10 @@ class Replica:
         self.executor = executor
         # an observer sees every iteration (start, duration, scheduler after it), so nothing is skipped
         self.observer = observer
-        self.fast_forward = fast_forward and isinstance(scheduler, VllmScheduler) and observer is None
+        self.fast_forward = fast_forward and scheduler.supports_skip_ahead and observer is None
         self.debug = debug
         self.log = IterationLog()
+        self.step = ReplicaStep(scheduler, executor, self.log)  # the loop's one iteration, clock-agnostic
         self.wakeup = env.event()
         self.on_progress = on_progress
         self.stepped = 0          # iterations scheduled one at a time
@@ -128,26 +129,22 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
             continue
         if replica.fast_forward and (yield from _skip_ahead(env, replica, feed)):
             continue
-        plan = sched.schedule(env.now)
-        if plan.is_empty:
-            if plan.rejected or plan.preempted:  # the queues changed: look again
+        step = replica.step.begin(env.now)
+        if step.idle:
+            if step.plan.rejected or step.plan.preempted:  # the queues changed: look again
                 continue
             if feed.exhausted and not sched.running:
                 _fail_stuck(sched)
             replica.wakeup = env.event()
             yield replica.wakeup
             continue
-        start = env.now
-        comp = plan.composition()
-        result = replica.executor.execute(plan, comp)
-        yield env.timeout(result.duration)
-        finished = sched.on_step_done(plan, result, env.now)
+        yield env.timeout(step.result.duration)  # simulated time passes: the cost model's duration
+        finished = replica.step.complete(step, env.now)
         if finished and replica.on_finish is not None:
             replica.on_finish(finished)
         replica.stepped += 1
-        _log_step(replica, start, result.duration, comp, len(plan.preempted))
         if replica.observer is not None:
-            replica.observer(start, result.duration, sched)
+            replica.observer(step.start, step.result.duration, sched)
         if replica.debug:
             _check(sched)
         if replica.on_progress is not None:
@@ -200,7 +197,7 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
             "context_tokens": cols["context_tokens"], "waiting": waiting,
             "running": cols["running"], "kv_token_states": cols["kv_token_states"],
             "kv_internal_frag": cols["kv_internal_frag"], "kv_free": cols["kv_free"],
-            "prefix_hits": np.full(k, sched.bm.prefix_hits),
+            "prefix_hits": np.full(k, sched.prefix_hits),
         })
     end_times, step_times = ends.tolist(), durations.tolist()
     if exhausts:  # stepping would schedule this one: it preempts, so nothing else can happen in it
@@ -212,7 +209,7 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
             sched.finish_plain(horizon.remaining, k + 1, end)
             waiting = len(sched.waiting) + int(feed.queued_by(np.array([end]), sched)[0])
             replica.log.add(step_start, duration, comp, preempted, waiting, len(sched.running), sched.memory(),
-                            sched.bm.prefix_hits)
+                            sched.prefix_hits)
             end_times.append(end)
             step_times.append(duration)
             k += 1
@@ -249,16 +246,8 @@ def _advance(env: simpy.Environment, start: float, end_times: list[float], step_
         yield env.timeout(d)
 
 
-def _log_step(replica: Replica, start: float, duration: float, c: StepComposition, preempted: int) -> None:
-    sched = replica.scheduler
-    hits = sched.bm.prefix_hits if isinstance(sched, VllmScheduler) else 0
-    replica.log.add(start, duration, c, preempted, len(sched.waiting), len(sched.running), sched.memory(), hits)
-
-
 def _check(sched: Scheduler) -> None:
-    sched.check_conservation()
-    if isinstance(sched, VllmScheduler):
-        sched.bm.check_invariants()
+    sched.check_invariants()
 
 
 def _fail_stuck(sched: Scheduler) -> None:

@@ -80,3 +80,14 @@ def test_guidellm_requests_table_and_validate(tmp_path):
     assert rows["num_requests"] == 8
     sim = pd.read_csv(out / "sim" / "requests.csv")
     assert list(sim.prompt_len) == list(range(20, 28)) and list(sim.arrival) == pytest.approx(list(trace.arrival))
+
+
+def test_measurement_loaders_take_a_guidellm_result(tmp_path):
+    """pagesim fidelity / calibrate read measurements through load_measurements: a guidellm result
+    file goes in as it is."""
+    from analysis.measurements import load_measurements
+
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(_report([_request(100.0, 100, 1.0), _request(101.0, 200, 2.0)])))
+    (exp,) = load_measurements([path])
+    assert exp.stages[0].successes == 2 and exp.model == "smollm2-135m"
