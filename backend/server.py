@@ -28,9 +28,10 @@ import pandas as pd
 import torch
 
 from backend.live import LiveExecutor
-from policies.metrics import IterationLog, request_frame
+from policies.metrics import request_frame
 from policies.request import Request, SequenceGroup
 from policies.scheduler import Scheduler
+from policies.step import ReplicaStep
 
 
 @dataclass
@@ -92,7 +93,8 @@ class AsyncEngine:
         self.scheduler, self.executor, self.tokenizer = scheduler, executor, tokenizer
         self.observer = observer or EngineObserver()
         self.debug = debug  # check the block pool after every step
-        self.log = IterationLog()
+        self.replica = ReplicaStep(scheduler, executor)
+        self.log = self.replica.log
         self.error: str | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}
@@ -147,18 +149,7 @@ class AsyncEngine:
         """Why the scheduler could never serve `request` (too long for the context or the KV
         cache, a prompt over the token budget without chunked prefill), or None. Reads only the
         scheduler's configuration, so any thread may call it."""
-        sched = self.scheduler
-        reason = sched.refusal_on_arrival(request)
-        bm = getattr(sched, "bm", None)
-        if reason is None and bm is not None:
-            need, have = bm.max_blocks_needed(SequenceGroup(request, -1)), bm.num_gpu_blocks - bm.watermark_blocks
-            if need > have:
-                reason = f"needs {need} KV cache blocks but the cache holds {have}"
-        if reason is None and not getattr(sched, "chunked_prefill", True) \
-                and request.prompt_len > sched.max_num_batched_tokens:
-            reason = (f"a prompt of {request.prompt_len} tokens exceeds max_num_batched_tokens="
-                      f"{sched.max_num_batched_tokens} and chunked prefill is off")
-        return reason
+        return self.scheduler.refusal(request)
 
     def tables(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         """(requests, iterations) as `pagesim live` writes them; call after `stop`."""
@@ -225,25 +216,21 @@ class AsyncEngine:
     def _step(self) -> None:
         sched = self.scheduler
         now = self.clock()
-        plan = sched.schedule(now)
+        step = self.replica.begin(now)  # the loop's one iteration, as the simulator runs it
+        plan = step.plan
         for gid, reason in plan.rejected:
             group = next(g for g in reversed(sched.done) if g.group_id == gid)
             self._end(group, self._live[gid], error=reason)
-        if plan.is_empty:
+        if step.idle:
             if not plan.rejected:  # nothing can run until something arrives or a policy's wait ends
                 wait = min(max(sched.wake_time(now) - now, 0.0), 0.05)
                 self._read_inbox(block=True, timeout=wait or 0.001)
             return
-        comp = plan.composition()
         sampling = {ss.seq_id: sched.seqs[ss.seq_id].group for ss in plan.seqs if ss.samples}
-        result = self.executor.execute(plan)
         end = self.clock()
-        result.duration = end - now
-        finished = sched.on_step_done(plan, result, end)
-        hits = sched.bm.prefix_hits if hasattr(sched, "bm") else 0
-        self.log.add(now, result.duration, comp, len(plan.preempted), len(sched.waiting), len(sched.running),
-                     sched.memory(), hits)
-        self.observer.on_step(sched, result.duration, len(plan.preempted))
+        step.result.duration = end - now  # measured wall time
+        finished = self.replica.complete(step, end)
+        self.observer.on_step(sched, step.result.duration, len(plan.preempted))
         done = {g.group_id for g in finished}
         for group in {g.group_id: g for g in sampling.values()}.values():
             self._publish(group, end, group.group_id in done)
@@ -310,11 +297,9 @@ class AsyncEngine:
                 item[1].sink(RequestOutput(item[1].request.request_id, {}, finished=True, error=message))
 
     def _check_pool(self) -> None:
-        bm = getattr(self.scheduler, "bm", None)
-        if bm is not None:
-            bm.check_invariants()
-            if not self.scheduler.has_unfinished():
-                bm.assert_empty()
+        self.scheduler.check_invariants()
+        if not self.scheduler.has_unfinished():
+            self.scheduler.assert_drained()
 
     # ---------------------------------------------------------------- stop strings
     def _stop_check(self, seq, token: int) -> bool:

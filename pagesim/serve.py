@@ -114,9 +114,8 @@ def _build_engine(args: argparse.Namespace):
     executor = LiveExecutor(sched, runner, [cfg.eos_token_id], seed=args.seed)  # warms the model up
     # the longest request served: the model's context, or what the KV cache holds if less (so that
     # a chat request without max_tokens, given what the context leaves, still fits the cache)
-    bm = getattr(sched, "bm", None)
-    usable = bm.num_gpu_blocks - bm.watermark_blocks if bm is not None else runner.num_gpu_blocks
-    max_len = min(cfg.max_position, usable * args.block_size)
+    usable = sched.capacity_tokens or runner.num_gpu_blocks * args.block_size
+    max_len = min(cfg.max_position, usable)
     return AsyncEngine(sched, executor, model.tokenizer, debug=args.debug), model.tokenizer, max_len
 
 
@@ -126,10 +125,7 @@ def _write_tables(args: argparse.Namespace, engine) -> int:
     sched = engine.scheduler
     problems = []
     try:
-        sched.check_conservation()
-        bm = getattr(sched, "bm", None)
-        if bm is not None:
-            bm.assert_empty()
+        sched.assert_drained()
     except AssertionError as e:
         problems.append(str(e))
     if engine.error:

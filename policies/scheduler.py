@@ -110,6 +110,16 @@ class Scheduler(ABC):
         m = self.memory()
         return 1.0 - m.free / m.total if m.total else 0.0
 
+    def refusal(self, request: Request) -> str | None:
+        """Why this scheduler could never serve the request (as it is configured: context, cache
+        size, budgets), or None; a front end can refuse it before queueing. Pure."""
+        return self.refusal_on_arrival(request)
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        """Token slots one request may hold at most (None: no fixed bound known here)."""
+        return None
+
     def check_invariants(self) -> None:
         """Request conservation, and the memory manager's own invariants (debug mode)."""
         self.check_conservation()

@@ -92,6 +92,22 @@ class VllmScheduler(Scheduler):
         self.check_conservation()
         self.bm.check_invariants()
 
+    def refusal(self, request: Request) -> str | None:
+        reason = self.refusal_on_arrival(request)
+        if reason is not None:
+            return reason
+        need, have = self.bm.max_blocks_needed(SequenceGroup(request, -1)), self.capacity_tokens // self.block_size
+        if need > have:
+            return f"needs {need} KV cache blocks but the cache holds {have}"
+        if not self.chunked_prefill and request.prompt_len > self.max_num_batched_tokens:
+            return (f"a prompt of {request.prompt_len} tokens exceeds max_num_batched_tokens="
+                    f"{self.max_num_batched_tokens} and chunked prefill is off")
+        return None
+
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.bm.num_gpu_blocks - self.bm.watermark_blocks) * self.block_size
+
     def assert_drained(self) -> None:
         self.check_conservation()
         self.bm.assert_empty()

@@ -396,11 +396,8 @@ def final_checks(sched: Scheduler, num_requests: int) -> None:
     sched.check_conservation()
     if sched.has_unfinished() or len(sched.done) != num_requests:
         raise AssertionError(f"{num_requests} requests in, {len(sched.done)} out")
-    bm = getattr(sched, "bm", None)
-    if bm is not None:
-        bm.assert_empty()
-    if hasattr(sched, "check_invariants"):
-        sched.check_invariants()
+    sched.assert_drained()
+    sched.check_invariants()
 
 
 def _progress_bar(total: int):
