@@ -8,7 +8,8 @@ caching, full blocks are named by a hash chained on the parent block's hash and 
 content; equal prefixes map to the same physical blocks, and freed cached blocks stay reusable
 until they are evicted, least recently used first.
 
-Conservation (checked by `check_invariants`): every physical block is either in use
+Only the pools (`BlockPool`, `CpuBlockPool`) change reference counts and the free queue: take,
+share, touch, release. Conservation (checked by `check_invariants`): every physical block is either in use
 (ref_count > 0) or in the free queue, never both; free + used = total; cached blocks are a subset
 of free + used.
 """
@@ -72,6 +73,12 @@ class BlockPool:
         block.filled = 0
         return block
 
+    def share(self, block: Block) -> None:
+        """One more reference on a block in use (a fork, or a block shared again after a swap)."""
+        if block.ref_count < 1:
+            raise AssertionError(f"block {block.block_id} shared while free")
+        block.ref_count += 1
+
     def touch(self, block: Block) -> None:
         """Take a reference on a block found by hash (removing it from the free queue if idle)."""
         if block.ref_count == 0:
@@ -116,6 +123,12 @@ class CpuBlockPool:
         b = self.free_ids.pop()
         self.ref[b] = 1
         return b
+
+    def share(self, b: int) -> None:
+        """One more reference on a CPU block in use (a block shared within a swapped group)."""
+        if self.ref[b] < 1:
+            raise AssertionError(f"cpu block {b} shared while free")
+        self.ref[b] += 1
 
     def release(self, b: int) -> None:
         self.ref[b] -= 1
@@ -417,8 +430,9 @@ class PagedBlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (reference counts rise)."""
         table = self.tables[parent.seq_id]
+        share, blocks = self.pool.share, self.pool.blocks
         for b in table:
-            self.pool.blocks[b].ref_count += 1
+            share(blocks[b])
         self.tables[child.seq_id] = list(table)
         self.slots[child.seq_id] = self.slots[parent.seq_id]
         child.block_hashes = list(parent.block_hashes)
@@ -466,7 +480,7 @@ class PagedBlockManager:
                 if b not in mapping:
                     mapping[b] = self.cpu.take()
                 else:
-                    self.cpu.ref[mapping[b]] += 1
+                    self.cpu.share(mapping[b])
                 cpu_table.append(mapping[b])
             self.cpu_tables[s.seq_id] = cpu_table
             self.cpu_slots[s.seq_id] = self.slots[s.seq_id]
@@ -500,7 +514,7 @@ class PagedBlockManager:
                     blk = self.pool.take()
                     mapping[c] = blk.block_id
                 else:
-                    self.pool.blocks[mapping[c]].ref_count += 1
+                    self.pool.share(self.pool.blocks[mapping[c]])
                 table.append(mapping[c])
                 self.cpu.release(c)
             n = self.cpu_slots.pop(s.seq_id)
