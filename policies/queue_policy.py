@@ -30,6 +30,7 @@ contract below (which is what lets the engine skip iterations and still match st
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -60,10 +61,10 @@ class QueuePolicy:
         return self.key(group) if not self.dynamic_order else (group.request.arrival, group.group_id)
 
     def new_queue(self) -> Any:
-        """The waiting queue: a deque (arrival or key order, kept by the scheduler), or for a
-        `dynamic_order` policy its own queue with the deque methods the scheduler uses (len, iter,
-        [0], popleft) and push(group, front)."""
-        return deque()
+        """The waiting queue: a deque in arrival order (kept by the scheduler: arrivals at the back,
+        preempted groups at the front), else a queue with the methods the scheduler uses (len, iter,
+        [0], popleft, push(group, front)): a heap on `key`, or a dynamic policy's own."""
+        return deque() if self.arrival_order else KeyedQueue(self.key)
 
     def head_candidates(self, waiting: Any) -> list[SequenceGroup]:
         """The waiting groups that could be considered first in the coming iterations, while the
@@ -298,6 +299,32 @@ class VtcPolicy(QueuePolicy):
     def on_finished(self, group: SequenceGroup) -> None:
         c = group.request.client
         self.active[c] = self.active.get(c, 1) - 1
+
+
+class KeyedQueue:
+    """A waiting queue ordered by a key fixed at queueing (a heap: push and popleft in O(log n));
+    `[0]` is the smallest. Keys must be unique (they end with the group id)."""
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+        self.heap: list[tuple[tuple, SequenceGroup]] = []
+
+    def push(self, group: SequenceGroup, front: bool = False) -> None:
+        heapq.heappush(self.heap, (self.key(group), group))
+
+    def __getitem__(self, i: int) -> SequenceGroup:
+        if i != 0:
+            raise IndexError("KeyedQueue gives only its head, [0]")
+        return self.heap[0][1]
+
+    def popleft(self) -> SequenceGroup:
+        return heapq.heappop(self.heap)[1]
+
+    def __len__(self) -> int:
+        return len(self.heap)
+
+    def __iter__(self) -> Iterator[SequenceGroup]:
+        return (g for _, g in self.heap)
 
 
 class ClientQueues:

@@ -76,10 +76,8 @@ class Scheduler(ABC):
         (an arrival) or the front (`front`: a preempted group, as vLLM requeues it)."""
         policy = self.policy
         policy.on_queued(group)
-        if policy.dynamic_order:  # the policy's own queue orders itself
+        if not policy.arrival_order:  # a queue that orders itself (see QueuePolicy.new_queue)
             self.waiting.push(group, front)
-        elif not policy.arrival_order:
-            bisect.insort(self.waiting, group, key=policy.key)
         elif front:
             self.waiting.appendleft(group)
         else:
