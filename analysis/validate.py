@@ -5,8 +5,11 @@ and CDF figures. Statistics come from `policies.metrics.summarize`, as in every 
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from policies.metrics import ITERATION_COLUMNS, summarize
+from policies.metrics import ITERATION_COLUMNS, summarize, write_run
 
 LATENCY_METRICS = ("ttft", "tpot", "e2e_latency", "normalized_latency")
 LATENCY_STATISTICS = ("mean", "p90")
@@ -193,3 +196,221 @@ def step_time_errors(iterations: pd.DataFrame, cost_model: Any, block_size: int 
     return {"iterations": len(err), "mape": mean(np.abs(err)), "bias": mean(err),
             "decode_mape": mean(np.abs(err[~prompt])), "prompt_mape": mean(np.abs(err[prompt])),
             "decode_bias": mean(err[~prompt]), "prompt_bias": mean(err[prompt])}
+
+
+# ---- the validate command ------------------------------------------------------------------------
+@dataclass
+class Validation:
+    """What `run_validation` compared: `table` live against the simulation with the profile used;
+    `adjusted` against the simulation with every step scaled by the machine speed measured around
+    the live run; `given` against the simulation with the given profile, when a re-profile
+    replaced it. `summary` is validation.json."""
+
+    table: pd.DataFrame
+    summary: dict[str, Any]
+    live_requests: pd.DataFrame
+    sim_requests: pd.DataFrame
+    adjusted: pd.DataFrame | None = None
+    given: pd.DataFrame | None = None
+    reprofile: Any = None  # analysis.reprofile.ReprofileDecision
+    steps: dict[str, Any] | None = None
+
+
+def run_validation(trace: Any, cfg: Any, out: str | Path, live: Any = None, live_run: str | None = None,
+                   reprofile_threshold: float | None = 0.1, reprofile_reps: int = 2, progress: bool = False,
+                   config: dict[str, Any] | None = None) -> Validation:
+    """Serve `trace` live (`live`, backend.replay.LiveOptions; or reuse `live_run`: an earlier run
+    directory or a guidellm result file whose requests `trace` holds) and simulate it with
+    `cfg` (a sim.run.SimConfig naming the profile); write live/, sim/, validation.csv and
+    validation.json to `out`. Before a live run the machine's speed is measured against the
+    profile and, when more than `reprofile_threshold` away (None: never), the profile is measured
+    again here (analysis.reprofile) and the simulation uses it; a reused live run uses the profile
+    re-fitted with it, if there was one. `config` goes into the live summary."""
+    from analysis.reprofile import ReprofileDecision
+    from sim.profiled import ProfiledCostModel, load_profile
+    from sim.run import run_simulation
+
+    out = Path(out)
+    first = run_simulation(cfg, trace, progress=progress)  # first: a bad profile fails fast
+    given = load_profile(cfg.profile)
+    decision = ReprofileDecision(str(cfg.profile), None, reprofile_threshold, given, str(given["source"]))
+    drift: dict[str, Any] = {}
+    if live_run and Path(live_run).is_file():
+        from analysis.benchmark_results import guidellm_requests
+        live_requests = guidellm_requests(live_run)[1]
+    elif live_run:
+        live_requests = pd.read_csv(Path(live_run) / "requests.csv")
+        earlier = Path(live_run) / "summary.json"
+        if earlier.is_file():  # a live run made by `validate` recorded the machine speed around it
+            recorded = json.loads(earlier.read_text())
+            if recorded.get("check_before") is not None:
+                drift = {"before": recorded["check_before"], "after": recorded["check_after"]}
+            decision = _earlier_reprofile(recorded.get("reprofile"), decision)
+    else:
+        live_requests, drift, decision = _serve(trace, cfg, live, out, decision, reprofile_reps, progress, config)
+    cfg_used = replace(cfg, profile=decision.path) if decision.adopted else cfg
+    sim = run_simulation(cfg_used, trace) if decision.adopted else first
+    write_run(out / "sim", sim.requests, sim.iterations, sim.summary)
+    table = compare_runs(live_requests, sim.requests)
+    table.to_csv(out / "validation.csv", index=False)
+    summary = validation_summary(table)
+    result = Validation(table, summary, live_requests, sim.requests, reprofile=decision)
+    cost = ProfiledCostModel.from_profile(decision.profile, sim_block_size=cfg.block_size)  # as the simulation priced it
+    live_dir = Path(live_run) if live_run else out / "live"
+    if (live_dir / "iterations.parquet").is_file():
+        its = pd.read_parquet(live_dir / "iterations.parquet")
+        if "prefill_attn_pairs" in its.columns:  # runs written before the column existed cannot be repriced
+            result.steps = summary["step_time"] = step_time_errors(its, cost, cfg.block_size)
+    adjusted = None
+    if drift.get("before") and drift.get("after"):
+        # a sensitivity check: the same simulation with every step scaled by the machine speed
+        # measured around the live run (profile grid points re-timed before and after it); it
+        # corrects only a drift that holds through the run
+        factor = math.sqrt(drift["before"] * drift["after"])
+        again = run_simulation(cfg_used, trace, cost_model=cost.scaled(factor))
+        result.adjusted = compare_runs(live_requests, again.requests)
+        result.adjusted.to_csv(out / "validation_speed_adjusted.csv", index=False)
+        adjusted = {"factor": factor, **validation_summary(result.adjusted)}
+    given_summary = None
+    if decision.adopted:
+        result.given = compare_runs(live_requests, first.requests)
+        result.given.to_csv(out / "validation_given_profile.csv", index=False)
+        given_summary = validation_summary(result.given)
+    summary.update(profile=decision.path, given_profile=str(cfg.profile), trace=trace.name, num_requests=len(trace),
+                   policy=cfg.policy, machine_speed=drift, speed_adjusted=adjusted, reprofile=decision.record(),
+                   given_profile_validation=given_summary)
+    (out / "validation.json").write_text(json.dumps(summary, indent=1) + "\n")
+    validation_plot(live_requests, sim.requests, out / "validation.png",
+                    f"{trace.name}, {len(trace)} requests, {cfg.policy}: live vs simulated ({decision.path})")
+    return result
+
+
+def _serve(trace, cfg, live, out: Path, decision, reps: int, progress: bool, config):
+    """Serve the trace live, measuring the machine's speed against the profile first (and
+    re-profiling if it is off): (live requests, speed before and after, the re-profile decision)."""
+    from analysis.reprofile import check_and_reprofile
+    from backend.profiler import drift as machine_drift
+    from backend.replay import serve_trace
+    from sim.run import requests_from_trace
+
+    state = {"decision": decision}
+
+    def prepare(runner) -> None:
+        d = check_and_reprofile(runner, decision.given, decision.profile, decision.threshold,
+                                out / "profile.json", reps=reps, seed=cfg.seed)
+        state["decision"] = d
+        if d.message():
+            print(d.message(), flush=True)
+
+    def check(runner):
+        return machine_drift(runner, state["decision"].profile["measurements"])
+
+    req_df, it_df, summary = serve_trace(live, lambda max_len: requests_from_trace(trace, max_len, cfg.n, cfg.beam_width),
+                                         realtime=True, check=check, prepare=prepare, progress=progress)
+    summary.update(trace=trace.name, config=config or {}, reprofile=state["decision"].record())
+    write_run(out / "live", req_df, it_df, summary)
+    return req_df, {"before": summary["check_before"], "after": summary["check_after"]}, state["decision"]
+
+
+def _earlier_reprofile(record: dict[str, Any] | None, decision):
+    """With a reused live run: the profile re-fitted with it (recorded in its summary), if one was
+    adopted and still exists, unless re-profiling is off."""
+    from sim.profiled import load_profile
+
+    if not record or not record.get("adopted") or decision.threshold is None or not Path(record["profile"]).is_file():
+        return decision
+    return replace(decision, speed=record.get("speed"), profile=load_profile(record["profile"]), path=record["profile"],
+                   reprofiled=True, adopted=True, seconds=record.get("seconds") or 0.0, cv_mape=record.get("cv_mape"),
+                   given_cv_mape=record.get("given_cv_mape"))
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """`pagesim validate`: its arguments (the workload, policy and live model ones from pagesim.cli)."""
+    from pagesim.argtypes import non_negative_float, positive_int
+    from pagesim.cli import add_live_model_args, add_output_args, add_policy_args, add_workload_args
+
+    val = subparsers.add_parser(
+        "validate", help="replay one trace live and in simulation; report the simulator's error",
+        description="Calibration, last step: serve a trace live on a real model and simulate it with a profiled "
+                    "cost model (same policy, cache size and arrivals); writes live/ and sim/ runs, validation.csv, "
+                    "validation.json and validation.png. Serves the first 32 requests unless --num-requests says "
+                    "otherwise. Before serving, it times a few of the profile's grid points: when this machine runs "
+                    "more than --reprofile-threshold away from the profile, it re-times the profile's grid here, "
+                    "re-fits it (OUT/profile.json) and simulates with that.")
+    add_workload_args(val)
+    add_policy_args(val)
+    add_live_model_args(val)
+    val.set_defaults(num_requests=32)  # every request is served live, in real time: keep the default small
+    val.add_argument("--profile", required=True, help="profile file (or shipped profile name) for the simulator")
+    val.add_argument("--live-run", help="reuse this earlier `pagesim live` or `pagesim serve` output directory instead "
+                                        "of serving again, or a guidellm result file (its requests and client "
+                                        "latencies; the workload options are then unused)")
+    r = val.add_argument_group("re-profiling (a profile describes the machine it was measured on)")
+    r.add_argument("--reprofile-threshold", type=non_negative_float, default=0.1, metavar="FRACTION",
+                   help="re-profile when this machine's speed is more than this far from the profile's (default 0.1)")
+    r.add_argument("--no-reprofile", action="store_true", help="simulate with the given profile as it is")
+    r.add_argument("--reprofile-reps", type=positive_int, default=2,
+                   help="timed repetitions per grid point when re-profiling (default 2)")
+    add_output_args(val)
+    val.set_defaults(func=run)
+    return val
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagesim.cli import _backend, _load_workload, _policy_options, _spec_of, live_options
+    from sim.run import SimConfig
+
+    if args.live_run and Path(args.live_run).is_file():  # a benchmark tool's result file: its requests are the trace
+        from analysis.benchmark_results import guidellm_requests
+        trace = guidellm_requests(args.live_run)[0]
+    else:
+        trace = _load_workload(args)
+    cfg = SimConfig(model=_spec_of(args.model), policy=args.policy, policy_options=_policy_options(args),
+                    block_size=args.block_size, preemption=args.preemption,
+                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching,
+                    num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks, n=args.n,
+                    beam_width=args.beam_width, seed=args.seed, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
+                    cost_model="profiled", profile=args.profile)
+    if not args.live_run:
+        _backend()  # a clear message without the backend extra
+    v = run_validation(trace, cfg, args.out, live_options(args), args.live_run,
+                       None if args.no_reprofile else args.reprofile_threshold, args.reprofile_reps,
+                       progress=not args.quiet, config={k: x for k, x in vars(args).items() if k != "func"})
+    print_validation(v, reused=bool(args.live_run))
+    print(f"wrote {args.out}/validation.csv, validation.json, validation.png, sim/"
+          + ("" if args.live_run else ", live/") + (", profile.json" if v.reprofile.adopted and not args.live_run else ""))
+    return 0
+
+
+def print_validation(v: Validation, reused: bool = False) -> None:
+    """The terminal report of a validation: the table, the headline errors, the machine speed and
+    what was done about it."""
+    summary, drift, d = v.summary, v.summary["machine_speed"], v.reprofile
+    print(validation_table(v.table))
+    print(f"\nmean absolute error over these rows: {summary['mape']:.1%}")
+    if reused and d.adopted:
+        print(f"simulated with {d.path}, the profile re-fitted with that live run (its machine ran {d.speed:.2f}x "
+              f"the step times of {d.given})")
+    if v.given is not None:
+        g = summary["given_profile_validation"]
+        print(f"with the given profile {d.given} instead: mean absolute error {g['mape']:.1%}, max "
+              f"{g['max_abs_error']:.1%} (validation_given_profile.csv)")
+    if drift.get("before") is not None:
+        print(f"machine speed against the profile (profile grid points re-timed, time now / then): "
+              f"{drift['before']:.2f} before the live run, {drift['after']:.2f} after")
+        if max(abs(drift["before"] - 1), abs(drift["after"] - 1)) > 0.1:
+            print("warning: this machine runs more than 10% away from when the profile was measured"
+                  + ("; re-profile (pagesim profile, or validate without --no-reprofile) for a fair comparison"
+                     if not d.adopted else " (it drifted during or after the re-profile)"))
+    if summary["speed_adjusted"]:
+        a = summary["speed_adjusted"]
+        print(f"with every simulated step scaled by that speed (x{a['factor']:.3f}, geometric mean): "
+              f"mean absolute error {a['mape']:.1%}, max {a['max_abs_error']:.1%} "
+              "(validation_speed_adjusted.csv; a sensitivity check: it corrects only a drift that holds "
+              "through the live run)")
+    if v.steps:
+        s = v.steps
+        print(f"step times, profile vs {s['iterations']} live iterations: mean |error| {s['mape']:.1%} "
+              f"(bias {s['bias']:+.1%}); decode-only {s['decode_mape']:.1%}, with prompt tokens "
+              f"{s['prompt_mape']:.1%}")

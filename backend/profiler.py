@@ -24,7 +24,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -293,3 +293,55 @@ def drift(runner: ModelRunner, measurements: list[dict], labels: tuple[str, ...]
     ratios = [statistics.median(_time_point(runner, _build(p, runner, rng)[1], sampler, reps)) / recorded[p.label]
               for p in points]
     return float(statistics.median(ratios))
+
+
+@dataclass
+class Retimed:
+    """A profile's measurements taken again on this machine (`retime`)."""
+
+    measurements: list[dict]
+    speed: float          # median over the re-timed grid points of (time now / time in the profile)
+    retimed: int          # grid points timed again
+    carried: int          # points at other block sizes carried over, scaled by `speed`
+    served: int           # served iterations measured again
+    skipped: list[str] = field(default_factory=list)
+
+
+def retime(runner: ModelRunner, measurements: list[dict], block_size: int, reps: int = 2, seed: int = 0,
+           grid: ProfileGrid | None = None) -> Retimed:
+    """Time again, on `runner`'s model, the grid points a profile holds at its own block size (the
+    same compositions, by label, `reps` repetitions each) and serve the calibration workload again
+    if the profile had served iterations. The profile's decode points at other block sizes (what
+    prices KV blocks apart from tokens) are not re-timed, which would take several times longer:
+    they are carried over with their times scaled by the speed measured on the re-timed points, so
+    that the block term keeps its measured share. Runs on its own cache (the runner's is left
+    alone). Raises ValueError when none of the profile's grid points is in the grid."""
+    served = any(m.get("source") == "served" for m in measurements)
+    grid = replace(grid or ProfileGrid(), reps=reps, block_sizes=(),
+                   serve_requests=(grid or ProfileGrid()).serve_requests if served else 0)
+    own = {m["label"]: m for m in measurements
+           if m.get("source", "grid") == "grid" and m.get("block_size", block_size) == block_size}
+    others = [m for m in measurements if m.get("source", "grid") == "grid" and m.get("block_size", block_size) != block_size]
+    points = [p for p in grid.points() if p.label in own]
+    if not points:
+        raise ValueError("the profile holds none of the profiler's grid points (labels); re-profile it with "
+                         "`pagesim profile`")
+    need = max([p.blocks_needed(block_size) for p in points] + [grid.served_blocks_needed(block_size) * served])
+    cache = runner.with_cache(block_size, need, max([p.swap_blocks for p in points] + [1]))
+    rng = np.random.default_rng(seed)
+    sampler = Sampler(seed=seed, device=runner.device)
+    out, ratios = [], []
+    for p in points:
+        plan, batch = _build(p, cache, rng)
+        times = _time_point(cache, batch, sampler, reps)
+        t = statistics.median(times)
+        out.append({"label": p.label, **plan.composition().counts(), "block_size": block_size, "time_s": t,
+                    "times_s": times})
+        ratios.append(t / own[p.label]["time_s"])
+    speed = float(statistics.median(ratios))
+    carried = [{**{k: v for k, v in m.items() if k != "times_s"}, "time_s": m["time_s"] * speed, "scaled_by": speed}
+               for m in others]
+    again = serve_calibration(cache, grid, seed) if served else []
+    timed = {p.label for p in points}
+    return Retimed(out + carried + again, speed, len(out), len(carried), len(again),
+                   [f"{label}: not a point of the profiler's grid" for label in own if label not in timed])

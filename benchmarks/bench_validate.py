@@ -12,12 +12,15 @@ machine, the floor under any simulator's error. "speed-adjusted" simulates again
 scaled by the machine speed measured around the live run (the factor is printed beside it): a
 sensitivity check, not a correction, as the speed can move during the run.
 
-With --profile-first, the model is profiled on this machine right before the scenarios (about 2
-minutes) and that profile is used: profile and validation back to back, as a shipped profile
-measured at another time cannot account for this VM's drift.
+Each scenario runs `pagesim validate` as a user would: it measures this machine's speed against the
+profile first and, when more than --reprofile-threshold (0.1) away, re-times the profile's grid here,
+re-fits it and simulates with that (--no-reprofile: the profile as given). The rows "given profile"
+show the error the given profile would have had, "re-profile" the measured speed and the seconds it
+took. With --profile-first, the model is profiled on this machine right before the scenarios (about
+2 minutes) and that profile is used.
 
     python -m benchmarks.bench_validate [--profile NAME|PATH | --profile-first] [--requests 32] [--repeat]
-                                        [--out DIR]
+                                        [--no-reprofile | --reprofile-threshold F] [--out DIR]
 """
 
 from __future__ import annotations
@@ -49,14 +52,15 @@ def write_trace(path: Path, n: int, rate: float, seed: int = 0) -> Path:
 
 
 def run_scenario(name: str, rate: float, blocks: int, n: int, profile: str, out: Path, repeat: bool = False,
-                 model: str = "smollm2-135m", device: str = "cpu") -> dict:
+                 model: str = "smollm2-135m", device: str = "cpu", reprofile: tuple[str, ...] = ()) -> dict:
     from analysis.validate import compare_runs, validation_summary
     from pagesim.cli import main as cli_main
 
     out.mkdir(parents=True, exist_ok=True)
     trace = write_trace(out / "trace.csv", n, rate)
     where = ["--model", model, "--device", device, "--num-gpu-blocks", str(blocks)]
-    code = cli_main(["validate", "--profile", profile, "--trace", str(trace), *where, "--out", str(out), "--quiet"])
+    code = cli_main(["validate", "--profile", profile, "--trace", str(trace), *where, *reprofile, "--out", str(out),
+                     "--quiet"])
     if code != 0:
         raise RuntimeError(f"pagesim validate failed for scenario {name}")
     table = pd.read_csv(out / "validation.csv")
@@ -102,11 +106,24 @@ def print_results(results: list[dict]) -> None:
         print(f"{'speed-adjusted mean |error|':<28}" + "".join(
             f"{'':>16}{r['summary']['speed_adjusted']['factor']:>10.3f}{r['summary']['speed_adjusted']['mape']:>8.1%}"
             for r in results))
+    if any(r["summary"].get("given_profile_validation") for r in results):
+        print(f"{'given profile: mean |error|':<28}" + "".join(
+            f"{'':>16}{'':>10}" + (f"{g['mape']:>8.1%}" if (g := r["summary"].get("given_profile_validation"))
+                                  else f"{'-':>8}") for r in results))
+    if all(r["summary"].get("reprofile") for r in results):
+        print(f"{'re-profile: speed, seconds':<28}" + "".join(
+            f"{'':>16}{_number(r['summary']['reprofile']['speed'], '.2f'):>10}"
+            f"{_number(r['summary']['reprofile']['seconds'] if r['summary']['reprofile']['reprofiled'] else None, '.0f'):>8}"
+            for r in results))
     if all("repeat" in r for r in results):
         print(f"{'live repeat: mean |error|':<28}"
               + "".join(f"{'':>16}{'':>10}{r['repeat']['mape']:>8.1%}" for r in results))
         print(f"{'live repeat: max |error|':<28}"
               + "".join(f"{'':>16}{'':>10}{r['repeat']['max_abs_error']:>8.1%}" for r in results))
+
+
+def _number(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -120,8 +137,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--scenarios", nargs="+", default=[s[0] for s in SCENARIOS])
     ap.add_argument("--profile-first", action="store_true", help="profile the model here first and use that")
     ap.add_argument("--repeat", action="store_true", help="serve each trace live twice and compare the two")
+    ap.add_argument("--no-reprofile", action="store_true", help="validate with the profile as given")
+    ap.add_argument("--reprofile-threshold", type=float, default=0.1,
+                    help="re-profile when the machine runs more than this far from the profile (default 0.1)")
     ap.add_argument("--out", help="keep the runs here (default: a temporary directory)")
     args = ap.parse_args(argv)
+    reprofile = ("--no-reprofile",) if args.no_reprofile else ("--reprofile-threshold", str(args.reprofile_threshold))
     if args.model == "smollm2-135m":
         try:
             from backend.weights import smollm2_gguf_path
@@ -141,7 +162,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for name, rate, blocks in SCENARIOS:
             if name in args.scenarios:
                 results.append(run_scenario(name, rate, blocks, args.requests, args.profile, root / name,
-                                            args.repeat, args.model, args.device))
+                                            args.repeat, args.model, args.device, reprofile))
     print(f"\nsimulated vs live, {args.model} on {args.device}, {args.requests} requests (sharegpt-like / 4), "
           f"vllm, profile {args.profile}; err = (sim - live) / live")
     print_results(results)

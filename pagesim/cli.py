@@ -92,7 +92,10 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
 
 def _gigabytes_per_s(text: str) -> float:
     """A bandwidth argument given in GB/s, as bytes/s."""
-    return positive_float(text) * 1e9
+    try:
+        return positive_float(text) * 1e9
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be > 0 GB/s, got {text}") from None
 
 
 def _replica_count(args: argparse.Namespace) -> int:
@@ -295,21 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--quiet", action="store_true")
     prof.set_defaults(func=cmd_profile)
 
-    val = sub.add_parser("validate", help="replay one trace live and in simulation; report the simulator's error",
-                         description="Calibration, last step: serve a trace live on a real model and simulate it "
-                                     "with a profiled cost model (same policy, cache size and arrivals); writes "
-                                     "live/ and sim/ runs, validation.csv, validation.json and validation.png. "
-                                     "Serves the first 32 requests unless --num-requests says otherwise.")
-    add_workload_args(val)
-    add_policy_args(val)
-    add_live_model_args(val)
-    val.set_defaults(num_requests=32)  # every request is served live, in real time: keep the default small
-    val.add_argument("--profile", required=True, help="profile file (or shipped profile name) for the simulator")
-    val.add_argument("--live-run", help="reuse this earlier `pagesim live` or `pagesim serve` output directory instead "
-                                        "of serving again, or a guidellm result file (its requests and client "
-                                        "latencies; the workload options are then unused)")
-    add_output_args(val)
-    val.set_defaults(func=cmd_validate)
+    from analysis.validate import add_parser as add_validate_parser  # analysis sits on sim: imported late
+    add_validate_parser(sub)
 
     gen = sub.add_parser("generate", help="generate completions for prompts on a real model")
     gen.add_argument("--model", default="smollm2-135m")
@@ -934,97 +924,40 @@ def cmd_live(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_live(args: argparse.Namespace, trace, realtime: bool, check=None):
-    """Serve `trace` on the real model under the policy options; (requests, iterations, summary).
-    `check(runner)`, when given, runs before and after serving; its results go into the summary
-    as check_before / check_after."""
-    import time
+def live_options(args: argparse.Namespace):
+    """The live replay options (backend.replay.LiveOptions) of `pagesim live`'s arguments."""
+    from backend.replay import LiveOptions
+    return LiveOptions(model=args.model, device=args.device, attention=args.attention,
+                       num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks,
+                       block_size=args.block_size, policy=args.policy, policy_options=_policy_options(args),
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       preemption=args.preemption, chunked_prefill=args.chunked_prefill,
+                       prefix_caching=args.prefix_caching, seed=args.seed, slo_ttft=args.slo_ttft,
+                       slo_tpot=args.slo_tpot)
 
-    live = _backend()
-    from backend.model_runner import ModelRunner
-    from policies.metrics import request_frame, summarize
-    from policies.registry import is_paged, make_scheduler, scheduler_options
+
+def _serve_live(args: argparse.Namespace, trace, realtime: bool, check=None):
+    """Serve `trace` on the real model under the policy options (backend.replay.serve_trace);
+    (requests, iterations, summary). `check(runner)`, when given, runs before and after serving;
+    its results go into the summary as check_before / check_after."""
+    _backend()
+    from backend.replay import serve_trace
     from sim.run import requests_from_trace
 
-    t0 = time.perf_counter()
-    model = live.load_model(args.model, seed=args.seed)
-    cfg = model.config
-    runner = ModelRunner(cfg, model.weights, args.device, attention=args.attention, num_gpu_blocks=args.num_gpu_blocks,
-                         num_cpu_blocks=args.num_cpu_blocks, block_size=args.block_size)
-    kw = scheduler_options(args.policy, args.max_num_seqs, args.max_num_batched_tokens, args.preemption,
-                           args.chunked_prefill, args.prefix_caching, args.num_cpu_blocks)
-    if not is_paged(args.policy):
-        kw["alloc_unit"] = args.block_size  # contiguous chunks must map onto the cache's blocks
-    sched = make_scheduler(args.policy, runner.num_gpu_blocks, args.block_size, policy_options=_policy_options(args),
-                           **kw)
-    sched.max_model_len = cfg.max_position
-    requests = requests_from_trace(trace, cfg.max_position, args.n, args.beam_width)
-    for r in requests:
-        r.prompt_token_ids = live.synthetic_prompt_ids(r, cfg.vocab_size, args.seed)
-        r.hash_block_size = r.hash_block_size or args.block_size
-    executor = live.LiveExecutor(sched, runner, [cfg.eos_token_id], seed=args.seed)  # warms the model up
-    if not args.quiet:
-        print(f"{args.model} on {args.device}: weights loaded and a warm-up step run (it compiles the CPU decode "
-              f"attention) in {time.perf_counter() - t0:.1f} s; serving {len(requests)} requests")
-    bar = None
-    if not args.quiet:
-        from tqdm import tqdm
-        bar = tqdm(total=len(requests), unit="req", desc="serving", mininterval=0.5, leave=False)
-
-    def progress(now: float, done: int) -> None:
-        if bar is not None and done != bar.n:
-            bar.update(done - bar.n)
-            bar.set_postfix_str(f"t={now:,.1f}s", refresh=False)
-
-    before = check(runner) if check is not None else None
-    run = live.serve(sched, executor, requests, realtime=realtime, on_progress=progress)
-    after = check(runner) if check is not None else None
-    if bar is not None:
-        bar.close()
-    req_df = request_frame(run.groups)
-    it_df = run.log.frame()
-    summary = summarize(req_df, it_df, args.slo_ttft, args.slo_tpot)
-    summary.update(mode="live", model=args.model, device=args.device, wall_time_s=run.wall_time,
-                   kv_capacity_tokens=runner.num_gpu_blocks * args.block_size, trace=trace.name,
-                   config={k: v for k, v in vars(args).items() if k != "func"})
-    if check is not None:
-        summary.update(check_before=before, check_after=after)
+    req_df, it_df, summary = serve_trace(
+        live_options(args), lambda max_len: requests_from_trace(trace, max_len, args.n, args.beam_width),
+        realtime=realtime, check=check, progress=not args.quiet)
+    summary.update(trace=trace.name, config={k: v for k, v in vars(args).items() if k != "func"})
     return req_df, it_df, summary
 
 
 def _profile_from_runs(args: argparse.Namespace) -> int:
     """`pagesim profile --from-run`: a profile fitted to live runs' iteration tables."""
-    import json
-    from pathlib import Path
+    from sim.profiled import measurements_from_runs
 
-    import pandas as pd
-
-    from policies.metrics import iteration_compositions
-
-    measurements, runs, meta = [], [], {}
-    for d in map(Path, args.from_run):
-        summary_path, its_path = d / "summary.json", d / "iterations.parquet"
-        if not summary_path.is_file() or not its_path.is_file():
-            raise FileNotFoundError(f"{d}: not a run directory (needs summary.json and iterations.parquet)")
-        summary = json.loads(summary_path.read_text())
-        if summary.get("mode") != "live":
-            raise ValueError(f"{summary_path}: not a live run (a simulated run's times come from a cost model)")
-        its = pd.read_parquet(its_path)
-        if "prefill_attn_pairs" not in its.columns:
-            raise ValueError(f"{its_path}: written by an older pagesim without per-iteration compositions")
-        bs = int(summary.get("config", {}).get("block_size", args.block_size))
-        if bs != args.block_size:
-            raise ValueError(f"{d}: block size {bs}, but --block-size is {args.block_size}")
-        model = str(summary.get("model", "?"))
-        if meta and meta["model"]["name"] != _spec_of(model):
-            raise ValueError(f"{d}: model {model!r}; the other runs are {meta['model']['name']!r}")
-        meta = {"model": {"name": _spec_of(model)}, "device": {"type": summary.get("device", "?")}}
-        measurements += [{"label": f"run {d.name}", **c.counts(), "time_s": float(t), "source": "served"}
-                         for c, t in zip(iteration_compositions(its, bs), its.duration)]
-        runs.append(str(d))
-    meta.update(runs=runs)
+    measurements, meta = measurements_from_runs(args.from_run, args.block_size)
     fit, path, plot = _write_profile(measurements, meta, args)
-    print(f"fitted to {fit['num_points']} live iterations of {len(runs)} run(s): mean error {fit['mape']:.1%}, "
+    print(f"fitted to {fit['num_points']} live iterations of {len(meta['runs'])} run(s): mean error {fit['mape']:.1%}, "
           f"held-out (5-fold) {fit['cv_mape']:.1%}")
     print(f"wrote {path} and {plot}")
     return 0
@@ -1094,103 +1027,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if "served_mape" in fit:
         print(f"served iterations alone: mean {fit['served_mape']:.1%}, held-out {fit['served_cv_mape']:.1%}")
     print(f"wrote {path} and {plot}; simulate with `pagesim simulate --model <spec> --profile {path}`")
-    return 0
-
-
-def cmd_validate(args: argparse.Namespace) -> int:
-    import json
-    import math
-    from pathlib import Path
-
-    import pandas as pd
-
-    from analysis.validate import (
-        compare_runs,
-        step_time_errors,
-        validation_plot,
-        validation_summary,
-        validation_table,
-    )
-    from sim.profiled import ProfiledCostModel, load_profile
-    from sim.run import SimConfig, run_simulation
-
-    out = Path(args.out)
-    bench = None  # a benchmark tool's result file as --live-run: its requests are the trace
-    if args.live_run and Path(args.live_run).is_file():
-        from analysis.benchmark_results import guidellm_requests
-        trace, bench = guidellm_requests(args.live_run)
-    else:
-        trace = _load_workload(args)
-    cfg = SimConfig(model=_spec_of(args.model), policy=args.policy, policy_options=_policy_options(args),
-                    block_size=args.block_size, preemption=args.preemption,
-                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching,
-                    num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks, n=args.n,
-                    beam_width=args.beam_width, seed=args.seed, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
-                    cost_model="profiled", profile=args.profile)
-    sim = run_simulation(cfg, trace, progress=not args.quiet)  # first: a bad profile fails fast
-    write_run(out / "sim", sim.requests, sim.iterations, sim.summary)
-    profile = load_profile(args.profile)
-    cost = ProfiledCostModel.from_profile(profile, sim_block_size=args.block_size)  # as the simulation priced it
-    drift = {}
-    if bench is not None:
-        live_requests = bench
-    elif args.live_run:
-        live_requests = pd.read_csv(Path(args.live_run) / "requests.csv")
-        earlier = Path(args.live_run) / "summary.json"
-        if earlier.is_file():  # a live run made by `validate` recorded the machine speed around it
-            recorded = json.loads(earlier.read_text())
-            if recorded.get("check_before") is not None:
-                drift = {"before": recorded["check_before"], "after": recorded["check_after"]}
-    else:
-        from backend.profiler import drift as machine_drift
-        live_requests, it_df, live_summary = _serve_live(
-            args, trace, realtime=True, check=lambda runner: machine_drift(runner, profile["measurements"]))
-        write_run(out / "live", live_requests, it_df, live_summary)
-        drift = {"before": live_summary["check_before"], "after": live_summary["check_after"]}
-    table = compare_runs(live_requests, sim.requests)
-    table.to_csv(out / "validation.csv", index=False)
-    summary = validation_summary(table)
-    live_dir = Path(args.live_run) if args.live_run else out / "live"
-    steps = None
-    if (live_dir / "iterations.parquet").is_file():
-        its = pd.read_parquet(live_dir / "iterations.parquet")
-        if "prefill_attn_pairs" in its.columns:  # runs written before the column existed cannot be repriced
-            steps = step_time_errors(its, cost, args.block_size)
-            summary["step_time"] = steps
-    adjusted = None
-    if drift.get("before") and drift.get("after"):
-        # a sensitivity check: the same simulation with every step scaled by the machine speed
-        # measured around the live run (profile grid points re-timed before and after it); it
-        # corrects only a drift that holds through the run
-        factor = math.sqrt(drift["before"] * drift["after"])
-        again = run_simulation(cfg, trace, cost_model=cost.scaled(factor))
-        adjusted_table = compare_runs(live_requests, again.requests)
-        adjusted_table.to_csv(out / "validation_speed_adjusted.csv", index=False)
-        adjusted = {"factor": factor, **validation_summary(adjusted_table)}
-    summary.update(profile=str(args.profile), trace=trace.name, num_requests=len(trace), policy=args.policy,
-                   machine_speed=drift, speed_adjusted=adjusted)
-    (out / "validation.json").write_text(json.dumps(summary, indent=1) + "\n")
-    validation_plot(live_requests, sim.requests, out / "validation.png",
-                    f"{trace.name}, {len(trace)} requests, {args.policy}: live vs simulated ({args.profile})")
-    print(validation_table(table))
-    print(f"\nmean absolute error over these rows: {summary['mape']:.1%}")
-    if drift.get("before") is not None:
-        print(f"machine speed against the profile (profile grid points re-timed, time now / then): "
-              f"{drift['before']:.2f} before the live run, {drift['after']:.2f} after")
-        if max(abs(drift["before"] - 1), abs(drift["after"] - 1)) > 0.1:
-            print("warning: this machine runs more than 10% away from when the profile was measured; "
-                  "re-profile (pagesim profile) for a fair comparison")
-    if adjusted:
-        print(f"with every simulated step scaled by that speed (x{adjusted['factor']:.3f}, geometric mean): "
-              f"mean absolute error {adjusted['mape']:.1%}, max {adjusted['max_abs_error']:.1%} "
-              "(validation_speed_adjusted.csv; a sensitivity check: it corrects only a drift that holds "
-              "through the live run)")
-    if steps:
-        print(f"step times, profile vs {steps['iterations']} live iterations: mean |error| {steps['mape']:.1%} "
-              f"(bias {steps['bias']:+.1%}); decode-only {steps['decode_mape']:.1%}, with prompt tokens "
-              f"{steps['prompt_mape']:.1%}")
-    print(f"wrote {out}/validation.csv, validation.json, validation.png, sim/" + ("" if args.live_run else ", live/"))
     return 0
 
 

@@ -276,3 +276,39 @@ def load_profile(name: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: fit.coef: {exc}") from exc
     p["source"] = str(path)
     return p
+
+
+def measurements_from_runs(run_dirs: Sequence[str | Path], block_size: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Profile measurements from live runs' iteration tables (`pagesim profile --from-run`): one
+    "served" measurement per iteration (its measured time, scheduling included), and the profile
+    meta (model, device, runs). Errors name the run directory or file: not a run, a simulated run,
+    a table without compositions, another block size or another model than the first run's."""
+    import pandas as pd
+
+    from policies.metrics import iteration_compositions
+
+    measurements: list[dict[str, Any]] = []
+    runs: list[str] = []
+    meta: dict[str, Any] = {}
+    for d in map(Path, run_dirs):
+        summary_path, its_path = d / "summary.json", d / "iterations.parquet"
+        if not summary_path.is_file() or not its_path.is_file():
+            raise FileNotFoundError(f"{d}: not a run directory (needs summary.json and iterations.parquet)")
+        summary = json.loads(summary_path.read_text())
+        if summary.get("mode") != "live":
+            raise ValueError(f"{summary_path}: not a live run (a simulated run's times come from a cost model)")
+        its = pd.read_parquet(its_path)
+        if "prefill_attn_pairs" not in its.columns:
+            raise ValueError(f"{its_path}: written by an older pagesim without per-iteration compositions")
+        bs = int(summary.get("config", {}).get("block_size", block_size))
+        if bs != block_size:
+            raise ValueError(f"{d}: block size {bs}, but --block-size is {block_size}")
+        model = str(summary.get("model", "?"))
+        if meta and meta["model"]["name"] != model:
+            raise ValueError(f"{d}: model {model!r}; the other runs are {meta['model']['name']!r}")
+        meta = {"model": {"name": model}, "device": {"type": summary.get("device", "?")}}
+        measurements += [{"label": f"run {d.name}", **c.counts(), "time_s": float(t), "source": "served"}
+                         for c, t in zip(iteration_compositions(its, bs), its.duration)]
+        runs.append(str(d))
+    meta.update(runs=runs)
+    return measurements, meta
