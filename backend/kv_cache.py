@@ -41,16 +41,27 @@ class PagedKVCache:
         self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
         self.block_bytes = block_bytes(num_layers, num_kv_heads, head_dim, block_size, dtype)
         self.num_blocks = self._resolve_num_blocks(num_blocks, memory_budget)
-        self.gpu = torch.zeros((self.num_blocks, *self.block_shape), dtype=dtype, device=self.device)
-        pin = self.device.type == "cuda"
+        self.gpu = self._allocate("num_gpu_blocks", self.num_blocks, self.device)
         self.num_cpu_blocks = num_cpu_blocks
-        self.cpu = torch.zeros((num_cpu_blocks, *self.block_shape), dtype=dtype, pin_memory=pin)
+        self.cpu = self._allocate("num_cpu_blocks", num_cpu_blocks, torch.device("cpu"),
+                                  pin=self.device.type == "cuda")
         self._keys = [self.gpu[:, layer, 0] for layer in range(num_layers)]
         self._values = [self.gpu[:, layer, 1] for layer in range(num_layers)]
 
     @classmethod
     def for_model(cls, config: ModelConfig, **kwargs) -> PagedKVCache:
         return cls(config.num_layers, config.num_kv_heads, config.head_dim, **kwargs)
+
+    def _allocate(self, field: str, n: int, device: torch.device, pin: bool = False) -> torch.Tensor:
+        """The zeroed blocks; an allocation the device cannot hold is a ValueError naming the field
+        and the size asked for, not an allocator traceback."""
+        try:
+            return torch.zeros((n, *self.block_shape), dtype=self.dtype, device=device, pin_memory=pin)
+        except (RuntimeError, MemoryError) as e:
+            if "memory" not in str(e).lower() and not isinstance(e, MemoryError):
+                raise
+            raise ValueError(f"{field}: {n:,} blocks of {self.block_bytes:,} bytes "
+                             f"({n * self.block_bytes / 2**30:,.1f} GiB) do not fit in {device.type} memory") from None
 
     def _resolve_num_blocks(self, num_blocks: int | None, budget: float | None) -> int:
         if (num_blocks is None) == (budget is None):

@@ -94,3 +94,10 @@ def test_budget_fraction_on_cuda():
     free, _ = torch.cuda.mem_get_info()
     c = _cache(num_blocks=None, memory_budget=0.01)
     assert abs(c.num_blocks * c.block_bytes - free * 0.01) <= c.block_bytes + free * 0.001
+
+
+def test_a_cache_larger_than_memory_is_a_clear_error():
+    from backend.kv_cache import PagedKVCache
+
+    with pytest.raises(ValueError, match=r"num_gpu_blocks: 1,000,000,000 blocks of .* do not fit in cpu memory"):
+        PagedKVCache(30, 3, 64, 16, num_blocks=1_000_000_000)
