@@ -130,7 +130,7 @@ def _check_fields(body: dict, known: set[str], model: str) -> None:
     if name is None:
         raise ApiError("'model' is required", param="model")
     if name != model:
-        raise ApiError(f"The model `{name}` does not exist.", status=404, param="model", code="model_not_found")
+        raise ApiError(f"The model `{name}` does not exist.", status=400, param="model", code="model_not_found")
 
 
 def _prompt_list(prompt: object) -> list[object]:

@@ -60,7 +60,7 @@ class ServeMetrics(EngineObserver):
         self._model = model_name
         self.aborted = counter("pagesim:requests_aborted", "Requests aborted (client gone, shutdown)")
         self.rejected = counter("pagesim:requests_rejected", "Requests the scheduler rejected")
-        self.refused = counter("pagesim:requests_refused", "Requests answered 400/404/429/503 before the engine")
+        self.refused = counter("pagesim:requests_refused", "Requests answered 400/429/503 before the engine")
 
     def on_step(self, scheduler: Scheduler, duration: float, num_preempted: int) -> None:
         self.running.set(len(scheduler.running))

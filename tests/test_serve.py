@@ -133,7 +133,7 @@ def test_sampling_options(server):
 
 @pytest.mark.parametrize("body, status, param", [
     ("{not json", 400, None),
-    ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ({"model": "gpt-4", "prompt": "hi"}, 400, "model"),  # the issue asks 400 (OpenAI itself says 404)
     ({"model": MODEL, "prompt": "hi " * 9000, "max_tokens": 4}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
