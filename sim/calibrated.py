@@ -41,6 +41,7 @@ import numpy as np
 from policies.plan import StepComposition
 from sim.cost_model import CostModel
 from sim.moe import LayerShapes, distinct_experts_table
+from sim.shipped import resolve_shipped, shipped_names
 from sim.specs import HardwareSpec, ModelSpec, get_hardware
 
 ArrayLike = Any
@@ -279,19 +280,12 @@ class Calibration:
 
 
 def shipped_calibrations() -> list[str]:
-    return sorted(p.stem for p in SHIPPED_DIR.glob("*.json"))
+    return shipped_names(SHIPPED_DIR)
 
 
 def resolve_calibration(name: str | Path) -> Path:
     """A calibration file's path, or the name of one shipped in sim/calibrations/."""
-    path = Path(name)
-    if path.is_file():
-        return path
-    shipped = SHIPPED_DIR / f"{name}.json"
-    if shipped.is_file():
-        return shipped
-    raise FileNotFoundError(f"no calibration file {str(name)!r}; shipped calibrations: "
-                            f"{', '.join(shipped_calibrations()) or 'none'}")
+    return resolve_shipped(name, SHIPPED_DIR, "calibration")
 
 
 def load_calibration(name: str | Path) -> Calibration:

@@ -45,6 +45,7 @@ import numpy as np
 
 from policies.plan import COMPOSITION_COUNTS, StepComposition
 from sim.cost_model import CostModel
+from sim.shipped import resolve_shipped, shipped_names
 
 PROFILE_FORMAT = "pagesim-profile"
 PROFILE_VERSION = 1
@@ -240,18 +241,12 @@ def save_profile(profile: dict[str, Any], path: str | Path) -> Path:
 
 
 def shipped_profiles() -> list[str]:
-    return sorted(p.stem for p in SHIPPED_DIR.glob("*.json"))
+    return shipped_names(SHIPPED_DIR)
 
 
 def resolve_profile(name: str | Path) -> Path:
     """A profile file's path, or the name of one shipped in sim/profiles/."""
-    path = Path(name)
-    if path.is_file():
-        return path
-    shipped = SHIPPED_DIR / f"{name}.json"
-    if shipped.is_file():
-        return shipped
-    raise FileNotFoundError(f"no profile file {str(name)!r}; shipped profiles: {', '.join(shipped_profiles()) or 'none'}")
+    return resolve_shipped(name, SHIPPED_DIR, "profile")
 
 
 def load_profile(name: str | Path) -> dict[str, Any]:
