@@ -180,6 +180,7 @@ def test_models_and_metrics(server):
 
     models = _client(server).models.list()
     assert [m.id for m in models.data] == [MODEL]
+    _client(server).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)  # one at least
     names = {s.name for fam in text_string_to_metric_families(httpx.get(server["base"] + "/metrics").text)
              for s in fam.samples}
     for want in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
