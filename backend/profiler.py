@@ -333,6 +333,9 @@ def retime(runner: ModelRunner, measurements: list[dict], block_size: int, reps:
     out, ratios = [], []
     for p in points:
         plan, batch = _build(p, cache, rng)
+        # one more warm-up than `profile_model`: with few repetitions, a timed one that still pays
+        # a new shape's compilation would move the median (measured: 43x on a first pass, 4.7x after)
+        _execute(cache, batch, sampler)
         times = _time_point(cache, batch, sampler, reps)
         t = statistics.median(times)
         out.append({"label": p.label, **plan.composition().counts(), "block_size": block_size, "time_s": t,
