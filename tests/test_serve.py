@@ -151,7 +151,7 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
 
 def test_openai_client_raises_on_errors(server):
     c = _client(server)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError):
         c.completions.create(model="nope", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=10**6)
