@@ -24,6 +24,10 @@ from policies.queue_policy import QueuePolicy
 from policies.request import Request, SeqStatus, Sequence, SequenceGroup
 
 
+def _arrival_key(g: SequenceGroup) -> tuple[float, int]:
+    return (g.request.arrival, g.group_id)
+
+
 class Scheduler(ABC):
     """Base class. Invariants: a group is in exactly one of waiting / running / swapped / done;
     `waiting` and `running` are sorted by the queue policy's keys (FCFS: arrival, then id), so the
@@ -56,6 +60,12 @@ class Scheduler(ABC):
         self.num_added = 0
         self.num_preemptions = 0
         self.policy = policy if policy is not None else QueuePolicy()
+        p = type(self.policy)
+        # what the hot paths may skip: the base rules (FCFS order, admit everything, no wake time)
+        self._fcfs_order = p.key is QueuePolicy.key and p.running_key is QueuePolicy.running_key
+        self._admits_all = p.admit is QueuePolicy.admit
+        self._wakes = p.wake_time is not QueuePolicy.wake_time
+        self.queues_by_state = p.queues_by_state()  # arrivals must see the policy's state as stepping does
         self.waiting: deque[SequenceGroup] = self.policy.new_queue()  # or a dynamic policy's own queue
 
     # ---------------------------------------------------------------- life cycle
@@ -85,7 +95,7 @@ class Scheduler(ABC):
 
     def wake_time(self, now: float) -> float:
         """When the policy's admission answers may change by themselves (see QueuePolicy.wake_time)."""
-        return self.policy.wake_time(self.waiting, now) if self.waiting else float("inf")
+        return self.policy.wake_time(self.waiting, now) if self._wakes and self.waiting else float("inf")
 
     def refusal_on_arrival(self, request: Request) -> str | None:
         """Why `add_request` would reject the request at once (it never waits), or None. Pure."""
@@ -158,7 +168,7 @@ class Scheduler(ABC):
         group.status = SeqStatus.RUNNING
         for s in group.seqs:
             s.status = SeqStatus.RUNNING
-        bisect.insort(self.running, group, key=self.policy.running_key)
+        bisect.insort(self.running, group, key=_arrival_key if self._fcfs_order else self.policy.running_key)
 
     def _reject(self, group: SequenceGroup, reason: str, plan: StepPlan | None, now: float) -> None:
         """End a group that will never run (recorded in the plan, if it was being scheduled)."""

@@ -302,7 +302,7 @@ class VllmScheduler(Scheduler):
                 reason = (f"{width} parallel sequences exceed max_num_seqs={self.max_num_seqs} or "
                           f"max_num_batched_tokens={self.max_num_batched_tokens}")
             if reason is None:
-                decision = policy.admit(group, now)
+                decision = ADMIT if self._admits_all else policy.admit(group, now)
                 if decision == DEFER:
                     return
                 if decision != ADMIT:
@@ -372,8 +372,13 @@ class VllmScheduler(Scheduler):
         if not running or self.swapped or len(running) > self.max_num_batched_tokens:
             return None
         # whichever waiting group could come first while the batch decodes must stay refused
-        head_blocked = not self.waiting or all(self._stays_blocked(g, len(running), now)
-                                               for g in self.policy.head_candidates(self.waiting))
+        waiting = self.waiting
+        if not waiting:
+            head_blocked = True
+        elif self._fcfs_order:  # the head stays the head while nothing arrives ahead of it
+            head_blocked = self._stays_blocked(waiting[0], len(running), now)
+        else:
+            head_blocked = all(self._stays_blocked(g, len(running), now) for g in self.policy.head_candidates(waiting))
         free = self.bm.num_free_blocks
         if not head_blocked and free >= len(running):
             return None  # an admission comes next, and no group can run out of blocks first
@@ -425,9 +430,10 @@ class VllmScheduler(Scheduler):
             return False  # would be rejected
         if not self.chunked_prefill and req.prompt_len > self.max_num_batched_tokens:
             return False
-        decision = self.policy.admit(head, now)
-        if decision != ADMIT:
-            return decision == DEFER
+        if not self._admits_all:
+            decision = self.policy.admit(head, now)
+            if decision != ADMIT:
+                return decision == DEFER
         left = self.max_num_batched_tokens - num_running
         chunkable = self._chunkable(head.seqs[0])
         status = self.bm.can_allocate(head, left if chunkable else None)

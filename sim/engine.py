@@ -166,7 +166,7 @@ def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
     b = len(sched.running)
     durations = ex.decode_step_times(b, horizon.context_tokens, k)
     ends = np.cumsum(np.concatenate(([start], durations)))[1:]
-    if replica.routed or sched.policy.queues_by_state():
+    if replica.routed or sched.queues_by_state:
         # every arrival reads this replica's (or its policy's) state: finish the window before it
         safe = int(np.searchsorted(ends, feed.next_arrival(), side="left"))
         # and the first iteration starting at or after the policy's wake time (see below)
