@@ -93,14 +93,17 @@ class VllmScheduler(Scheduler):
         self.bm.check_invariants()
 
     def refusal(self, request: Request) -> str | None:
-        reason = self.refusal_on_arrival(request)
-        if reason is not None:
-            return reason
-        need, have = self.bm.max_blocks_needed(SequenceGroup(request, -1)), self.capacity_tokens // self.block_size
+        return self.refusal_on_arrival(request) or self._never_fits(SequenceGroup(request, -1))
+
+    def _never_fits(self, group: SequenceGroup) -> str | None:
+        """Why a waiting group can never run on this cache and budget (rejected when it comes up),
+        or None: more blocks than the cache holds, or an unchunkable prompt over the token budget."""
+        need, have = self.bm.max_blocks_needed(group), self.capacity_tokens // self.block_size
         if need > have:
-            return f"needs {need} KV cache blocks but the cache holds {have}"
-        if not self.chunked_prefill and request.prompt_len > self.max_num_batched_tokens:
-            return (f"a prompt of {request.prompt_len} tokens exceeds max_num_batched_tokens="
+            return f"needs {need} blocks but the cache holds {have} (after the watermark)"
+        req = group.request
+        if not self.chunked_prefill and req.prompt_len > self.max_num_batched_tokens:
+            return (f"prompt of {req.prompt_len} tokens exceeds max_num_batched_tokens="
                     f"{self.max_num_batched_tokens} and chunked prefill is off")
         return None
 
@@ -291,14 +294,8 @@ class VllmScheduler(Scheduler):
             req = group.request
             width = req.sampling.width
             status = bm.can_allocate(group, budget[0] if self._chunkable(group.seqs[0]) else None)
-            reason = None
-            if status is AllocStatus.NEVER:
-                reason = (f"needs {bm.max_blocks_needed(group)} blocks but the cache holds "
-                          f"{bm.num_gpu_blocks - bm.watermark_blocks} (after the watermark)")
-            elif not self.chunked_prefill and req.prompt_len > self.max_num_batched_tokens:
-                reason = (f"prompt of {req.prompt_len} tokens exceeds max_num_batched_tokens="
-                          f"{self.max_num_batched_tokens} and chunked prefill is off")
-            elif width > self.max_num_seqs or width > self.max_num_batched_tokens:
+            reason = self._never_fits(group)
+            if reason is None and (width > self.max_num_seqs or width > self.max_num_batched_tokens):
                 reason = (f"{width} parallel sequences exceed max_num_seqs={self.max_num_seqs} or "
                           f"max_num_batched_tokens={self.max_num_batched_tokens}")
             if reason is None:
@@ -426,19 +423,15 @@ class VllmScheduler(Scheduler):
             return False
         req = head.request
         width = req.sampling.width
-        if width > self.max_num_seqs or width > self.max_num_batched_tokens:
+        if width > self.max_num_seqs or width > self.max_num_batched_tokens or self._never_fits(head):
             return False  # would be rejected
-        if not self.chunked_prefill and req.prompt_len > self.max_num_batched_tokens:
-            return False
         if not self._admits_all:
             decision = self.policy.admit(head, now)
             if decision != ADMIT:
                 return decision == DEFER
         left = self.max_num_batched_tokens - num_running
         chunkable = self._chunkable(head.seqs[0])
-        status = self.bm.can_allocate(head, left if chunkable else None)
-        if status is AllocStatus.NEVER:
-            return False
+        status = self.bm.can_allocate(head, left if chunkable else None)  # never NEVER: checked above
         if status is AllocStatus.LATER or num_running + width > self.max_num_seqs:
             return True
         # refused by the budget, as _admit would: the prompt less its prefix-cache hit must not fit.
