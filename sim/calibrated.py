@@ -41,7 +41,7 @@ import numpy as np
 from policies.plan import StepComposition
 from sim.cost_model import CostModel
 from sim.moe import LayerShapes, distinct_experts_table
-from sim.shipped import resolve_shipped, shipped_names
+from sim.shipped import read_checked, resolve_shipped, shipped_names
 from sim.specs import HardwareSpec, ModelSpec, get_hardware
 
 ArrayLike = Any
@@ -291,17 +291,7 @@ def resolve_calibration(name: str | Path) -> Path:
 def load_calibration(name: str | Path) -> Calibration:
     """Read and check a calibration file (or a shipped one by name); errors name the file and field."""
     path = resolve_calibration(name)
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from exc
-    if not isinstance(d, dict) or d.get("format") != CALIBRATION_FORMAT:
-        raise ValueError(f"{path}: not a pagesim calibration (expected \"format\": \"{CALIBRATION_FORMAT}\")")
-    if d.get("version") != CALIBRATION_VERSION:
-        raise ValueError(f"{path}: calibration version {d.get('version')!r}; this pagesim reads {CALIBRATION_VERSION}")
-    for key in ("hardware", "params"):
-        if key not in d:
-            raise ValueError(f"{path}: missing field {key!r}")
+    d = read_checked(path, "calibration", CALIBRATION_FORMAT, CALIBRATION_VERSION, ("hardware", "params"))
     if not isinstance(d["params"], dict):
         raise ValueError(f"{path}: field 'params' must be an object")
     try:

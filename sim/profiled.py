@@ -45,7 +45,7 @@ import numpy as np
 
 from policies.plan import COMPOSITION_COUNTS, StepComposition
 from sim.cost_model import CostModel
-from sim.shipped import resolve_shipped, shipped_names
+from sim.shipped import read_checked, resolve_shipped, shipped_names
 
 PROFILE_FORMAT = "pagesim-profile"
 PROFILE_VERSION = 1
@@ -252,17 +252,7 @@ def resolve_profile(name: str | Path) -> Path:
 def load_profile(name: str | Path) -> dict[str, Any]:
     """Read and check a profile file; errors name the file and the field."""
     path = resolve_profile(name)
-    try:
-        p = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from exc
-    if not isinstance(p, dict) or p.get("format") != PROFILE_FORMAT:
-        raise ValueError(f"{path}: not a pagesim profile (expected \"format\": \"{PROFILE_FORMAT}\")")
-    if p.get("version") != PROFILE_VERSION:
-        raise ValueError(f"{path}: profile version {p.get('version')!r}; this pagesim reads {PROFILE_VERSION}")
-    for key in ("block_size", "fit", "measurements", "model"):
-        if key not in p:
-            raise ValueError(f"{path}: missing field {key!r}")
+    p = read_checked(path, "profile", PROFILE_FORMAT, PROFILE_VERSION, ("block_size", "fit", "measurements", "model"))
     if not isinstance(p["fit"], dict) or not isinstance(p["fit"].get("coef"), dict):
         raise ValueError(f"{path}: field 'fit.coef' must be an object of coefficients")
     try:

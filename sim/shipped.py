@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -21,3 +22,20 @@ def resolve_shipped(name: str | Path, folder: Path, kind: str) -> Path:
         return shipped
     raise FileNotFoundError(f"no {kind} file {str(name)!r}; shipped {kind}s: "
                             f"{', '.join(shipped_names(folder)) or 'none'}")
+
+
+def read_checked(path: Path, kind: str, fmt: str, version: int, fields: tuple[str, ...]) -> dict:
+    """A pagesim data file's JSON object, checked for its format tag, its version and its required
+    top-level fields; each error names the file and what is wrong (`kind`: what the file is)."""
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from exc
+    if not isinstance(d, dict) or d.get("format") != fmt:
+        raise ValueError(f"{path}: not a pagesim {kind} (expected \"format\": \"{fmt}\")")
+    if d.get("version") != version:
+        raise ValueError(f"{path}: {kind} version {d.get('version')!r}; this pagesim reads {version}")
+    for key in fields:
+        if key not in d:
+            raise ValueError(f"{path}: missing field {key!r}")
+    return d
