@@ -25,6 +25,7 @@ import pandas as pd
 
 from analysis.measurements import LOAD_TYPES, Experiment, Latency, SharedPrefix, Stage
 from specs import find_config, get_hardware, load_model
+from specs.catalogue import catalogue_name
 from traces import SYNTHETIC, load_trace, make_synthetic
 from traces.trace import Trace
 
@@ -167,6 +168,8 @@ def resolve_model(model_id: str, models_dirs: Sequence[str | Path] | None = None
     dirs = default_models_dirs() if models_dirs is None else [Path(d) for d in models_dirs]
     spec = load_model(model_id, dirs)  # raises for an unknown model, or a config it cannot read
     path = find_config(model_id, dirs)
+    if path is None and catalogue_name(model_id) is None:  # a variant's config stood in (see load_model)
+        path = spec.source
     return str(path) if path is not None else spec.name
 
 

@@ -8,6 +8,7 @@ name always gives the same object.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -68,6 +69,31 @@ def find_config(name_or_path: str, search_dirs: Sequence[str | Path] = ()) -> Pa
     return None
 
 
+# Fine-tuned variants share their base model's shapes: "Mixtral-8x7B-Instruct-v0.1" is "mixtral-8x7b-v0.1"
+_VARIANT_WORDS = {"instruct", "chat", "hf", "it", "base"}
+
+
+def _shape_key(name: str) -> tuple[str, ...]:
+    return tuple(w for w in name.lower().replace("_", "-").split("-") if w and w not in _VARIANT_WORDS)
+
+
+def _variant_config(given: str, dirs: Sequence[str | Path]) -> Path | None:
+    """The one config in `dirs` whose name equals `given` but for variant words (instruct, chat, hf,
+    it, base), with a warning that says which file stands in; None if none or several match."""
+    key = _shape_key(given)
+    for d in dirs:
+        d = Path(d)
+        found = {p for p in d.glob("*.json") if _shape_key(p.stem) == key}
+        found |= {p / "config.json" for p in d.iterdir() if p.is_dir() and (p / "config.json").is_file()
+                  and _shape_key(p.name) == key} if d.is_dir() else set()
+        if len(found) == 1:
+            path = found.pop()
+            warnings.warn(f"model {given!r}: no config of that name; using {path} (the same model but for "
+                          f"variant words such as instruct/chat/hf: the same shapes)", stacklevel=4)
+            return path
+    return None
+
+
 def catalogue_name(name: str) -> str | None:
     """The catalogue entry `name` (or an alias, org prefix and case aside) refers to, or None."""
     key = normalize(name)
@@ -85,6 +111,10 @@ def load_model(name_or_path: str, search_dirs: Sequence[str | Path] = ()) -> Mod
     key = catalogue_name(name_or_path)
     if key is not None:
         return MODELS[key]
+    given = name_or_path.strip().rstrip("/").rsplit("/", 1)[-1]
+    variant = _variant_config(given, [*search_dirs, CATALOGUE_DIR])
+    if variant is not None:
+        return read_config(variant)
     last = name_or_path.strip().rstrip("/").rsplit("/", 1)[-1].lower()
     tried = f"not a file or a folder with config.json; not in the catalogue (known: {', '.join(sorted(MODELS))})"
     if search_dirs:

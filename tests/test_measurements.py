@@ -7,12 +7,15 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from analysis.measurements import (
     ClientOverhead,
     engine_defaults,
+    lagged_times,
     load_measurements,
+    predicted_metrics,
     simulate_stage,
     stage_config,
     stage_workload,
@@ -109,6 +112,11 @@ def test_model_ids_found_in_models_dirs(tmp_path):
     assert get_model(exp.model).num_layers == 30  # what SimConfig.model resolves
     with pytest.raises(ValueError, match=r"m\.json: experiments\[0\]\.model_id: unknown model 'acme/Tiny-1B'"):
         load_measurements(path, models_dirs=[])
+    # a fine-tuned variant's id finds its base model's config (same shapes), and says so
+    variant = write_measurements(tmp_path, experiment_dict(model_id="acme/Tiny-1B-Instruct"))
+    with pytest.warns(UserWarning, match="tiny-1b.json"):
+        exp, = load_measurements(variant, models_dirs=[configs])
+    assert exp.model == str(configs / "tiny-1b.json")
 
 
 def test_unreadable_files(tmp_path):
@@ -242,6 +250,32 @@ def test_simulate_stage_client_terms_and_determinism(tmp_path):
     assert q["tpot"] - p["tpot"] == pytest.approx(0.002)
     same = simulate_stage(exp, s, cfg, seed=2, client=ClientOverhead(0.01, 0.002))
     assert same.predicted == client.predicted
+
+
+def test_lagged_times_follow_the_next_iterations_and_flush_when_idle():
+    """Iterations [0,1) [1,2) [2,3), idle, [5,6) [6,7): a token made at the end of one is sent at the
+    end of the next one (lag 1), halfway through it (lag 0.5); with no next iteration back to back,
+    at once."""
+    its = pd.DataFrame({"start": [0.0, 1.0, 2.0, 5.0, 6.0], "duration": [1.0] * 5})
+    made = np.array([1.0, 2.0, 3.0, 6.0, 7.0])
+    assert lagged_times(made, its, 1.0).tolist() == [2.0, 3.0, 3.0, 7.0, 7.0]
+    assert lagged_times(made, its, 0.5).tolist() == [1.5, 2.5, 3.0, 6.5, 7.0]
+    assert lagged_times(made, its, 2.0).tolist() == [3.0, 3.0, 3.0, 7.0, 7.0]
+    assert lagged_times(made, its, 0.0).tolist() == made.tolist()
+
+
+def test_output_lag_delays_first_and_last_tokens_by_the_runs_own_steps(tmp_path):
+    exp = tiny(tmp_path)
+    s = exp.stages[0]
+    cfg = stage_config(exp, s, "h100-sxm")
+    res = run_simulation(dataclasses.replace(cfg, seed=2), stage_workload(exp, s, 2))
+    base = predicted_metrics(res.requests, ClientOverhead(), res.iterations)
+    lag = predicted_metrics(res.requests, ClientOverhead(output_lag_steps=1.0), res.iterations)
+    longest = float(res.iterations.duration.max())
+    assert 0 < lag["ttft_mean"] - base["ttft_mean"] <= longest
+    assert 0 <= lag["e2e_mean"] - base["e2e_mean"] <= longest
+    with pytest.raises(ValueError, match="iteration table"):
+        predicted_metrics(res.requests, ClientOverhead(output_lag_steps=1.0))
 
 
 def test_simulated_overload(tmp_path):
