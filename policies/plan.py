@@ -3,11 +3,22 @@
 The scheduler writes a `StepPlan`; an executor (simulated or live) carries it out and returns a
 `StepResult`; the scheduler then applies the result. Plans speak only of sequence ids, block ids and
 token counts, never of tensors.
+
+Skip-ahead is the same contract over many iterations: a scheduler may offer a `RepeatPlan` ("this
+batch repeats k times unless something changes"), the executor prices its iterations in one call,
+the replica step (policies/step.py) narrows it to what is certain, and the scheduler applies it at
+once, reporting a `RepeatResult`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from policies.request import Sequence
 
 
 @dataclass(frozen=True)
@@ -136,3 +147,51 @@ class StepResult:
     duration: float
     outcomes: dict[int, SeqOutcome] = field(default_factory=dict)
     others_continue: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class RepeatPlan:
+    """A scheduler's offer: "this batch repeats `steps` times unless something changes".
+
+    The batch is `num_seqs` single sequences, each computing exactly one decode token per
+    iteration and nothing else happening (no prefill, admission, rejection, swap or preemption);
+    their computed tokens sum to `context_tokens` before the first iteration. The scheduler's
+    memory suffices for `steps` iterations; with `exhausts`, it runs out in the iteration after
+    them, which then preempts and admits nothing, and which the scheduler applies too.
+
+    What the scheduler cannot know, the others decide before it applies the plan: the executor
+    says how many tokens each sequence samples before it finishes (`remaining`, in batch order;
+    given already when the scheduler carried it over from its previous window), and the replica
+    step narrows `steps` (never up) and `exhausts` (only to False) to the window that is certain:
+    a finish ends it (the finishing iteration included), as does an arrival that could be admitted,
+    the policy's wake time or, behind a router, any arrival. Valid until the scheduler next changes
+    other than through its `apply_repeat`.
+    """
+
+    num_seqs: int
+    context_tokens: int
+    steps: int
+    exhausts: bool
+    # the batch's sequences, in order, for the executor's `remaining` (empty when that is given)
+    seqs: list[Sequence] = field(default_factory=list)
+    remaining: list[int] | None = None
+    layout: Any = None  # the scheduler's own working data, for its apply_repeat
+
+
+@dataclass(slots=True, eq=False)
+class RepeatResult:
+    """What applying a RepeatPlan did. Per repeated iteration (arrays of `steps` entries, or one
+    value for all): the running groups and KV memory by category after it (a finish shows in the
+    last). When the plan exhausted blocks, the preempting iteration after them: its composition,
+    duration and preemptions (`exhaustion` None when that iteration ran nothing: every sequence of
+    the batch was preempted, so no time passed)."""
+
+    running: np.ndarray
+    token_states: np.ndarray
+    internal_frag: np.ndarray
+    free: np.ndarray
+    reserved: np.ndarray | int = 0
+    external_frag: np.ndarray | int = 0
+    exhaustion: StepComposition | None = None
+    exhaustion_duration: float = 0.0
+    num_preempted: int = 0

@@ -17,9 +17,10 @@ import bisect
 import itertools
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 
 from policies.memory import MemoryBreakdown
-from policies.plan import SeqOutcome, StepPlan, StepResult
+from policies.plan import RepeatPlan, RepeatResult, SeqOutcome, StepComposition, StepPlan, StepResult
 from policies.queue_policy import QueuePolicy
 from policies.request import Request, SeqStatus, Sequence, SequenceGroup
 
@@ -34,7 +35,6 @@ class Scheduler(ABC):
     running tail is the first preemption victim."""
 
     name = "base"
-    supports_skip_ahead = False  # decode_horizon / fast_forward (the paged scheduler)
 
     def __init__(self, max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
                  block_size: int = 16, max_model_len: int | None = None,
@@ -223,6 +223,21 @@ class Scheduler(ABC):
     def settle(self) -> None:
         """Apply bookkeeping a scheduler deferred (skipped-ahead decode steps); the base defers none."""
         return
+
+    # ---------------------------------------------------------------- skipping ahead
+    def plan_repeat(self, now: float) -> RepeatPlan | None:
+        """Offer the coming iterations that repeat the running batch (see RepeatPlan), or None when
+        the next one must be scheduled normally. The base offers none, so any scheduler runs; the
+        paged scheduler offers them for every QueuePolicy."""
+        return None
+
+    def apply_repeat(self, plan: RepeatPlan, end: float,
+                     price: Callable[[StepComposition], float]) -> RepeatResult:
+        """Apply the offered plan, as narrowed by the replica step, at once: exactly what
+        plan.steps calls of schedule() and on_step_done() would do, the last ending at `end`
+        (sequences finishing there finish then), and, with plan.exhausts, the preempting
+        iteration after them, whose duration `price` gives once its preemptions are known."""
+        raise AssertionError(f"scheduler {self.name} offered no RepeatPlan to apply")
 
     @abstractmethod
     def schedule(self, now: float) -> StepPlan:

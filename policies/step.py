@@ -1,27 +1,56 @@
-"""One iteration of the serving loop of DESIGN.md, with no clock of its own:
+"""One iteration of the serving loop of DESIGN.md, and windows of them, with no clock of its own:
 
     step = replica.begin(now)        # plan = scheduler.schedule(now); result = executor.execute(plan)
     ...time passes: simulated (the result's duration) or measured (the wall clock)...
     replica.complete(step, end)      # scheduler.on_step_done(plan, result, end); one iteration row
 
+    window = replica.begin_window(now, next_arrival)   # k iterations that are certain, applied at once
+    ...time passes over window.ends...
+    replica.complete_window(window)
+
 The SimPy engine (sim/engine.py) and the live engines (backend/live.py, backend/server.py) wrap
 this same object; only how time passes differs. The executor is anything with
-`execute(plan, composition) -> StepResult`.
+`execute(plan, composition) -> StepResult`; windows also need `remaining`, `price_repeat` and
+`price` (see RepeatExecutor), which the simulated executor has.
+
+Skip-ahead is decided here and nowhere else. The scheduler offers a RepeatPlan (its batch repeats
+k times unless something changes; the base Scheduler offers none, so any scheduler runs, and the
+paged scheduler offers one under every QueuePolicy). This object ends the window at the first of:
+a finish (the finishing iteration included), blocks running out (that preempting iteration
+included when the scheduler can apply it), an arrival that could be admitted (any arrival when
+nothing waits or arrivals may jump the queue), the policy's wake time, and, when arrivals read
+this replica's state (`routed`: a router picks a replica by it; or the policy queues by state),
+any arrival. The result is the same, bit for bit, as stepping the window's iterations one by one.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from policies.metrics import IterationLog
-from policies.plan import StepComposition, StepPlan, StepResult
+from policies.plan import RepeatPlan, StepComposition, StepPlan, StepResult
 from policies.request import SequenceGroup
 from policies.scheduler import Scheduler
 
 
 class Executor(Protocol):
     def execute(self, plan: StepPlan, comp: StepComposition) -> StepResult: ...
+
+
+class RepeatExecutor(Executor, Protocol):
+    """An executor that can run windows: it knows how long each sequence runs and prices
+    iterations without running them (the simulated executor)."""
+
+    def remaining(self, plan: RepeatPlan) -> list[int]: ...
+
+    def price_repeat(self, plan: RepeatPlan) -> np.ndarray: ...
+
+    def price(self, comp: StepComposition) -> float: ...
 
 
 @dataclass
@@ -39,13 +68,31 @@ class Step:
         return self.result is None
 
 
-class ReplicaStep:
-    """A replica's scheduler and executor stepped one iteration at a time, each recorded in `log`."""
+@dataclass(slots=True)
+class Window:
+    """Iterations applied at once from `start`: ends[i] = ends[i - 1] + durations[i] (from
+    `start`), the clock must land on exactly ends[-1]; the last one is the preempting iteration
+    when `exhaustion`. Empty when that iteration preempted the whole batch (no time passes)."""
 
-    def __init__(self, scheduler: Scheduler, executor: Executor, log: IterationLog | None = None) -> None:
+    start: float
+    ends: list[float]
+    durations: list[float]
+    exhaustion: bool
+
+
+class ReplicaStep:
+    """A replica's scheduler and executor stepped one iteration, or one window, at a time, each
+    iteration recorded in `log`. `routed`: arrivals read this replica's state (a router picks by
+    it), so windows end before every arrival. Counts: `stepped` iterations, `windows` and the
+    iterations they covered (`skipped`, of which `exhaustions` preempted)."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor, log: IterationLog | None = None,
+                 routed: bool = False) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.log = log if log is not None else IterationLog()
+        self.routed = routed
+        self.stepped = self.windows = self.skipped = self.exhaustions = 0
 
     def begin(self, now: float) -> Step:
         plan = self.scheduler.schedule(now)
@@ -61,4 +108,110 @@ class ReplicaStep:
         finished = sched.on_step_done(step.plan, result, end)
         self.log.add(step.start, result.duration, step.comp, len(step.plan.preempted), len(sched.waiting),
                      len(sched.running), sched.memory(), sched.prefix_hits)
+        self.stepped += 1
         return finished
+
+    # ---------------------------------------------------------------- windows
+    def begin_window(self, now: float, next_arrival: float = math.inf,
+                     queued: Callable[[np.ndarray], np.ndarray] | None = None) -> Window | None:
+        """Apply at once the coming iterations that are certain, or None (step the next one).
+
+        `next_arrival`: when the next request not yet delivered arrives (anywhere, behind a
+        router). `queued(times)`: how many requests not yet delivered join this replica's waiting
+        queue by each time (the log's waiting column; none when omitted). The window is applied
+        to the scheduler and logged before the caller's clock passes over it: nothing reads the
+        replica meanwhile but arrivals, which it ends before or which cannot be admitted in it."""
+        sched = self.scheduler
+        if not sched.running:
+            return None
+        plan = sched.plan_repeat(now)
+        if plan is None:
+            return None
+        executor: RepeatExecutor = self.executor  # type: ignore[assignment]
+        if plan.remaining is None:  # the dearest question, asked once all else allows a window
+            plan.remaining = executor.remaining(plan)
+        if not _stop_at_finish(plan):
+            return None
+        durations = executor.price_repeat(plan)
+        ends = np.cumsum(np.concatenate(([now], durations)))[1:]
+        k = _stop_at_arrivals(plan, ends, now, next_arrival, sched, self.routed)
+        if k is None:
+            return None
+        if k < plan.steps:
+            plan.steps, ends, durations = k, ends[:k], durations[:k]
+        log = self.log
+        if k:
+            # arrivals during the window join the queue behind a blocked head: count them in
+            waiting = len(sched.waiting) + (queued(ends) if queued is not None else 0)
+            end = float(ends[-1])
+        else:
+            end = now
+        res = sched.apply_repeat(plan, end, executor.price)
+        if k:
+            b = plan.num_seqs
+            log.add_many({
+                "start": np.concatenate(([now], ends[:-1])), "duration": durations,
+                "num_seqs": b, "decode_tokens": b,
+                "context_tokens": plan.context_tokens + b * np.arange(1, k + 1, dtype=np.int64),
+                "waiting": waiting, "running": res.running, "kv_token_states": res.token_states,
+                "kv_reserved": res.reserved, "kv_internal_frag": res.internal_frag,
+                "kv_external_frag": res.external_frag, "kv_free": res.free, "prefix_hits": sched.prefix_hits,
+            })
+        window = Window(now, ends.tolist(), durations.tolist(), res.exhaustion is not None)
+        if res.exhaustion is not None:
+            duration = res.exhaustion_duration
+            end_x = end + duration  # the sum the scheduler finished its groups at
+            waiting_x = len(sched.waiting) + (int(queued(np.array([end_x]))[0]) if queued is not None else 0)
+            log.add(end, duration, res.exhaustion, res.num_preempted, waiting_x, len(sched.running),
+                    sched.memory(), sched.prefix_hits)
+            window.ends.append(end_x)
+            window.durations.append(duration)
+        return window
+
+    def complete_window(self, window: Window) -> None:
+        """The window's iterations have passed (the caller's clock is at window.ends[-1])."""
+        self.windows += 1
+        self.skipped += len(window.ends)
+        self.exhaustions += window.exhaustion
+
+
+def _stop_at_finish(plan: RepeatPlan) -> bool:
+    """Narrow the offer to end with the first finish (that iteration included), or keep its
+    block bound when blocks run out first; False when no window of 2 or more iterations (or one
+    that ends in a preempting iteration the scheduler applies) remains."""
+    first_finish = min(plan.remaining)
+    if first_finish < 1:
+        return False
+    if first_finish <= plan.steps:
+        plan.steps, plan.exhausts = first_finish, False
+        return first_finish >= 2
+    return plan.exhausts or plan.steps >= 2  # else the preempting iteration is stepped, after these
+
+
+def _stop_at_arrivals(plan: RepeatPlan, ends: np.ndarray, start: float, next_arrival: float,
+                      sched: Scheduler, routed: bool) -> int | None:
+    """How many of the plan's iterations (ending at `ends`) stay certain given arrivals and the
+    policy's wake time: the first iteration starting at or after a time when something could be
+    admitted may not be skipped; clears plan.exhausts when the window is cut or arrivals read the
+    replica. None when fewer than 2 iterations remain and no preempting one ends the window."""
+    k = plan.steps
+    if routed or sched.queues_by_state:
+        # every arrival reads this replica's (or its policy's) state: finish the window before it
+        safe = int(np.searchsorted(ends, next_arrival, side="left"))
+        # and the first iteration starting at or after the policy's wake time
+        safe = min(safe, int(np.searchsorted(ends[:-1], sched.wake_time(start), side="left")) + 1)
+        plan.exhausts = False  # stepped instead: its end may pass an arrival
+        k = min(k, safe)
+        return k if k >= 2 else None
+    if not k:  # only the preempting iteration, which admits nothing whatever arrives
+        return k
+    # the first iteration starting at or after `limit` could admit (or reject) something: an
+    # arrival, when nothing waits or an arrival may jump the queue; the policy's wake time
+    limit = sched.wake_time(start)
+    if not sched.waiting or not sched.policy.arrival_order:
+        limit = min(limit, next_arrival)
+    safe = int(np.searchsorted(ends[:-1], limit, side="left")) + 1
+    if safe < k:
+        plan.exhausts = False
+        return safe if safe >= 2 else None
+    return k

@@ -12,13 +12,12 @@ nothing new is admitted while any group is swapped out).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from policies.block_manager import AllocStatus, PagedBlockManager
 from policies.memory import MemoryBreakdown
-from policies.plan import ScheduledSeq, StepComposition, StepPlan
+from policies.plan import RepeatPlan, RepeatResult, ScheduledSeq, StepComposition, StepPlan
 from policies.queue_policy import ADMIT, DEFER, QueuePolicy
 from policies.request import Request, SeqStatus, Sequence, SequenceGroup
 from policies.scheduler import Scheduler
@@ -26,25 +25,8 @@ from policies.scheduler import Scheduler
 PREEMPTION_MODES = ("recompute", "swap")
 
 
-@dataclass(slots=True)
-class DecodeHorizon:
-    """What `VllmScheduler.decode_horizon` found certain about the coming iterations; valid until
-    the scheduler next changes other than through fast_forward / exhaustion_step.
-
-    The next `steps` iterations are plain decodes of exactly the running set (a finish is allowed
-    in the last); if `exhausts`, the one after them is a plain decode in which free blocks run out,
-    so it preempts and admits nothing."""
-
-    steps: int
-    exhausts: bool
-    remaining: list[int]             # per running group: tokens it samples before it finishes
-    context_tokens: int              # sum of the running sequences' computed tokens now
-    by_phase: list[list[Sequence]]   # [r]: sequences, in batch order, opening a block at steps r+1, r+1+bs, ...
-
-
 class VllmScheduler(Scheduler):
     name = "vllm"
-    supports_skip_ahead = True
 
     def __init__(self, num_gpu_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
@@ -63,9 +45,10 @@ class VllmScheduler(Scheduler):
         self.preemption = preemption
         self.chunked_prefill = chunked_prefill
         self.bm = PagedBlockManager(num_gpu_blocks, block_size, num_cpu_blocks, watermark, prefix_caching)
-        self._horizon: DecodeHorizon | None = None  # the last decode_horizon, while still valid
-        # what an exhaustion step leaves for the next decode_horizon: (by_phase, remaining,
-        # context tokens) of the survivors, so that it need not walk the batch again
+        # the last plan_repeat's plan, its steps and exhausts as offered (until applied or stale)
+        self._offer: tuple[RepeatPlan, int, bool] | None = None
+        # what a preempting iteration in a window leaves for the next plan_repeat: (by_phase,
+        # remaining, context tokens) of the survivors, so that it need not walk the batch again
         self._carry: tuple[list[list[Sequence]], list[int], int] | None = None
         # plain decode steps applied to the blocks and counters but not yet to the running
         # sequences' own fields (see settle); every running group owes exactly this many
@@ -129,7 +112,7 @@ class VllmScheduler(Scheduler):
     # ---------------------------------------------------------------- scheduling
     def schedule(self, now: float) -> StepPlan:
         self.settle()
-        self._horizon = self._carry = None  # the running set is about to change
+        self._offer = self._carry = None  # the running set is about to change
         plan = StepPlan(block_size=self.block_size)
         budget = [self.max_num_batched_tokens]
         preempted = self._schedule_running(plan, budget)
@@ -350,18 +333,17 @@ class VllmScheduler(Scheduler):
         return True
 
     # ---------------------------------------------------------------- skipping ahead
-    def decode_horizon(self, remaining: Callable[[], list[int]], now: float) -> DecodeHorizon | None:
-        """What is certain about the coming iterations, or None when the next one must be
-        scheduled normally: k plain decodes of exactly the running set (no admission, swap-in,
-        rejection, preemption, or finish before the k-th), then, when free blocks run out in the
-        next, that preempting decode (which admits nothing, whatever is waiting).
-
-        `remaining()[i]` is how many more tokens running group i will sample before it finishes
-        (known to a simulator; asked only when everything else allows skipping, as it is the
-        dearest question). The caller must still stop the window at the next arrival if nothing
-        is waiting.
+    def plan_repeat(self, now: float) -> RepeatPlan | None:
+        """Offer the running batch's coming plain decodes (see RepeatPlan), or None when the next
+        iteration must be scheduled normally: `steps` iterations whose blocks are certain, in which
+        nothing waiting can be admitted or rejected (it stays refused while the batch only grows,
+        or the policy defers it until its wake time, where the replica step ends the window), and
+        `exhausts` when the iteration after them, in which free blocks run out, can be applied too
+        (the running tail is the victim: a policy that picks its own gets that iteration stepped).
+        When something waiting could be admitted, only an iteration that runs out of blocks at
+        once (it admits nothing) is offered.
         """
-        self._horizon = None
+        self._offer = None
         carry, self._carry = self._carry, None
         if carry is None:
             self.settle()  # the walk below reads the sequences
@@ -379,12 +361,15 @@ class VllmScheduler(Scheduler):
         free = self.bm.num_free_blocks
         if not head_blocked and free >= len(running):
             return None  # an admission comes next, and no group can run out of blocks first
+        seqs: list[Sequence] = []
+        rem = None
         if carry is not None:
             by_phase, rem, context = carry
         else:
             bs = self.block_size
             by_phase = [[] for _ in range(bs)]
             context = 0
+            add = seqs.append
             for g in running:
                 if len(g.seqs) != 1:
                     return None
@@ -394,31 +379,19 @@ class VllmScheduler(Scheduler):
                 if s.prompt_len + s.output_len - c != 1 or not s.output_len:
                     return None
                 by_phase[-c % bs].append(s)
+                add(s)
                 context += c
         h = _block_horizon([len(p) for p in by_phase], len(running), free)
         if not head_blocked and h > 0:
             return None
-        if carry is None:
-            rem = remaining()
-        k = min(rem)  # the k-th iteration may finish sequences: fast_forward handles that
-        if k < 1:
-            return None
-        exhausts = h < k  # blocks run out at iteration h + 1, before any group finishes
-        if exhausts and self._custom_victim:  # the policy picks its victim: step that iteration
-            if h < 2:
-                return None
-            k, exhausts = h, False
-        if exhausts:
-            k = h
-        elif k < 2:
-            return None
-        self._horizon = DecodeHorizon(k, exhausts, rem, context, by_phase)
-        return self._horizon
+        plan = RepeatPlan(len(running), context, h, not self._custom_victim, seqs, rem, by_phase)
+        self._offer = (plan, h, plan.exhausts)
+        return plan
 
     def _stays_blocked(self, head: SequenceGroup, num_running: int, now: float) -> bool:
         """True if the waiting group `head`, considered first, is refused now for a reason that
         persists while running sequences only grow (free blocks only shrink, counts and budgets
-        stay), or deferred by the policy (until its wake_time, where the engine ends the window)."""
+        stay), or deferred by the policy (until its wake_time, where the window ends)."""
         if len(head.seqs) != 1 or head.rejected is not None:
             return False
         req = head.request
@@ -443,21 +416,40 @@ class VllmScheduler(Scheduler):
             return False
         return self._first_chunk(seq, cached, left) == 0
 
-    def fast_forward(self, horizon: DecodeHorizon, k: int, now: float) -> dict[str, np.ndarray]:
-        """Apply k <= horizon.steps plain decode iterations at once, exactly as k calls of
-        schedule() and on_step_done() would (blocks taken in the same order), without sampled
-        tokens. Groups whose remaining count is k finish in the k-th (at time `now`, its end).
-        Returns per-iteration arrays: batch size, context tokens, and memory by category.
+    def apply_repeat(self, plan: RepeatPlan, end: float,
+                     price: Callable[[StepComposition], float]) -> RepeatResult:
+        """Apply the offered plan as the replica step narrowed it (see Scheduler.apply_repeat):
+        plan.steps plain decodes, blocks taken in the order stepping takes them, then with
+        plan.exhausts the preempting iteration. The running sequences' own counters and their
+        blocks' fill levels are owed (`settle`) until something reads them, so that a run of
+        windows joined by preempting iterations walks the batch once."""
+        offer, self._offer = self._offer, None
+        k = plan.steps
+        if (offer is None or plan is not offer[0] or not 0 <= k <= offer[1] or plan.remaining is None
+                or (plan.exhausts and not (offer[2] and k == offer[1])) or not (k or plan.exhausts)):
+            raise AssertionError("apply_repeat needs the scheduler's current RepeatPlan, narrowed, not widened")
+        if k:
+            result = self._repeat(plan, end)
+        else:
+            mem = self.bm.memory()
+            e = np.empty(0, dtype=np.int64)
+            result = RepeatResult(e, e, e, e, mem.reserved, mem.external_frag)
+        if plan.exhausts:
+            comp, preempted = self._exhaustion_step(plan)
+            if comp.num_decode_seqs:  # else the batch was preempted whole: no iteration, no time
+                duration = price(comp)
+                self._finish_plain(plan.remaining, k + 1, end + duration)
+                result.exhaustion, result.exhaustion_duration, result.num_preempted = comp, duration, preempted
+        return result
 
-        Blocks and the token-state count change at once; the sequences' own counters and their
-        blocks' fill levels are owed (`settle`) until something needs them, so that a run of
-        windows joined by exhaustion steps walks the batch once."""
-        if horizon is not self._horizon or not 0 < k <= horizon.steps:
-            raise AssertionError("fast_forward needs the current decode_horizon and 0 < k <= its steps")
+    def _repeat(self, plan: RepeatPlan, now: float) -> RepeatResult:
+        """The plan's k plain decodes (as k calls of schedule() and on_step_done() without sampled
+        tokens); the groups whose remaining count is k finish in the k-th, at `now`."""
         bm = self.bm
         bs = self.block_size
+        k = plan.steps
         b = len(self.running)
-        by_phase = horizon.by_phase
+        by_phase = plan.layout
         mem0 = bm.memory()
         # blocks taken in iteration order, in batch order within one
         bm.open_decode_blocks(s.seq_id for p0 in range(0, k, bs) for phase in by_phase[:k - p0] for s in phase)
@@ -472,26 +464,18 @@ class VllmScheduler(Scheduler):
         taken = np.cumsum(([len(p) for p in by_phase] * -(-k // bs))[:k], dtype=np.int64)
         states = mem0.token_states + j * b
         used = mem0.token_states + mem0.internal_frag + taken * bs  # slots in allocated blocks
-        cols = {
-            "num_seqs": np.full(k, b, dtype=np.int64),
-            "context_tokens": horizon.context_tokens + j * b,
-            "kv_token_states": states,
-            "kv_internal_frag": used - states,
-            "kv_free": mem0.free - taken * bs,
-            "running": np.full(k, b, dtype=np.int64),
-        }
-        if k < horizon.steps or not horizon.exhausts:
-            self._horizon = None  # what comes after k is no longer known
-        if self.finish_plain(horizon.remaining, k, now):
+        result = RepeatResult(np.full(k, b, dtype=np.int64), states, used - states, mem0.free - taken * bs,
+                              mem0.reserved, mem0.external_frag)
+        if self._finish_plain(plan.remaining, k, now):
             mem = bm.memory()
-            cols["kv_token_states"][-1] = mem.token_states
-            cols["kv_internal_frag"][-1] = mem.internal_frag
-            cols["kv_free"][-1] = mem.free
-            cols["running"][-1] = len(self.running)
-        return cols
+            result.token_states[-1] = mem.token_states
+            result.internal_frag[-1] = mem.internal_frag
+            result.free[-1] = mem.free
+            result.running[-1] = len(self.running)
+        return result
 
     def settle(self) -> None:
-        """Pay the running sequences the decode steps they are owed (see fast_forward)."""
+        """Pay the running sequences the decode steps they are owed (see apply_repeat)."""
         if self._pending_steps:
             self._settle([g.seqs[0] for g in self.running])
             self._pending_steps = 0
@@ -508,9 +492,9 @@ class VllmScheduler(Scheduler):
             if s.token_ids is not None:  # as on_step_done: simulated tokens have no content
                 s.token_ids.extend([-1] * k)
 
-    def finish_plain(self, remaining: list[int], step: int, now: float) -> bool:
-        """After `step` plain decode steps counted from a horizon, finish the running groups
-        (single sequences) whose remaining count was `step`, as on_step_done does: in batch order,
+    def _finish_plain(self, remaining: list[int], step: int, now: float) -> bool:
+        """After `step` plain decode steps counted from a plan, finish the running groups (single
+        sequences) whose remaining count was `step`, as on_step_done does: in batch order,
         freeing the blocks. Groups preempted meanwhile are off the tail of the running list.
         Returns whether any finished."""
         if min(remaining) != step:
@@ -525,31 +509,27 @@ class VllmScheduler(Scheduler):
             self._finish_group(g, now)
         return bool(done)
 
-    def exhaustion_step(self) -> tuple[StepComposition, int]:
-        """Apply the plain-decode iteration that follows a horizon that `exhausts` (once its steps
-        are applied), as schedule() and on_step_done() would: running groups (single sequences,
-        one token each) take their tokens in batch order; the first that finds no free block
-        preempts the most recently arrived groups until one frees up (or it is itself
-        preempted). Nothing is admitted. Only the groups opening a block are visited (the others
-        cannot preempt); the survivors' token is owed like fast_forward's. Returns the iteration's
-        composition and how many groups were preempted; finish the groups whose last token this
-        was with finish_plain()."""
-        h = self._horizon
-        if h is None or not h.exhausts:
-            raise AssertionError("exhaustion_step needs a decode_horizon that exhausts, applied up to it")
-        self._horizon = None
+    def _exhaustion_step(self, plan: RepeatPlan) -> tuple[StepComposition, int]:
+        """The plain-decode iteration after the plan's steps, in which free blocks run out, as
+        schedule() and on_step_done() would apply it: running groups (single sequences, one token
+        each) take their tokens in batch order; the first that finds no free block preempts the
+        most recently arrived groups until one frees up (or it is itself preempted). Nothing is
+        admitted. Only the groups opening a block are visited (the others cannot preempt); the
+        survivors' token is owed like _repeat's. Returns the iteration's composition and how many
+        groups were preempted; the caller finishes the groups whose last token this was."""
         bm = self.bm
         bs = self.block_size
-        plan = StepPlan(block_size=bs)
+        steps0, by_phase0 = plan.steps, plan.layout
+        preempt_plan = StepPlan(block_size=bs)
         running = self.running  # _preempt removes from its tail
-        context = h.context_tokens + h.steps * len(running)  # the running sequences' computed tokens
-        for s in h.by_phase[h.steps % bs]:  # the groups opening a block, in batch order
+        context = plan.context_tokens + steps0 * len(running)  # the running sequences' computed tokens
+        for s in by_phase0[steps0 % bs]:  # the groups opening a block, in batch order
             g = s.group
             while not bm.num_free_blocks and g.status == SeqStatus.RUNNING:
                 tail = running[-1]
                 self._settle(tail.seqs)
                 context -= tail.seqs[0].num_computed
-                self._preempt(tail, plan)
+                self._preempt(tail, preempt_plan)
             if g.status != SeqStatus.RUNNING:
                 break  # it was the tail: everything after it is preempted too
             bm.open_decode_blocks((s.seq_id,))
@@ -560,18 +540,18 @@ class VllmScheduler(Scheduler):
                 self.policy.on_served(g, 0, 1)
         self._pending_steps += 1
         context += survivors
-        if survivors:  # the survivors' phases move on by the horizon's steps + 1; the preempted leave
-            steps = h.steps + 1
-            for seqs in h.by_phase:
+        if survivors:  # the survivors' phases move on by the plan's steps + 1; the preempted leave
+            steps = steps0 + 1
+            for seqs in by_phase0:
                 while seqs and seqs[-1].status != SeqStatus.RUNNING:  # the batch's tail: preempted
                     seqs.pop()
-            by_phase = [h.by_phase[(r + steps) % bs] for r in range(bs)]
-            self._carry = (by_phase, [r - steps for r in h.remaining[:survivors]], context)
+            by_phase = [by_phase0[(r + steps) % bs] for r in range(bs)]
+            self._carry = (by_phase, [r - steps for r in plan.remaining[:survivors]], context)
         else:
             self._pending_steps = 0
         comp = StepComposition(num_decode_seqs=survivors, decode_context_tokens=context,
-                               swap_out_blocks=len(plan.swap_out), block_size=bs)
-        return comp, len(plan.preempted)
+                               swap_out_blocks=len(preempt_plan.swap_out), block_size=bs)
+        return comp, len(preempt_plan.preempted)
 
 
 def _block_horizon(opening: list[int], num_seqs: int, free: int) -> int:

@@ -9,8 +9,12 @@ When nothing can change for the next k iterations (pure decodes, no arrival that
 no finish, no memory pressure), the engine skips ahead k iterations at once, and through the
 iteration after them too when that one runs out of blocks (it preempts, so it admits nothing); the
 result is the same, bit for bit, as stepping them one by one (tests/test_sim.py checks this).
-With several replicas a window also ends before the next arrival anywhere: the router reads every
-replica's state at each arrival, and must find it where stepping would have left it.
+The window is the replica step's (policies/step.py `ReplicaStep.begin_window`: the scheduler's
+RepeatPlan, priced by the executor in one call, cut at the first stop condition, applied by the
+scheduler at once and logged); this module only moves the SimPy clock over its end times, landing
+exactly where stepping's additions would (`_advance`). With several replicas a window also ends
+before the next arrival anywhere: the router reads every replica's state at each arrival, and must
+find it where stepping would have left it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from policies.request import Request
 from policies.router import Router
 from policies.scheduler import Scheduler
 from policies.step import ReplicaStep
-from policies.vllm_scheduler import VllmScheduler  # the skip-ahead protocol's type
 from sim.executor import SimulatedExecutor
 
 
@@ -74,22 +77,36 @@ class Replica:
         self.env = env
         self.on_finish = on_finish  # sees the groups each stepped iteration finishes
         self.index = index
-        # behind a router, other replicas' arrivals read this one's state: windows stop before them
-        self.routed = routed
         self.scheduler = scheduler
         self.executor = executor
         # an observer sees every iteration (start, duration, scheduler after it), so nothing is skipped
         self.observer = observer
-        self.fast_forward = fast_forward and scheduler.supports_skip_ahead and observer is None
+        self.fast_forward = fast_forward and observer is None
         self.debug = debug
         self.log = IterationLog()
-        self.step = ReplicaStep(scheduler, executor, self.log)  # the loop's one iteration, clock-agnostic
+        # the loop's one iteration (and its windows), clock-agnostic; behind a router, other
+        # replicas' arrivals read this one's state, so windows stop before them
+        self.step = ReplicaStep(scheduler, executor, self.log, routed=routed)
         self.wakeup = env.event()
         self.on_progress = on_progress
-        self.stepped = 0          # iterations scheduled one at a time
-        self.windows = 0          # skip-ahead windows, and the iterations they covered
-        self.skipped = 0
-        self.exhaustions = 0      # preempting iterations applied inside windows
+
+    # iterations scheduled one at a time; skip-ahead windows, the iterations they covered, and
+    # the preempting iterations among those
+    @property
+    def stepped(self) -> int:
+        return self.step.stepped
+
+    @property
+    def windows(self) -> int:
+        return self.step.windows
+
+    @property
+    def skipped(self) -> int:
+        return self.step.skipped
+
+    @property
+    def exhaustions(self) -> int:
+        return self.step.exhaustions
 
     def deliver(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -116,6 +133,11 @@ def arrival_process(env: simpy.Environment, feed: ArrivalFeed, replicas: list[Re
 def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
     """The serving loop: schedule, execute, apply; idle until an arrival when there is nothing to do."""
     sched = replica.scheduler
+    step = replica.step
+
+    def queued(times: np.ndarray) -> np.ndarray:
+        return feed.queued_by(times, sched)
+
     while True:
         # let every arrival due at this instant land first (they were scheduled before us); the
         # arrival process is the only other actor, so with none due the yield can be spared
@@ -127,102 +149,36 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
             replica.wakeup = env.event()
             yield replica.wakeup
             continue
-        if replica.fast_forward and (yield from _skip_ahead(env, replica, feed)):
-            continue
-        step = replica.step.begin(env.now)
-        if step.idle:
-            if step.plan.rejected or step.plan.preempted:  # the queues changed: look again
+        if replica.fast_forward:
+            window = step.begin_window(env.now, feed.next_arrival(), queued)
+            if window is not None:
+                yield from _advance(env, window.start, window.ends, window.durations)
+                step.complete_window(window)
+                if replica.debug:
+                    sched.settle()  # the sequences' own counters are owed until read (see apply_repeat)
+                    _check(sched)
+                if replica.on_progress is not None:
+                    replica.on_progress(env.now, len(sched.done))
+                continue
+        it = step.begin(env.now)
+        if it.idle:
+            if it.plan.rejected or it.plan.preempted:  # the queues changed: look again
                 continue
             if feed.exhausted and not sched.running:
                 _fail_stuck(sched)
             replica.wakeup = env.event()
             yield replica.wakeup
             continue
-        yield env.timeout(step.result.duration)  # simulated time passes: the cost model's duration
-        finished = replica.step.complete(step, env.now)
+        yield env.timeout(it.result.duration)  # simulated time passes: the cost model's duration
+        finished = step.complete(it, env.now)
         if finished and replica.on_finish is not None:
             replica.on_finish(finished)
-        replica.stepped += 1
         if replica.observer is not None:
-            replica.observer(step.start, step.result.duration, sched)
+            replica.observer(it.start, it.result.duration, sched)
         if replica.debug:
             _check(sched)
         if replica.on_progress is not None:
             replica.on_progress(env.now, len(sched.done))
-
-
-def _skip_ahead(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
-    """Apply the coming iterations that are certain (see VllmScheduler.decode_horizon) at once:
-    k plain decodes, then, if blocks run out in the next, that preempting decode too."""
-    sched: VllmScheduler = replica.scheduler  # type: ignore[assignment]
-    ex = replica.executor
-    if not sched.running:
-        return False
-    horizon = sched.decode_horizon(lambda: ex.remaining(sched.running), env.now)
-    if horizon is None:
-        return False
-    k, exhausts = horizon.steps, horizon.exhausts
-    start = env.now
-    b = len(sched.running)
-    durations = ex.decode_step_times(b, horizon.context_tokens, k)
-    ends = np.cumsum(np.concatenate(([start], durations)))[1:]
-    if replica.routed or sched.queues_by_state:
-        # every arrival reads this replica's (or its policy's) state: finish the window before it
-        safe = int(np.searchsorted(ends, feed.next_arrival(), side="left"))
-        # and the first iteration starting at or after the policy's wake time (see below)
-        safe = min(safe, int(np.searchsorted(ends[:-1], sched.wake_time(start), side="left")) + 1)
-        exhausts = False  # stepped instead: its end may pass an arrival
-        if safe < k:
-            k, ends, durations = safe, ends[:safe], durations[:safe]
-        if k < 2:
-            return False
-    elif k:
-        # the first iteration starting at or after `limit` could admit (or reject) something: an
-        # arrival, when nothing waits or an arrival may jump the queue; the policy's wake time
-        limit = sched.wake_time(start)
-        if not sched.waiting or not sched.policy.arrival_order:
-            limit = min(limit, feed.next_arrival())
-        safe = int(np.searchsorted(ends[:-1], limit, side="left")) + 1
-        if safe < k:
-            k, exhausts = safe, False
-            if k < 2:
-                return False
-            ends, durations = ends[:k], durations[:k]
-    if k:
-        waiting = len(sched.waiting) + feed.queued_by(ends, sched)
-        cols = sched.fast_forward(horizon, k, float(ends[-1]))
-        replica.log.add_many({
-            "start": np.concatenate(([start], ends[:-1])), "duration": durations,
-            "num_seqs": cols["num_seqs"], "decode_tokens": cols["num_seqs"],
-            "context_tokens": cols["context_tokens"], "waiting": waiting,
-            "running": cols["running"], "kv_token_states": cols["kv_token_states"],
-            "kv_internal_frag": cols["kv_internal_frag"], "kv_free": cols["kv_free"],
-            "prefix_hits": np.full(k, sched.prefix_hits),
-        })
-    end_times, step_times = ends.tolist(), durations.tolist()
-    if exhausts:  # stepping would schedule this one: it preempts, so nothing else can happen in it
-        comp, preempted = sched.exhaustion_step()
-        duration = ex.price(comp)
-        if comp.num_decode_seqs:  # else the plan was empty: no iteration, no time (as engine_process)
-            step_start = end_times[-1] if k else start
-            end = step_start + duration
-            sched.finish_plain(horizon.remaining, k + 1, end)
-            waiting = len(sched.waiting) + int(feed.queued_by(np.array([end]), sched)[0])
-            replica.log.add(step_start, duration, comp, preempted, waiting, len(sched.running), sched.memory(),
-                            sched.prefix_hits)
-            end_times.append(end)
-            step_times.append(duration)
-            k += 1
-            replica.exhaustions += 1
-    yield from _advance(env, start, end_times, step_times)
-    if replica.debug:
-        sched.settle()  # the sequences' own counters are owed until read (see fast_forward)
-        _check(sched)
-    replica.windows += 1
-    replica.skipped += k
-    if replica.on_progress is not None:
-        replica.on_progress(env.now, len(sched.done))
-    return True
 
 
 def _advance(env: simpy.Environment, start: float, end_times: list[float], step_times: list[float]):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from policies.plan import SeqOutcome, StepComposition, StepPlan, StepResult
+from policies.plan import RepeatPlan, SeqOutcome, StepComposition, StepPlan, StepResult
 from policies.scheduler import Scheduler
 from sim.cost_model import CostModel
 
@@ -96,10 +96,12 @@ class SimulatedExecutor:
         # decode_step_times (tests/test_cost_model.py), so skipping ahead reproduces these times
         return self.cost.step_time(c)
 
-    def decode_step_times(self, num_seqs: int, context0: int, k: int) -> np.ndarray:
-        """Durations of k pure-decode steps of `num_seqs` sequences whose contexts sum to
-        context0 + num_seqs * j at step j = 1..k. A few steps are priced one by one: the vectorised
-        path costs as much as ~12 scalar prices (numpy's per-call cost), and both are identical."""
+    def price_repeat(self, plan: RepeatPlan) -> np.ndarray:
+        """Durations of the plan's `steps` pure-decode iterations of `num_seqs` sequences whose
+        contexts sum to context_tokens + num_seqs * j at iteration j = 1..steps, in one call. A few
+        iterations are priced one by one: the vectorised path costs as much as ~12 scalar prices
+        (numpy's per-call cost), and both are identical."""
+        num_seqs, context0, k = plan.num_seqs, plan.context_tokens, plan.steps
         if k < 12:
             price = self.cost.decode_step_time
             return np.array([price(num_seqs, context0 + num_seqs * j) for j in range(1, k + 1)], dtype=np.float64)
@@ -151,12 +153,12 @@ class SimulatedExecutor:
                 self.targets[seq.seq_id] = t
         return t
 
-    def remaining(self, groups) -> list[int]:
-        """How many more tokens each group's first sequence samples before it finishes, as
+    def remaining(self, plan: RepeatPlan) -> list[int]:
+        """How many more tokens each sequence of the plan's batch samples before it finishes, as
         `target` decides: the trace's length, or a forked sample's drawn one (drawn at its first
         step, before any window can contain it)."""
         targets = self.targets
-        return [targets.get((s := g.seqs[0]).seq_id, s.target_len) - s.output_len for g in groups]
+        return [targets.get(s.seq_id, s.target_len) - s.output_len for s in plan.seqs]
 
     def _beam_step(self, group, result: StepResult) -> None:
         k = group.request.sampling.beam_width

@@ -1,0 +1,131 @@
+"""Skip-ahead as part of the scheduler/executor contract (issue 12): a scheduler offers a
+RepeatPlan or nothing, the replica step (policies/step.py) decides the window, and any Scheduler
+runs, with or without windows."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from policies.contiguous_schedulers import OrcaScheduler
+from policies.queue_policy import QueuePolicy
+from policies.request import Request, SamplingParams, SequenceGroup
+from policies.scheduler import Scheduler
+from policies.step import ReplicaStep
+from policies.vllm_scheduler import VllmScheduler
+from sim.cost_model import ConstantCostModel
+from sim.executor import SimulatedExecutor
+from sim.run import SimConfig, run_simulation
+from traces import resolve_trace
+
+
+class NoWindows(VllmScheduler):
+    """The paged scheduler with the base's answer: no RepeatPlan, ever."""
+
+    def plan_repeat(self, now: float):
+        return Scheduler.plan_repeat(self, now)
+
+
+class ReservingFcfs(OrcaScheduler):
+    """A Scheduler that is not the paged one (Orca-max reservations), as an import path builds it."""
+
+    def __init__(self, num_gpu_blocks: int, block_size: int = 16, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 4096, **paged_options) -> None:
+        super().__init__(num_gpu_blocks * block_size, "max", 1, max_num_seqs, max_num_batched_tokens)
+
+
+class LongestPromptFirst(QueuePolicy):
+    """A policy written only against the QueuePolicy API: no fast path of its own."""
+
+    name = "longest-prompt-first"
+    arrival_order = False
+
+    def key(self, group: SequenceGroup) -> tuple:
+        return (-group.request.prompt_len, group.request.arrival, group.group_id)
+
+
+def _trace():
+    return resolve_trace("sharegpt-like", num_requests=150, rate=20.0, seed=5)
+
+
+@pytest.mark.parametrize("policy", ["tests.test_repeat_plan:NoWindows", "tests.test_repeat_plan:ReservingFcfs"])
+def test_a_scheduler_without_windows_runs_stepped(policy):
+    tr = _trace()
+    cfg = SimConfig(policy=policy, num_gpu_blocks=400)
+    res = run_simulation(cfg, tr)
+    e = res.summary["engine"]
+    assert res.summary["num_finished"] == 150
+    assert e["skip_windows"] == e["skipped_iterations"] == 0 and e["stepped_iterations"] == len(res.iterations)
+    stepped = run_simulation(dataclasses.replace(cfg, fast_forward=False), tr)
+    pd.testing.assert_frame_equal(res.requests, stepped.requests, check_exact=True)
+    if policy.endswith("NoWindows"):  # it is the paged scheduler: the same run as vllm stepped
+        vllm = run_simulation(dataclasses.replace(cfg, policy="vllm", fast_forward=False), tr)
+        pd.testing.assert_frame_equal(res.iterations, vllm.iterations, check_exact=True)
+
+
+def test_a_queue_policy_gets_windows_without_a_fast_path():
+    tr = _trace()
+    cfg = SimConfig(policy="tests.test_repeat_plan:LongestPromptFirst", num_gpu_blocks=400)
+    a = run_simulation(cfg, tr)
+    e = a.summary["engine"]
+    assert e["skipped_iterations"] > 0 and e["skip_windows"] > 0
+    b = run_simulation(dataclasses.replace(cfg, fast_forward=False), tr)
+    pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
+    pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
+    fcfs = run_simulation(dataclasses.replace(cfg, policy="vllm"), tr)
+    assert not a.requests.first_scheduled.equals(fcfs.requests.first_scheduled)  # the policy's order ran
+
+
+def _decoding(n: int = 4, out: int = 40) -> tuple[VllmScheduler, SimulatedExecutor, ReplicaStep, float]:
+    """A paged scheduler whose n requests have prefilled (stepped by hand, no clock but `now`)."""
+    sched = VllmScheduler(num_gpu_blocks=200)
+    ex = SimulatedExecutor(sched, ConstantCostModel(prefill_per_token=0.001, decode_per_seq=0.01, base=0.1))
+    for i in range(n):
+        sched.add_request(Request(i, 0.0, 20 + i, SamplingParams(max_tokens=out + i, ignore_eos=True), out + i))
+    rs = ReplicaStep(sched, ex)
+    step = rs.begin(0.0)
+    now = step.result.duration
+    rs.complete(step, now)
+    return sched, ex, rs, now
+
+
+def test_begin_window_runs_to_the_first_finish_without_a_clock():
+    sched, _ex, rs, now = _decoding()
+    window = rs.begin_window(now)
+    # the first request samples 40 tokens, one at prefill: 39 decodes, the last finishing it
+    assert len(window.ends) == 39 and not window.exhaustion
+    assert window.ends == list(np.cumsum([now] + window.durations)[1:])
+    assert len(sched.running) == 3 and sched.done[0].request.request_id == 0
+    assert sched.done[0].finish_time == window.ends[-1]
+    assert rs.log.rows == 1 + 39
+    rs.complete_window(window)
+    assert (rs.windows, rs.skipped, rs.stepped) == (1, 39, 1)
+
+
+def test_begin_window_stops_before_an_arrival_that_could_be_admitted():
+    _sched, _ex, rs, now = _decoding()
+    # nothing waits, so an arrival at t = now + 0.5 would be admitted by the first iteration
+    # starting at or after it: the window holds the iterations that start before it
+    window = rs.begin_window(now, next_arrival=now + 0.5)
+    d = 0.1 + 0.01 * 4
+    assert len(window.ends) == int(np.ceil(0.5 / d))
+    assert window.ends[-2] < now + 0.5 <= window.ends[-1]
+    # behind a router every arrival reads the replica: the window ends before it
+    _sched2, _, rs2, now2 = _decoding()
+    rs2.routed = True
+    window2 = rs2.begin_window(now2, next_arrival=now2 + 0.5)
+    assert window2.ends[-1] < now2 + 0.5 and len(window2.ends) == len(window.ends) - 1
+
+
+def test_apply_repeat_refuses_a_plan_widened_or_not_offered():
+    sched, ex, _rs, now = _decoding()
+    plan = sched.plan_repeat(now)
+    plan.remaining = ex.remaining(plan)
+    plan.steps += 1
+    with pytest.raises(AssertionError, match="narrowed, not widened"):
+        sched.apply_repeat(plan, now, ex.price)
+    with pytest.raises(AssertionError, match="offered no RepeatPlan"):
+        Scheduler.apply_repeat(sched, plan, now, ex.price)
