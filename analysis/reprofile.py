@@ -4,7 +4,9 @@ again, backend.profiler.drift) and, when it is more than `threshold` away, the p
 timed again here and the same cost model re-fitted (backend.profiler.retime, sim.profiled).
 
 The re-fit is used only if it fitted and its own held-out error is no worse than the given
-profile's; otherwise the given profile is kept, and the decision says why. Timing and fitting are
+profile's error on this machine's timings (the same grid points, timed here: what each would get
+wrong on this machine, not what the given one got wrong where it was measured); otherwise the given
+profile is kept, and the decision says why. Timing and fitting are
 parameters, so that the decision is tested without a model."""
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class ReprofileDecision:
     adopted: bool = False          # ... and that profile is the one used
     seconds: float = 0.0           # re-timing and fitting, wall time
     cv_mape: float | None = None   # the re-fit's held-out error
-    given_cv_mape: float | None = None
+    given_cv_mape: float | None = None  # the given profile's held-out error where it was measured
+    given_error_here: float | None = None  # the given profile's error on this machine's timings
     reason: str = ""               # why the given profile was kept after a re-fit
 
     def record(self) -> dict[str, Any]:
@@ -48,7 +51,7 @@ class ReprofileDecision:
         return {"given_profile": self.given, "speed": self.speed, "threshold": self.threshold,
                 "reprofiled": self.reprofiled, "adopted": self.adopted, "profile": self.path,
                 "seconds": round(self.seconds, 1), "cv_mape": self.cv_mape, "given_cv_mape": self.given_cv_mape,
-                "reason": self.reason or None}
+                "given_error_here": self.given_error_here, "reason": self.reason or None}
 
     def message(self) -> str | None:
         """One line saying what was done and why; None when nothing was (no drift, or off)."""
@@ -57,8 +60,9 @@ class ReprofileDecision:
         why = (f"this machine ran {self.speed:.2f}x the step times of profile {self.given} "
                f"(more than {self.threshold:.0%} away)")
         if self.adopted:
+            here = "" if self.given_error_here is None else f"; {self.given} on the same timings: {self.given_error_here:.1%}"
             return (f"re-profiled: {why}; re-timed its grid and re-fitted in {self.seconds:.0f} s (held-out error "
-                    f"{self.cv_mape:.1%}, the shipped fit's {self.given_cv_mape:.1%}); simulating with {self.path}")
+                    f"{self.cv_mape:.1%}{here}); simulating with {self.path}")
         return f"re-profiled: {why}, in {self.seconds:.0f} s, but kept {self.given}: {self.reason}"
 
 
@@ -67,7 +71,8 @@ def decide(given: str, profile: dict[str, Any], speed: float | None, threshold: 
            save: Callable[[dict[str, Any], Path], Any] | None = None) -> ReprofileDecision:
     """Re-profile (`refit()` -> a new profile dict) when `needs_reprofile(speed, threshold)`; keep the
     new one, written to `out_path` by `save`, unless the re-fit raised or its held-out error
-    (fit.cv_mape) is above the given profile's."""
+    (fit.cv_mape) is above the given profile's error on the re-fit's own measurements (this
+    machine's timings)."""
     d = ReprofileDecision(given, speed, threshold, profile, str(profile.get("source", given)))
     if not needs_reprofile(speed, threshold):
         return d
@@ -82,9 +87,11 @@ def decide(given: str, profile: dict[str, Any], speed: float | None, threshold: 
         return d
     d.seconds = time.perf_counter() - t0
     d.cv_mape = new["fit"]["cv_mape"]
-    if d.given_cv_mape is not None and d.cv_mape > d.given_cv_mape:
-        d.reason = (f"the re-fit's held-out error {d.cv_mape:.1%} is worse than the shipped fit's "
-                    f"{d.given_cv_mape:.1%}")
+    from sim.profiled import prediction_error
+    d.given_error_here = prediction_error(profile["fit"]["coef"], new["measurements"], int(new["block_size"]))
+    if d.cv_mape > d.given_error_here:
+        d.reason = (f"the re-fit's held-out error {d.cv_mape:.1%} is worse than {given}'s error on this machine's "
+                    f"timings, {d.given_error_here:.1%}")
         return d
     (save or _save)(new, Path(out_path))
     new["source"] = str(out_path)

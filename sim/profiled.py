@@ -197,6 +197,18 @@ def fit_measurements(measurements: Sequence[dict[str, Any]], folds: int = 5, blo
     return out
 
 
+def prediction_error(coef: dict[str, float], measurements: Sequence[dict[str, Any]], block_size: int = 16) -> float:
+    """Mean absolute percentage error of a fit's coefficients (a profile's `fit.coef`) on
+    `measurements` (e.g. the same grid timed on another machine)."""
+    if not measurements:
+        raise ValueError("no measurements to judge the fit on")
+    served = [m.get("source", "grid") == "served" for m in measurements]
+    X = np.array([features(composition_of(m, i, block_size), s) for i, (m, s) in enumerate(zip(measurements, served))])
+    y = np.array([_time_of(m, i) for i, m in enumerate(measurements)])
+    c = np.array([coef.get(f, 0.0) for f in FEATURES])
+    return float(np.mean(np.abs(X @ c - y) / y))
+
+
 def _wmean(x: np.ndarray, w: np.ndarray) -> float:
     return float(np.average(x, weights=w))
 

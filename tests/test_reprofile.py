@@ -19,9 +19,11 @@ SHIPPED = "smollm2-135m-cpu"
 
 
 def _refit(factor: float, cv_mape: float = 0.05):
-    """A stand-in for the re-fit: the shipped profile with every coefficient `factor` times larger."""
+    """A stand-in for the re-fit: the shipped profile's points timed `factor` times slower, every
+    coefficient `factor` times larger."""
     def refit() -> dict:
         p = load_profile(SHIPPED)
+        p["measurements"] = [{**m, "time_s": m["time_s"] * factor} for m in p["measurements"]]
         p["fit"] = {**p["fit"], "coef": {k: v * factor for k, v in p["fit"]["coef"].items()}, "cv_mape": cv_mape}
         return p
     return refit
@@ -49,6 +51,17 @@ def test_a_drifted_machine_is_re_profiled_and_the_new_profile_used(tmp_path):
     rec = d.record()
     assert rec["speed"] == 1.8 and rec["adopted"] and rec["profile"] == str(out) and rec["given_profile"] == SHIPPED
     assert rec["cv_mape"] == 0.05 and rec["given_cv_mape"] == given["fit"]["cv_mape"]
+    # the given profile judged on the slower machine's timings: off by about 1 - 1/1.8
+    assert rec["given_error_here"] == pytest.approx(1 - 1 / 1.8, abs=0.05)
+
+
+def test_the_given_profile_is_judged_on_this_machines_timings_not_its_own(tmp_path):
+    """A re-fit whose held-out error (12%) is above the given profile's own (where it was measured)
+    but below the given profile's error here (1.5x slower: ~33%) is adopted."""
+    given = load_profile(SHIPPED)
+    assert given["fit"]["cv_mape"] < 0.12
+    d = decide(SHIPPED, given, 1.5, 0.1, _refit(1.5, cv_mape=0.12), tmp_path / "p.json", save=save_profile)
+    assert d.adopted and d.given_error_here == pytest.approx(1 - 1 / 1.5, abs=0.05)
 
 
 def test_within_the_threshold_or_with_no_reprofile_nothing_is_re_measured(tmp_path):
