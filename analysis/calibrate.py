@@ -5,15 +5,15 @@ Two steps, each fitting what its data can tell:
    per-operator kernel times (--operators, Vidur's profiles: analysis/operator_fit.py). They are
    shape-generic: rows of several models and TP degrees are points of the same curves.
 2. Engine terms (`ENGINE_PARAMS`: per-iteration and per-sequence overheads, attention efficiencies,
-   the client's TTFT and per-token adds) by simulation in the loop: every unsaturated measured stage
+   the client's TTFT add and output lag) by simulation in the loop: every unsaturated measured stage
    is rebuilt (analysis/measurements.py), simulated over its first `max_duration_s` seconds of
    arrivals, and scipy's least_squares moves the parameters (in log space) to minimise a soft-L1 loss
    of log(predicted / measured) over TTFT mean/p90, E2E mean/p90 and time per output token.
 
-Stages the measurement marks overloaded, and stages whose measured mean TTFT exceeds
-`QUEUED_TTFT_S` (a queue built up: the server did not carry the load), are not fitted; they are
-simulated at the end and checked to come out overloaded by the same rule (completions below the
-offered rate, or a simulated mean TTFT above `QUEUED_TTFT_S`). Errors are reported in sample, and left
+Stages the measurement marks overloaded, and stages overloaded by the one rule of
+analysis/measurements.py `is_overloaded` (completions below the offered rate, or a mean TTFT above
+`QUEUED_TTFT_S`: a queue built up), are not fitted; they are simulated at the end and checked to come
+out overloaded by that same rule, as `pagesim fidelity` judges them. Errors are reported in sample, and left
 out (--leave-one-out model|experiment: refit without each group, predict it).
 """
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # the simulation stack loads when a calibration runs, not whe
     from analysis.measurements import Experiment, Stage, StageResult
 
 ENGINE_PARAMS = ("iteration_overhead_s", "per_seq_s", "attn_mem_eff", "prefill_attn_eff", "client_ttft_s",
-                 "gemm_m_half", "allreduce_latency_s")
+                 "client_output_lag_steps", "gemm_m_half", "allreduce_latency_s")
 # Two operator terms are refitted end to end, starting from the kernel fits, because the engine's kernels
 # are not the profiler's standalone calls: gemm_m_half (how decode GEMMs slow with the batch, inside CUDA
 # graphs) and allreduce_latency_s (when a fitted stage runs at tp > 1: a standalone NCCL call, ~30 us, is
@@ -48,15 +48,17 @@ ENGINE_PARAMS = ("iteration_overhead_s", "per_seq_s", "attn_mem_eff", "prefill_a
 # size a fit cannot tell weight streaming from a fixed per-step cost, and trading one for the other does
 # not transfer to other sizes (left out, it moved to 0.67 on Llama-2-7B and mispredicted CodeLlama-34B
 # by 38%; kept, 16%).
+CLIENT_PARAMS = ("client_ttft_s", "client_output_lag_steps", "client_per_output_token_s")  # fitted inside (fit_engine)
 FIT_METRICS = ("ttft_mean", "ttft_p90", "e2e_mean", "e2e_p90", "tpot")
-QUEUED_TTFT_S = 1.0   # a measured mean TTFT above this means requests queued: not a carried load
 _LOG_CLIP = 3.0       # |log(pred / meas)| cap: an overloaded trial point stays a finite residual
 _BOUNDS = {  # search ranges (physical limits, not targets)
     "iteration_overhead_s": (1e-5, 0.05), "per_seq_s": (1e-8, 1e-3), "attn_mem_eff": (0.05, 1.0),
     "prefill_attn_eff": (0.05, 1.0), "client_ttft_s": (1e-5, 0.5), "client_per_output_token_s": (1e-8, 0.01),
     "allreduce_latency_s": (1e-7, 1e-3), "weight_mem_eff": (0.3, 1.0),
-    "gemm_m_half": (1.0, 2000.0),
+    "gemm_m_half": (1.0, 2000.0), "client_output_lag_steps": (0.01, 4.0),
 }
+# where the search starts for a parameter whose prior (0: off) is outside its range
+_SEARCH_START = {"client_output_lag_steps": 1.0}
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,7 @@ def split_stages(experiments: Sequence[Experiment], by: str = "model") -> tuple[
     for e in experiments:
         for s in e.stages:
             ref = StageRef(e, s, e.model_id if by == "model" else e.name)
-            queued = s.ttft.mean is not None and s.ttft.mean > QUEUED_TTFT_S
-            (over if e.overloaded_by_source or s.overloaded or queued else fit).append(ref)
+            (over if e.overloaded_by_source or s.overloaded else fit).append(ref)
     return fit, over
 
 
@@ -107,27 +108,12 @@ def simulate_ref(ref: StageRef, params: CalibrationParams, hardware: str, seed: 
 def _simulate_warm(ref: StageRef, cfg: Any, model: CalibratedCostModel, seed: int, duration_s: float,
                    skip: int) -> StageResult:
     """simulate_stage over `duration_s`, latencies over the requests after the first `skip`."""
-    from analysis.measurements import (
-        StageResult,
-        client_overhead,
-        predicted_metrics,
-        stage_workload,
-        steady_state,
-    )
+    from analysis.measurements import client_overhead, stage_result, stage_workload
     from sim.run import run_simulation
     t0 = time.perf_counter()
-    exp, stage = ref.exp, ref.stage
-    trace = stage_workload(exp, stage, seed, duration_s)
+    trace = stage_workload(ref.exp, ref.stage, seed, duration_s)
     res = run_simulation(replace(cfg, seed=seed), trace, model)
-    steady = steady_state(res.requests)
-    return StageResult(
-        experiment=exp.name, stage=stage.index, rate=stage.rate, measured=stage.metrics(),
-        predicted=predicted_metrics(res.requests[res.requests.request_id >= skip], client_overhead(model)),
-        measured_overloaded=exp.overloaded_by_source or stage.overloaded,
-        predicted_overloaded=steady.overloaded,
-        measured_throughput=stage.throughput_rps, predicted_throughput=steady.completion_rate, num_requests=len(trace),
-        simulated_s=float(trace.arrival[-1] - trace.arrival[0]) if len(trace) else 0.0,
-        wall_s=time.perf_counter() - t0)
+    return stage_result(ref.exp, ref.stage, trace, res, client_overhead(model), t0, skip=skip)
 
 
 def _simulate_job(job: tuple) -> StageResult:
@@ -178,32 +164,82 @@ def fit_engine(refs: Sequence[StageRef], start: CalibrationParams, hardware: str
                seed: int = 0, max_duration_s: float | None = 40.0, max_evals: int = 8,
                pool: ProcessPoolExecutor | None = None, log: Callable[[str], None] = print) -> CalibrationParams:
     """The parameters `names` that best explain the stages (least squares on clipped log errors,
-    soft-L1 loss, parameters searched in log space within `_BOUNDS`); the others stay as `start`."""
+    soft-L1 loss, parameters searched in log space within `_BOUNDS`); the others stay as `start`.
+
+    The client terms (`CLIENT_PARAMS`) do not change what the server does, so they are fitted inside
+    each evaluation over the runs just simulated (`fit_client`), and the outer search moves only the
+    terms that need a simulation (variable projection: fewer dimensions, and no trade between a
+    client constant and a server cost along a flat valley)."""
     from scipy.optimize import least_squares
     if not refs:
         raise ValueError("no unsaturated stage to fit the engine terms to")
     if not any(r.exp.tp > 1 for r in refs):  # nothing here says what an all-reduce costs
         names = [n for n in names if n != "allreduce_latency_s"]
-    lo = np.log([_BOUNDS[n][0] for n in names])
-    hi = np.log([_BOUNDS[n][1] for n in names])
-    x0 = np.clip(np.log([max(getattr(start, n), _BOUNDS[n][0]) for n in names]), lo, hi)
+    inner = [n for n in names if n in CLIENT_PARAMS]
+    outer = [n for n in names if n not in CLIENT_PARAMS]
+    lo, hi, x0 = _log_box(outer, start)
     count = [0]
+    best: dict[str, Any] = {"loss": math.inf, "params": start}
 
     def params_at(x: np.ndarray) -> CalibrationParams:
-        return replace(start, **{n: float(v) for n, v in zip(names, np.exp(x), strict=True)})
+        return replace(start, **{n: float(v) for n, v in zip(outer, np.exp(x), strict=True)})
 
     def resid(x: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()
-        r = log_errors(simulate_all(refs, params_at(x), hardware, seed, max_duration_s, pool))
+        params = params_at(x)
+        results = simulate_all(refs, params, hardware, seed, max_duration_s, pool)
+        params, r = fit_client(results, params, inner)
+        loss = float(np.sum(np.abs(r)))
+        if loss < best["loss"]:
+            best.update(loss=loss, params=params)
         count[0] += 1
         log(f"  eval {count[0]} ({time.perf_counter() - t0:.1f} s): median |log err| {np.median(np.abs(r)):.4f} at "
-            + ", ".join(f"{n} {v:.3g}" for n, v in zip(names, np.exp(x), strict=True)))
+            + ", ".join(f"{n} {getattr(params, n):.3g}" for n in [*outer, *inner]))
         return r
 
+    if not outer:  # client terms only: one simulation
+        return fit_client(simulate_all(refs, start, hardware, seed, max_duration_s, pool), start, inner)[0]
     res = least_squares(resid, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.05, diff_step=0.03,
                         max_nfev=max_evals, x_scale=1.0)
     log(f"  {count[0]} evaluations, {res.message}")
-    return params_at(res.x)
+    if not inner:
+        return params_at(res.x)
+    # the client terms fitted at the solution (the best evaluation's, if the solver ended elsewhere)
+    final = fit_client(simulate_all(refs, params_at(res.x), hardware, seed, max_duration_s, pool),
+                       params_at(res.x), inner)
+    return final[0] if float(np.sum(np.abs(final[1]))) <= best["loss"] else best["params"]
+
+
+def fit_client(results: Sequence[StageResult], params: CalibrationParams,
+               names: Sequence[str]) -> tuple[CalibrationParams, np.ndarray]:
+    """The client terms `names` that best explain simulated `results` (runs kept in them; nothing is
+    simulated), and the log errors there: (params with them set, residuals)."""
+    from scipy.optimize import least_squares
+
+    from analysis.measurements import client_overhead
+
+    def with_client(u: np.ndarray) -> CalibrationParams:
+        return replace(params, **{n: float(v) for n, v in zip(names, np.exp(x0 + u), strict=True)})
+
+    def resid(x: np.ndarray) -> np.ndarray:
+        client = client_overhead(with_client(x))
+        return log_errors([r.with_client(client) for r in results])
+
+    if not names:
+        return params, log_errors(results)
+    lo, hi, x0 = _log_box(names, params)
+    res = least_squares(resid, np.zeros(len(names)), bounds=(lo - x0, hi - x0), loss="soft_l1", f_scale=0.05,
+                        diff_step=1e-3, max_nfev=60)
+    return with_client(res.x), resid(res.x)
+
+
+def _log_box(names: Sequence[str], start: CalibrationParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(lower, upper, start) in log space; a prior outside its range starts at `_SEARCH_START`."""
+    lo = np.log([_BOUNDS[n][0] for n in names])
+    hi = np.log([_BOUNDS[n][1] for n in names])
+    x0 = [getattr(start, n) if getattr(start, n) >= _BOUNDS[n][0] else _SEARCH_START.get(n, _BOUNDS[n][0])
+          for n in names]
+    return lo, hi, np.clip(np.log(x0), lo, hi)
 
 
 def operator_params(directory: str | Path | None, hardware: str) -> tuple[CalibrationParams, dict]:
@@ -302,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
     ins = error_table(in_sample)
     checks = [{"stage": f"{r.experiment}#{r.stage}", "rate": r.rate, "measured_ttft_mean": r.measured.get("ttft_mean"),
                "predicted_ttft_mean": r.predicted.get("ttft_mean"), "predicted_throughput": r.predicted_throughput,
-               "predicted_overloaded": r.predicted_overloaded or r.predicted.get("ttft_mean", 0) > QUEUED_TTFT_S}
+               "predicted_overloaded": r.predicted_overloaded}
               for r in overloaded]
     meta = {
         "engine": _engine_description(experiments),

@@ -14,7 +14,9 @@ Conventions, the same for measured and predicted figures:
 - a stage is overloaded when requests finish at less than `OVERLOAD_FRACTION` of the rate they
   arrive (measured: the run's throughput against the offered rate; simulated: completions against
   arrivals over the steady second half of the arrival window, see `steady_state`, so that neither
-  the warm-up nor the drain after the last arrival counts).
+  the warm-up nor the drain after the last arrival counts), or when its mean TTFT exceeds
+  `QUEUED_TTFT_S` (a queue built up that completions alone may not show over a finite run). One
+  rule, `is_overloaded`, for measured and simulated stages alike (fidelity and calibrate).
 """
 
 from __future__ import annotations
@@ -39,6 +41,15 @@ from traces.trace import Trace
 
 LATENCY_METRICS = ("ttft_mean", "ttft_p90", "e2e_mean", "e2e_p90", "e2e_p99", "tpot")
 OVERLOAD_FRACTION = 0.9
+QUEUED_TTFT_S = 1.0  # a mean TTFT above this means requests queued: the load was not carried
+
+
+def is_overloaded(throughput_rps: float | None, rate: float, ttft_mean: float | None) -> bool:
+    """The one overload rule (module docstring): completions under OVERLOAD_FRACTION of the offered
+    rate, or a mean TTFT above QUEUED_TTFT_S. Unknown figures (None, NaN) say nothing."""
+    slow = throughput_rps is not None and throughput_rps < OVERLOAD_FRACTION * rate
+    queued = ttft_mean is not None and ttft_mean > QUEUED_TTFT_S
+    return bool(slow or queued)
 LOAD_TYPES = ("constant", "poisson", "gamma")
 
 
@@ -92,7 +103,7 @@ class Stage:
 
     @property
     def overloaded(self) -> bool:
-        return self.throughput_rps is not None and self.throughput_rps < OVERLOAD_FRACTION * self.rate
+        return is_overloaded(self.throughput_rps, self.rate, self.ttft.mean)
 
     def metrics(self) -> dict[str, float | None]:
         """The measured `LATENCY_METRICS` (None where the source did not report one)."""
@@ -134,10 +145,14 @@ class Experiment:
 @dataclass(frozen=True)
 class ClientOverhead:
     """What a client-side latency holds beyond the server's: a fixed add to TTFT (and so to E2E),
-    and a per-output-token add (after the first token) to E2E."""
+    a per-output-token add (after the first token) to E2E, and an output lag: a token reaches the
+    client `output_lag_steps` engine iterations after the one that produced it (an engine that
+    processes and sends a step's outputs while the next step runs), so the lag costs whatever those
+    iterations take, and nothing once the engine goes idle (see `lagged_times`)."""
 
     ttft_s: float = 0.0
     per_output_token_s: float = 0.0
+    output_lag_steps: float = 0.0
 
 
 @dataclass
@@ -156,6 +171,20 @@ class StageResult:
     num_requests: int
     simulated_s: float               # the arrival window simulated (shorter when truncated)
     wall_s: float
+    # the simulated requests the latencies are over, and the iterations: kept so that client terms
+    # can be re-applied without simulating again (`with_client`); not part of equality or printing
+    requests: pd.DataFrame | None = dataclasses.field(default=None, repr=False, compare=False)
+    iterations: pd.DataFrame | None = dataclasses.field(default=None, repr=False, compare=False)
+    backlog_grew: bool = dataclasses.field(default=False, repr=False, compare=False)  # steady_state's verdict
+
+    def with_client(self, client: ClientOverhead) -> StageResult:
+        """The same simulated run seen by another client (ClientOverhead): the server's times do not
+        depend on the client terms, so nothing is simulated again."""
+        if self.requests is None:
+            raise ValueError(f"{self.experiment}#{self.stage}: the simulated requests were not kept")
+        predicted = predicted_metrics(self.requests, client, self.iterations)
+        return dataclasses.replace(self, predicted=predicted, predicted_overloaded=self.backlog_grew or is_overloaded(
+            None, self.rate, predicted["ttft_mean"]))
 
 
 def time_per_output_token(e2e_mean: float, ttft_mean: float, output_len: float) -> float:
@@ -261,29 +290,79 @@ def client_overhead(client: Any) -> ClientOverhead:
     if isinstance(client, ClientOverhead):
         return client
     if isinstance(client, dict):
-        unknown = set(client) - {"ttft_s", "per_output_token_s"}
+        unknown = set(client) - {"ttft_s", "per_output_token_s", "output_lag_steps"}
         if unknown:
-            raise ValueError(f"client: unknown keys {sorted(unknown)}; known: ttft_s, per_output_token_s")
+            raise ValueError(f"client: unknown keys {sorted(unknown)}; known: ttft_s, per_output_token_s, "
+                             "output_lag_steps")
         return ClientOverhead(**{k: float(v) for k, v in client.items()})
     params = getattr(client, "params", client)
     if hasattr(params, "client_ttft_s"):
-        return ClientOverhead(float(params.client_ttft_s), float(getattr(params, "client_per_output_token_s", 0.0)))
+        return ClientOverhead(float(params.client_ttft_s), float(getattr(params, "client_per_output_token_s", 0.0)),
+                              float(getattr(params, "client_output_lag_steps", 0.0)))
     raise ValueError(f"client: expected a dict, a ClientOverhead or calibration parameters, got {type(client).__name__}")
 
 
-def predicted_metrics(requests: pd.DataFrame, client: ClientOverhead = ClientOverhead()) -> dict[str, float]:
+def lagged_times(times: np.ndarray, iterations: pd.DataFrame, lag_steps: float) -> np.ndarray:
+    """When tokens produced at `times` (each the end of an iteration) are sent, `lag_steps` iterations
+    later: the end of the n-th following iteration, plus the fraction f of the one after it
+    (lag = n + f). Only back-to-back iterations count: once the engine is idle it has nothing to
+    overlap with, so whatever is still owed is sent at once. One replica's iterations."""
+    times = np.asarray(times, dtype=np.float64)
+    if lag_steps <= 0 or not len(times) or iterations.empty:
+        return times
+    start = iterations.start.to_numpy(np.float64)
+    order = np.argsort(start, kind="stable")
+    start = start[order]
+    end = start + iterations.duration.to_numpy(np.float64)[order]
+    # iteration i + 1 continues a busy period when it starts where i ended (float slack of 1 ns)
+    joined = np.append(start[1:] <= end[:-1] + 1e-9, False)
+    at = np.searchsorted(end, times - 1e-9, side="left")  # the iteration that produced each token
+    sent = times.copy()
+    whole, frac = int(lag_steps), lag_steps - int(lag_steps)
+    live = at < len(end)
+    for m in range(whole + (frac > 0)):
+        nxt = at + 1
+        live &= nxt < len(end)
+        live[live] &= joined[at[live]]
+        share = 1.0 if m < whole else frac
+        idx = np.where(live, nxt, 0)
+        sent = np.where(live, sent + share * (end[idx] - sent), sent)
+        at = np.where(live, nxt, at)
+    return sent
+
+
+def predicted_metrics(requests: pd.DataFrame, client: ClientOverhead = ClientOverhead(),
+                      iterations: pd.DataFrame | None = None) -> dict[str, float]:
     """`LATENCY_METRICS` of a simulated requests table, as a client would measure them: the client's
-    TTFT add on TTFT and E2E, its per-token add on E2E."""
+    TTFT add on TTFT and E2E, its per-token add on E2E, and its output lag (over `iterations`, the
+    run's iteration table; needed when the lag is not zero) on the first and last tokens."""
     done = requests[requests.status == "finished"]
     out = done.output_len.to_numpy(np.float64)
-    ttft = done.ttft.to_numpy(np.float64) + client.ttft_s
-    e2e = done.e2e_latency.to_numpy(np.float64) + client.ttft_s + client.per_output_token_s * np.maximum(out - 1, 0)
+    arrival = done.arrival.to_numpy(np.float64)
+    first, last = done.first_token_time.to_numpy(np.float64), done.finish_time.to_numpy(np.float64)
+    if client.output_lag_steps > 0:
+        if iterations is None:
+            raise ValueError("an output lag needs the run's iteration table")
+        first, last = _lagged(done, first, iterations, client), _lagged(done, last, iterations, client)
+    ttft = first - arrival + client.ttft_s
+    e2e = last - arrival + client.ttft_s + client.per_output_token_s * np.maximum(out - 1, 0)
     if not len(done):
         return dict.fromkeys(LATENCY_METRICS, math.nan)
     p_ttft, p_e2e = np.percentile(ttft, 90), np.percentile(e2e, [90, 99])
     return {"ttft_mean": float(ttft.mean()), "ttft_p90": float(p_ttft), "e2e_mean": float(e2e.mean()),
             "e2e_p90": float(p_e2e[0]), "e2e_p99": float(p_e2e[1]),
             "tpot": time_per_output_token(float(e2e.mean()), float(ttft.mean()), float(out.mean()))}
+
+
+def _lagged(done: pd.DataFrame, times: np.ndarray, iterations: pd.DataFrame, client: ClientOverhead) -> np.ndarray:
+    if "replica" not in iterations.columns or "replica" not in done.columns:
+        return lagged_times(times, iterations, client.output_lag_steps)
+    out = times.copy()
+    replica = done.replica.to_numpy()
+    for r, its in iterations.groupby("replica"):
+        mine = replica == r
+        out[mine] = lagged_times(times[mine], its, client.output_lag_steps)
+    return out
 
 
 @dataclass(frozen=True)
@@ -333,15 +412,24 @@ def simulate_stage(exp: Experiment, stage: Stage, cfg: SimConfig, cost_model: Co
     cost_model = cost_model or build_cost_model(cfg)
     res = run_simulation(dataclasses.replace(cfg, seed=seed), trace, cost_model)
     over = client_overhead(client if client is not None else _model_client(cost_model))
+    return stage_result(exp, stage, trace, res, over, t0)
+
+
+def stage_result(exp: Experiment, stage: Stage, trace: Trace, res: Any, client: ClientOverhead, t0: float,
+                 skip: int = 0) -> StageResult:
+    """A simulated run of the stage (`res`, a SimResult of `trace`) set beside the measurement:
+    latencies as the client would see them over the requests after the first `skip`, and the one
+    overload rule (`is_overloaded`) applied to both sides."""
     steady = steady_state(res.requests)
+    requests = res.requests[res.requests.request_id >= skip] if skip else res.requests
+    predicted = predicted_metrics(requests, client, res.iterations)
     return StageResult(
-        experiment=exp.name, stage=stage.index, rate=stage.rate, measured=stage.metrics(),
-        predicted=predicted_metrics(res.requests, over),
+        experiment=exp.name, stage=stage.index, rate=stage.rate, measured=stage.metrics(), predicted=predicted,
         measured_overloaded=exp.overloaded_by_source or stage.overloaded,
-        predicted_overloaded=steady.overloaded,
+        predicted_overloaded=steady.overloaded or is_overloaded(None, stage.rate, predicted["ttft_mean"]),
         measured_throughput=stage.throughput_rps, predicted_throughput=steady.completion_rate, num_requests=len(trace),
         simulated_s=float(trace.arrival[-1] - trace.arrival[0]) if len(trace) else 0.0,
-        wall_s=time.perf_counter() - t0)
+        wall_s=time.perf_counter() - t0, requests=requests, iterations=res.iterations, backlog_grew=steady.overloaded)
 
 
 def _model_client(cost_model: CostModel | None) -> Any:

@@ -20,7 +20,10 @@ the rest (overheads, attention, the client terms) to end-to-end measurements by 
 
 The client terms are not part of an iteration: `client_latency` is what a client-measured TTFT and
 E2E include beyond the server (HTTP, tokenization, streaming), added to simulated latencies when they
-are compared with measured ones.
+are compared with measured ones; `client_output_lag_steps` says how many engine iterations after the
+one that produced it a token reaches the client (an engine that sends a step's outputs while the next
+step runs: the lag then costs a step of whatever model runs, not a fixed time; applied over the run's
+iteration table by analysis/measurements.py `lagged_times`).
 
 Calibrations are JSON files (`save_calibration`, `load_calibration`); the project's own ship in
 sim/calibrations/ and are found by name.
@@ -72,6 +75,7 @@ class CalibrationParams:
     prefill_attn_eff: float = 0.5       # attention FLOPs efficiency
     client_ttft_s: float = 5e-3         # HTTP + tokenization + first chunk: added to TTFT and E2E
     client_per_output_token_s: float = 0.0  # streaming cost per output token after the first (E2E only)
+    client_output_lag_steps: float = 0.0  # iterations between a token's step and its reaching the client
     pcie_eff: float = 0.75
     memcpy_latency_s: float = 2.3e-6
 
