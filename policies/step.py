@@ -193,16 +193,19 @@ def _stop_at_arrivals(plan: RepeatPlan, ends: np.ndarray, start: float, next_arr
     """How many of the plan's iterations (ending at `ends`) stay certain given arrivals and the
     policy's wake time: the first iteration starting at or after a time when something could be
     admitted may not be skipped; clears plan.exhausts when the window is cut or arrivals read the
-    replica. None when fewer than 2 iterations remain and no preempting one ends the window."""
+    replica (the preempting iteration, priced only once applied, may pass an arrival: it ends a
+    routed window only when no arrival is left). None when fewer than 2 iterations remain and no
+    preempting one ends the window."""
     k = plan.steps
     if routed or sched.queues_by_state:
         # every arrival reads this replica's (or its policy's) state: finish the window before it
         safe = int(np.searchsorted(ends, next_arrival, side="left"))
         # and the first iteration starting at or after the policy's wake time
         safe = min(safe, int(np.searchsorted(ends[:-1], sched.wake_time(start), side="left")) + 1)
-        plan.exhausts = False  # stepped instead: its end may pass an arrival
+        if safe < k or next_arrival != math.inf:
+            plan.exhausts = False  # stepped instead: its end may pass an arrival (priced once applied)
         k = min(k, safe)
-        return k if k >= 2 else None
+        return k if k >= 2 or plan.exhausts else None
     if not k:  # only the preempting iteration, which admits nothing whatever arrives
         return k
     # the first iteration starting at or after `limit` could admit (or reject) something: an

@@ -129,3 +129,19 @@ def test_apply_repeat_refuses_a_plan_widened_or_not_offered():
         sched.apply_repeat(plan, now, ex.price)
     with pytest.raises(AssertionError, match="offered no RepeatPlan"):
         Scheduler.apply_repeat(sched, plan, now, ex.price)
+
+
+@pytest.mark.parametrize("router", ["least-loaded", "cache-aware"])
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_routed_windows_run_through_block_exhaustion_once_every_request_has_arrived(router, preemption):
+    # all 200 requests arrive within the first second, far above what 3 small replicas serve: the
+    # long drain after the last arrival has no router call left to read a replica's state, so its
+    # windows end with the preempting iteration as a single replica's do, and still equal stepping
+    tr = resolve_trace("sharegpt-like", num_requests=200, rate=400.0, seed=7)
+    cfg = SimConfig(num_gpu_blocks=250, replicas=3, router=router, preemption=preemption, debug=True)
+    a = run_simulation(cfg, tr)
+    e = a.summary["engine"]
+    assert e["preempting_in_windows"] > 0 and a.summary["num_finished"] == 200
+    b = run_simulation(dataclasses.replace(cfg, fast_forward=False), tr)
+    pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
+    pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
