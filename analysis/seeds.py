@@ -80,3 +80,28 @@ def rate_line(ax: Any, data: pd.DataFrame, y: str, label: str, x: str = "rate") 
         sns.lineplot(data=data, x=x, y=y, marker="o", errorbar=("ci", 95), seed=0, ax=ax, label=label, legend=False)
     else:
         ax.plot(data[x], data[y], marker="o", label=label)
+
+
+# ---- a seeded study's terminal report ----
+
+def seeds_note(seeds: int) -> str:
+    """The figure-title suffix of a seeded study."""
+    return f"; 95% CI over {seeds} seeds" if seeds > 1 else ""
+
+
+def seed_cell(row: dict) -> str:
+    """A printed row's seed column (empty without seeds)."""
+    return f" {row['seed']:>5}" if "seed" in row else ""
+
+
+def write_seed_summary(table: pd.DataFrame, keys: list[str], path: Any, metric: str) -> None:
+    """With a seed column: the per-configuration means and 95% CIs to `path`, and `metric`'s printed."""
+    if "seed" not in table:
+        return
+    summary = ci_table(table, keys)
+    summary.to_csv(path, index=False)
+    print(f"\n{metric}, mean +- 95% CI over {int(summary.seeds.max())} seeds:")
+    for r in summary.itertuples(index=False):
+        d = r._asdict()
+        print("  " + " ".join(f"{d[k]}" for k in keys) + f": {d[metric]:.4g} +- {d[metric + '_ci95']:.2g}")
+    print(f"wrote {path}")

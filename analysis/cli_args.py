@@ -1,0 +1,269 @@
+"""The command-line arguments the `pagesim` commands share, and what they build: the one SimConfig,
+the workload, the live replay options.
+
+Every command module (pagesim/*.py, and the study modules here in analysis/ that own their
+commands) adds its arguments with these groups, so a flag means the same thing, with the same
+default and help, wherever it appears. It lives in analysis/ rather than pagesim/ because the study
+modules need it and pagesim/ (the composition root) sits above analysis/; its only pagesim import is
+pagesim.argtypes, a leaf of argparse converters that imports nothing of ours.
+
+`sim_config(args)` is the only place a SimConfig is built from arguments: each SimConfig field a
+command has an argument of the same name for takes that argument's value, so a command's
+configuration is what its flags say, and a study fixes its own choices as keyword overrides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from analysis.parallel import add_executor_args
+from pagesim.argtypes import (
+    non_negative_float,
+    non_negative_int,
+    out_dir,
+    positive_float,
+    positive_int,
+    rate,
+    seed,
+)
+from policies.registry import POLICIES
+from policies.router import MATCH_ROUTERS, ROUTERS
+from traces.loaders import KNOWN_FORMATS
+from traces.synthetic import SYNTHETIC
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--trace", default="sharegpt-like",
+                   help=f"a trace file, or a synthetic workload: {', '.join(SYNTHETIC)} (default: sharegpt-like)")
+    g.add_argument("--trace-format", choices=KNOWN_FORMATS, help="file format (default: detect from columns)")
+    g.add_argument("--num-requests", type=positive_int, help="use the first N requests (synthetic default: 1000)")
+    g.add_argument("--rate", type=rate, help="mean arrival rate, req/s (Poisson; rescales a timestamped trace)")
+    g.add_argument("--burstiness", type=non_negative_float,
+                   help="inter-arrival coefficient of variation (Gamma arrivals; 1 = Poisson, 0 = constant, evenly "
+                        "spaced at 1/rate)")
+    g.add_argument("--n", type=positive_int, help="parallel samples per request (overrides the trace)")
+    g.add_argument("--beam-width", type=positive_int, help="beam width per request (overrides the trace)")
+    g.add_argument("--seed", type=seed, default=0, help="seed for every random choice (default 0)")
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("policy")
+    g.add_argument("--policy", default="vllm", type=policy_name,
+                   help=f"scheduling policy: {', '.join(POLICIES)}, a class as package.module:Class (a "
+                        "policies.queue_policy.QueuePolicy or a Scheduler), or a 'pagesim.policies' entry point "
+                        "(default vllm)")
+    g.add_argument("--policy-arg", action="append", metavar="KEY=VALUE", dest="policy_args",
+                   help="a keyword option of the policy class (repeatable), e.g. --policy sjf --policy-arg aging=2")
+    g.add_argument("--block-size", type=positive_int, default=16, help="KV block size in tokens (default 16)")
+    g.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
+    g.add_argument("--max-num-seqs", type=positive_int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=4096)
+    g.add_argument("--chunked-prefill", action="store_true")
+    g.add_argument("--prefix-caching", action="store_true")
+
+
+def policy_name(text: str) -> str:
+    """A policy argument that resolves (registry name, module:Class, entry point), checked up front."""
+    from policies.registry import resolve_policy
+    try:
+        resolve_policy(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def policy_options(args: argparse.Namespace) -> dict:
+    """The policy class's keyword options from --policy-arg KEY=VALUE."""
+    from policies.registry import parse_policy_args
+    return parse_policy_args(getattr(args, "policy_args", None))
+
+
+def add_replica_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("replicas (simulation only)")
+    g.add_argument("--replicas", type=positive_int, default=1, help="model replicas, each with its own KV cache (default 1)")
+    g.add_argument("--router", default="round-robin", choices=list(ROUTERS),
+                   help="how arrivals are spread over replicas (default round-robin)")
+    g.add_argument("--replica-hardware", nargs="+", metavar="GPU",
+                   help="each replica's GPU spec, e.g. a100-80gb a100-80gb h100-sxm (sets --replicas; roofline only)")
+    g.add_argument("--disaggregate", type=positive_int, nargs=2, metavar=("PREFILL", "DECODE"),
+                   help="disaggregated serving: PREFILL replicas compute prompts and first tokens, the KV moves to "
+                        "DECODE replicas (policy vllm)")
+    g.add_argument("--transfer-bandwidth", type=gigabytes_per_s, metavar="GB/S",
+                   help="with --disaggregate: the prefill -> decode KV link, GB/s (default: the NVLink bandwidth)")
+    g.add_argument("--max-imbalance", type=non_negative_int,
+                   help="prefix-affinity, cache-aware: the most outstanding requests a matched replica may hold "
+                        "above the least loaded (default 8)")
+
+
+def gigabytes_per_s(text: str) -> float:
+    """A bandwidth argument given in GB/s, as bytes/s."""
+    try:
+        return positive_float(text) * 1e9
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be > 0 GB/s, got {text}") from None
+
+
+def add_device_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--attention", help="attention backend: torch-compiled (the CPU default: decode compiled by "
+                                      "torch.compile), torch (eager), triton (the CUDA default); also "
+                                      "PAGESIM_ATTENTION")
+
+
+def add_live_model_args(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m (real weights), a HF directory, a config.json, a catalogue name or a HF id in "
+                        "--models-dir (random weights)")
+    add_device_args(m)
+    m.add_argument("--num-gpu-blocks", type=positive_int, default=512, help="KV cache size in blocks (default 512)")
+    m.add_argument("--num-cpu-blocks", type=non_negative_int, default=512, help="CPU swap space in blocks (default 512)")
+
+
+def add_study_args(p: argparse.ArgumentParser, trace: str, rates: list[float]) -> None:
+    """The workload, model and hardware of a study that simulates one trace at several rates."""
+    p.add_argument("--trace", default=trace, help=f"a trace file or a synthetic kind (default {trace})")
+    p.add_argument("--trace-format", choices=KNOWN_FORMATS)
+    p.add_argument("--num-requests", type=positive_int, default=1000)
+    p.add_argument("--rates", type=rate, nargs="+", default=rates,
+                   help=f"request rates, req/s (default {' '.join(f'{r:g}' for r in rates)})")
+    p.add_argument("--model", default="opt-13b")
+    p.add_argument("--hardware", default="a100-40gb")
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--profile", help="price iterations with this profile (file or shipped name) instead of the "
+                                     "roofline model; needs --num-gpu-blocks")
+    p.add_argument("--calibration", help="price iterations with the calibrated roofline: a calibration file from "
+                                         "`pagesim calibrate`, or a shipped one's name (vllm-v1-h100)")
+    p.add_argument("--num-gpu-blocks", type=positive_int, help="override the derived KV capacity (blocks)")
+    p.add_argument("--jobs", type=positive_int, default=1,
+                   help="simulations run at once in worker processes (default 1; the results are the same)")
+    add_executor_args(p)
+
+
+def add_seeds_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seeds", type=positive_int, default=1,
+                   help="repeat the study with seeds --seed, --seed+1, ...: each re-draws a synthetic workload and "
+                        "generated arrivals; adds a seed column and a summary with 95%% CIs (default 1)")
+
+
+def add_output_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Where a run writes (the same three files, simulated or live) and its goodput SLOs."""
+    g = p.add_argument_group("output")
+    g.add_argument("--slo-ttft", type=positive_float, help="TTFT SLO in seconds, for goodput")
+    g.add_argument("--slo-tpot", type=positive_float, help="TPOT SLO in seconds, for goodput")
+    g.add_argument("--out", type=out_dir, required=True, help="output directory")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    return g
+
+
+# ---- what the arguments build ----
+
+def sim_config(args: argparse.Namespace, **overrides: Any):
+    """The SimConfig of a command's arguments. Each SimConfig field the command has an argument of
+    the same name for takes its value; the fields several arguments decide are derived where the
+    command has those arguments (policy_options from --policy-arg, replicas from --replicas and
+    --replica-hardware, router_options from --max-imbalance, cost_model from --profile and
+    --cost-model, fast_forward from --no-skip-ahead); `overrides` come last (a study's own choices,
+    and the fields whose same-named argument means something else there, e.g. a list of widths).
+    Building it checks the values (SimConfig refuses what no run could use)."""
+    from sim.run import SimConfig
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(SimConfig) if hasattr(args, f.name)}
+    for name in ("replica_hardware", "disaggregate"):  # nargs lists, or None when not given
+        if name in values:
+            values[name] = tuple(values[name] or ())
+    derived = {  # field: (the arguments it needs, how it follows from them)
+        "policy_options": (("policy_args",), policy_options),
+        "replicas": (("replica_hardware",), replica_count),
+        "router_options": (("max_imbalance", "router"), router_options),
+        "cost_model": (("profile",), lambda a: "profiled" if a.profile else getattr(a, "cost_model", "roofline")),
+        "fast_forward": (("no_skip_ahead",), lambda a: not a.no_skip_ahead),
+    }
+    for name, (needs, value) in derived.items():
+        if name not in overrides and all(hasattr(args, n) for n in needs):
+            values[name] = value(args)
+    return SimConfig(**{**values, **overrides})
+
+
+def replica_count(args: argparse.Namespace) -> int:
+    """--replicas, or the number of GPUs --replica-hardware names (both given: they must agree)."""
+    hw = getattr(args, "replica_hardware", None)
+    n = getattr(args, "replicas", 1)
+    if not hw:
+        return n
+    if n not in (1, len(hw)):
+        raise ValueError(f"--replicas {n} but --replica-hardware names {len(hw)} GPUs")
+    return len(hw)
+
+
+def router_options(args: argparse.Namespace) -> dict:
+    if getattr(args, "max_imbalance", None) is None:
+        return {}
+    if args.router not in MATCH_ROUTERS:
+        raise ValueError(f"--max-imbalance applies to --router {' or '.join(MATCH_ROUTERS)}, not {args.router}")
+    return {"max_imbalance": args.max_imbalance}
+
+
+def check_workload_size(spec: str, num_requests: int | None) -> None:
+    """Refuse a synthetic workload too large to simulate before generating it (sim.limits); a trace
+    file's requests are counted when they become requests (sim.run.requests_from_trace)."""
+    from sim.limits import REQUEST_BYTES, check_fits
+    if spec in SYNTHETIC and num_requests:
+        check_fits(f"--num-requests {num_requests:,}", [(num_requests, REQUEST_BYTES)])
+
+
+def load_workload(args: argparse.Namespace):
+    """The trace of the workload arguments (add_workload_args), with its arrivals."""
+    from traces import resolve_trace
+    check_workload_size(args.trace, args.num_requests)
+    return resolve_trace(args.trace, num_requests=args.num_requests, rate=args.rate,
+                         burstiness=args.burstiness, seed=args.seed, format=args.trace_format)
+
+
+def study_trace(args: argparse.Namespace, seed: int | None = None):
+    """The trace of a study's arguments (add_study_args), drawn with `seed` (default --seed)."""
+    from traces import resolve_trace
+    check_workload_size(args.trace, args.num_requests)
+    # the lengths are drawn once; each rate re-draws (or rescales) the arrivals
+    return resolve_trace(args.trace, num_requests=args.num_requests, format=args.trace_format,
+                         seed=args.seed if seed is None else seed, rate=args.rates[0])
+
+
+def study_workloads(args: argparse.Namespace, draw=None):
+    """(the study's workload: one trace, or one per seed with --seeds > 1; the first trace).
+    `draw(seed)` makes one (default: study_trace)."""
+    from analysis.seeds import seed_workloads
+    workload = seed_workloads(draw or (lambda s: study_trace(args, s)), args.seed, getattr(args, "seeds", 1))
+    return workload, workload[0] if isinstance(workload, list) else workload
+
+
+def study_title(args: argparse.Namespace) -> str:
+    """What a study's cost model prices, for its header and figure titles."""
+    return f"{args.model}, profile {args.profile}" if args.profile else f"{args.model} on {args.hardware}"
+
+
+def require_backend():
+    """backend.live, or a one-line error saying how to install the backend extra (torch is imported
+    here, when a live command runs, never when the command line is parsed)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        raise ValueError("live execution needs the backend extra: pip install -e '.[backend]' "
+                         "(or `make setup`)") from exc
+    from backend import live
+    return live
+
+
+def live_options(args: argparse.Namespace):
+    """The live replay options (backend.replay.LiveOptions) of `pagesim live`'s arguments."""
+    from backend.replay import LiveOptions
+    return LiveOptions(model=args.model, device=args.device, attention=args.attention,
+                       num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks,
+                       block_size=args.block_size, policy=args.policy, policy_options=policy_options(args),
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       preemption=args.preemption, chunked_prefill=args.chunked_prefill,
+                       prefix_caching=args.prefix_caching, seed=args.seed, slo_ttft=args.slo_ttft,
+                       slo_tpot=args.slo_tpot)
