@@ -322,27 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     from pagesim.serve import add_serve_parser  # the server's parser and run function live there
     add_serve_parser(sub)
 
-    sw = sub.add_parser("sweep", help="simulate several policies over several request rates and plot",
-                        description="Throughput-latency curves: writes sweep.csv, latency_vs_rate.png and "
-                                    "memory_breakdown.png to --out.")
-    add_study_args(sw, "sharegpt-like", [0.5, 1.0, 1.5, 2.0, 2.5])
-    add_seeds_arg(sw)
-    sw.add_argument("--policies", nargs="+", default=["vllm", "orca-oracle", "orca-pow2", "orca-max"],
-                    choices=list(POLICIES))
-    sw.add_argument("--tp", type=positive_int, default=1)
-    sw.add_argument("--max-num-seqs", type=positive_int, default=256)
-    sw.add_argument("--max-num-batched-tokens", type=positive_int, default=4096)
-    sw.add_argument("--n", type=positive_int)
-    sw.add_argument("--beam-width", type=positive_int)
-    paged = sw.add_argument_group("vllm options (the contiguous baselines run without them)")
-    paged.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
-    paged.add_argument("--chunked-prefill", action="store_true")
-    paged.add_argument("--prefix-caching", action="store_true")
-    add_replica_args(sw)
-    sw.add_argument("--latency-limit", type=positive_float, default=1.0,
-                    help="normalized latency (s/token) for the max-sustainable-rate line (default 1.0)")
-    sw.add_argument("--out", type=out_dir, required=True)
-    sw.set_defaults(func=cmd_sweep)
+    from analysis.sweep import add_parser as add_sweep_parser  # the command lives there
+    add_sweep_parser(sub)
 
     sh = sub.add_parser("sharing", help="memory saved by block sharing under parallel sampling and beam search",
                         description="The vLLM paper's Figure 15 measure: blocks saved by sharing / blocks "
@@ -553,50 +534,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         summaries[policy] = result.summary
     print(summary_table(summaries))
     print(f"\nper-request and per-iteration tables in {args.out}/<policy>/; try `pagesim simulate --help`")
-    return 0
-
-
-def cmd_sweep(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from analysis.plots import latency_vs_rate, memory_breakdown
-    from analysis.sweep import max_sustainable_rate, sweep
-    from sim.run import SimConfig
-
-    workload, trace = _study_workloads(args)
-    base = SimConfig(model=args.model, hardware=args.hardware, tp=args.tp, block_size=args.block_size,
-                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                     n=args.n, beam_width=args.beam_width, seed=args.seed, preemption=args.preemption,
-                     chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching,
-                     replicas=_replica_count(args), router=args.router, router_options=_router_options(args),
-                     replica_hardware=tuple(args.replica_hardware or ()),
-                     **_study_costs(args))
-    replicas = f"{base.replicas} replicas ({args.router}) of " if base.replicas > 1 else ""
-    print(f"sweep: {len(trace)} requests of {trace.name}, {replicas}{_study_title(args)}")
-    vllm_opts = [o for o, on in (("--chunked-prefill", args.chunked_prefill), ("--prefix-caching", args.prefix_caching),
-                                 (f"--preemption {args.preemption}", args.preemption != "recompute")) if on]
-    if vllm_opts:
-        print(f"{' '.join(vllm_opts)}: vllm runs only")
-    print(f"{'policy':<12} {'rate':>6} {'req/s':>7} {'norm lat':>9} {'p90 TTFT':>9} {'preempt':>8} {'wall s':>7}"
-          + (f" {'seed':>5}" if args.seeds > 1 else ""))
-
-    def show(r: dict) -> None:
-        print(f"{r['policy']:<12} {r['rate']:>6.2f} {r['throughput']:>7.3f} {r['mean_normalized_latency']:>9.4f} "
-              f"{r['ttft_p90']:>9.2f} {r['preemptions']:>8} {r['wall_s']:>7.2f}" + _seed_cell(r), flush=True)
-
-    table, memory = sweep(workload, base, args.policies, args.rates, on_result=show, jobs=args.jobs,
-                          **executor_options(args))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out / "sweep.csv", index=False)
-    _write_seed_summary(table, ["policy", "rate"], out / "sweep_summary.csv", "mean_normalized_latency")
-    title = f"{trace.name}, {_study_title(args)}" + _seeds_note(args)
-    latency_vs_rate(table, out / "latency_vs_rate.png", title)
-    memory_breakdown(memory, out / "memory_breakdown.png", f"KV memory at {max(args.rates)} req/s")
-    best = max_sustainable_rate(table, args.latency_limit)
-    print(f"\nhighest swept rate with mean normalized latency <= {args.latency_limit} s/token: "
-          + ", ".join(f"{p} {r:g}" for p, r in best.items()))
-    print(f"wrote {out}/sweep.csv, latency_vs_rate.png, memory_breakdown.png")
     return 0
 
 
