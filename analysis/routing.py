@@ -3,17 +3,28 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from analysis.parallel import run_tasks
+from analysis.cli_args import (
+    add_seeds_arg,
+    add_study_args,
+    check_workload_size,
+    sim_config,
+    study_title,
+    study_workloads,
+)
+from analysis.parallel import executor_options, run_tasks
 from analysis.plots import rate_panels
-from analysis.seeds import seeded
+from analysis.seeds import seed_cell, seeded, seeds_note, write_seed_summary
 from analysis.sweep import headline
-from policies.router import MATCH_ROUTERS
+from pagesim.argtypes import non_negative_int, out_dir, positive_int
+from policies.router import MATCH_ROUTERS, ROUTERS
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
@@ -66,3 +77,116 @@ def routing_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path
                                          ("mean_normalized_latency", "mean normalized latency (s/token)", True, None),
                                          ("prefix_hit_fraction", "prompt tokens from prefix cache", False, (0, 1))],
                        path, title)
+
+
+# ---- the command: `pagesim routing` ----
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    rt = sub.add_parser("routing", help="compare routers across replicas over request rates (simulated)",
+                        description="Serve one trace with several replicas under each router at each rate; "
+                                    "writes routing.csv and routing.png (TTFT, normalized latency and prefix-cache "
+                                    "hits against rate) to --out. The default workload: 200 shared 4,096-token "
+                                    "prefixes, more than one replica's cache holds.")
+    add_study_args(rt, "shared-prefix", [4.0, 8.0, 12.0, 16.0, 24.0])
+    add_seeds_arg(rt)
+    rt.set_defaults(model="llama-3.1-8b", hardware="a100-80gb")
+    rt.add_argument("--replicas", type=positive_int, default=4, help="replicas (default 4)")
+    rt.add_argument("--replica-hardware", nargs="+", metavar="GPU",
+                    help="each replica's GPU spec (sets --replicas; default: all on --hardware)")
+    rt.add_argument("--routers", nargs="+", default=["round-robin", "least-loaded", "prefix-affinity", "cache-aware"],
+                    choices=list(ROUTERS))
+    rt.add_argument("--max-imbalance", type=non_negative_int, help="prefix-affinity's and cache-aware's load cap (default 8)")
+    rt.add_argument("--no-prefix-caching", action="store_true", help="turn the replicas' prefix caches off")
+    rt.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, help="token budget (default 8192)")
+    rt.add_argument("--no-chunked-prefill", action="store_true", help="prefill whole prompts (default: chunked)")
+    sp = rt.add_argument_group("the shared-prefix workload (when --trace shared-prefix)")
+    sp.add_argument("--num-prefixes", type=positive_int, default=200)
+    sp.add_argument("--prefix-len", type=non_negative_int, default=4096)
+    sp.add_argument("--suffix-len", type=non_negative_int, default=128)
+    sp.add_argument("--output-len", type=positive_int, default=256)
+    rt.add_argument("--out", type=out_dir, required=True)
+    rt.set_defaults(func=command)
+
+
+@dataclass
+class RoutingStudy:
+    """A router study as its arguments define it: the workload (one trace, or one per seed), its
+    first trace, the configuration every run starts from, and the matching routers' options."""
+
+    workload: Trace | list[Trace]
+    trace: Trace
+    base: SimConfig
+    router_options: dict
+
+
+@dataclass
+class RoutingTables:
+    study: RoutingStudy
+    table: pd.DataFrame  # one row per (router, rate[, seed])
+
+
+def prepare(args: argparse.Namespace) -> RoutingStudy:
+    from traces.synthetic import make_synthetic
+
+    def shared_prefix(seed: int) -> Trace:
+        return apply_arrivals(make_synthetic("shared-prefix", args.num_requests, seed=seed,
+                                             num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
+                                             suffix_len=args.suffix_len, output_len=args.output_len),
+                              rate=args.rates[0], seed=seed)
+
+    if args.trace == "shared-prefix":
+        check_workload_size(args.trace, args.num_requests)
+    workload, trace = study_workloads(args, shared_prefix if args.trace == "shared-prefix" else None)
+    opts = {} if args.max_imbalance is None else {"max_imbalance": args.max_imbalance}
+    if opts and not set(MATCH_ROUTERS) & set(args.routers):
+        raise ValueError(f"--max-imbalance applies to the {' and '.join(MATCH_ROUTERS)} routers, neither in --routers")
+    # --replica-hardware sets the count whatever --replicas says (its default is 4, not 1)
+    base = sim_config(args, replicas=len(args.replica_hardware or ()) or args.replicas,
+                      prefix_caching=not args.no_prefix_caching, chunked_prefill=not args.no_chunked_prefill)
+    return RoutingStudy(workload, trace, base, opts)
+
+
+def run(args: argparse.Namespace, study: RoutingStudy | None = None,
+        on_row: Callable[[dict], None] | None = None) -> RoutingTables:
+    """The router study's table; `on_row(row)` as each run finishes."""
+    study = study or prepare(args)
+    table = router_sweep(study.workload, study.base, args.routers, args.rates, on_result=on_row,
+                         router_options=study.router_options, jobs=args.jobs, **executor_options(args))
+    return RoutingTables(study, table)
+
+
+def command(args: argparse.Namespace) -> int:
+    study = prepare(args)
+    print_header(args, study)
+    write_report(args, run(args, study, on_row=print_row))
+    return 0
+
+
+def _replicas_of(args: argparse.Namespace) -> str:
+    hw = args.replica_hardware
+    return f"{args.model} on {' + '.join(hw)}" if hw else study_title(args)
+
+
+def print_header(args: argparse.Namespace, study: RoutingStudy) -> None:
+    print(f"routing: {len(study.trace)} requests of {study.trace.name}, {study.base.replicas} replicas of "
+          f"{_replicas_of(args)}, prefix caching {'off' if args.no_prefix_caching else 'on'}")
+    print(f"{'router':<16} {'rate':>6} {'req/s':>7} {'TTFT':>8} {'norm lat':>9} {'cache hit':>9} {'spread':>7} "
+          f"{'wall s':>7}" + (f" {'seed':>5}" if args.seeds > 1 else ""))
+
+
+def print_row(r: dict) -> None:
+    print(f"{r['router']:<16} {r['rate']:>6.2f} {r['throughput']:>7.3f} {r['ttft_mean']:>8.3f} "
+          f"{r['mean_normalized_latency']:>9.4f} {r['prefix_hit_fraction']:>9.1%} {r['imbalance']:>7.2f} "
+          f"{r['wall_s']:>7.2f}" + seed_cell(r), flush=True)
+
+
+def write_report(args: argparse.Namespace, result: RoutingTables) -> None:
+    """routing.csv (and routing_summary.csv with seeds), routing.png, and the closing line."""
+    table, study = result.table, result.study
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / "routing.csv", index=False)
+    write_seed_summary(table, ["router", "rate"], out / "routing_summary.csv", "ttft_mean")
+    routing_plot(table, out / "routing.png", f"{study.trace.name}, {study.base.replicas} replicas of "
+                 f"{_replicas_of(args)}" + seeds_note(args.seeds))
+    print(f"wrote {out}/routing.csv, routing.png")

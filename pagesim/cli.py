@@ -339,30 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--out", type=out_dir, help="write sharing.csv here")
     sh.set_defaults(func=cmd_sharing)
 
-    rt = sub.add_parser("routing", help="compare routers across replicas over request rates (simulated)",
-                        description="Serve one trace with several replicas under each router at each rate; "
-                                    "writes routing.csv and routing.png (TTFT, normalized latency and prefix-cache "
-                                    "hits against rate) to --out. The default workload: 200 shared 4,096-token "
-                                    "prefixes, more than one replica's cache holds.")
-    add_study_args(rt, "shared-prefix", [4.0, 8.0, 12.0, 16.0, 24.0])
-    add_seeds_arg(rt)
-    rt.set_defaults(model="llama-3.1-8b", hardware="a100-80gb")
-    rt.add_argument("--replicas", type=positive_int, default=4, help="replicas (default 4)")
-    rt.add_argument("--replica-hardware", nargs="+", metavar="GPU",
-                    help="each replica's GPU spec (sets --replicas; default: all on --hardware)")
-    rt.add_argument("--routers", nargs="+", default=["round-robin", "least-loaded", "prefix-affinity", "cache-aware"],
-                    choices=list(ROUTERS))
-    rt.add_argument("--max-imbalance", type=non_negative_int, help="prefix-affinity's and cache-aware's load cap (default 8)")
-    rt.add_argument("--no-prefix-caching", action="store_true", help="turn the replicas' prefix caches off")
-    rt.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, help="token budget (default 8192)")
-    rt.add_argument("--no-chunked-prefill", action="store_true", help="prefill whole prompts (default: chunked)")
-    sp = rt.add_argument_group("the shared-prefix workload (when --trace shared-prefix)")
-    sp.add_argument("--num-prefixes", type=positive_int, default=200)
-    sp.add_argument("--prefix-len", type=non_negative_int, default=4096)
-    sp.add_argument("--suffix-len", type=non_negative_int, default=128)
-    sp.add_argument("--output-len", type=positive_int, default=256)
-    rt.add_argument("--out", type=out_dir, required=True)
-    rt.set_defaults(func=cmd_routing)
+    from analysis.routing import add_parser as add_routing_parser  # the command lives there
+    add_routing_parser(sub)
 
     cap = sub.add_parser("capacity", help="the fewest replicas that serve a trace within latency SLOs (simulated)",
                          description="Capacity planning: for each router and rate, the fewest replicas with at least "
@@ -534,53 +512,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         summaries[policy] = result.summary
     print(summary_table(summaries))
     print(f"\nper-request and per-iteration tables in {args.out}/<policy>/; try `pagesim simulate --help`")
-    return 0
-
-
-def cmd_routing(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from analysis.routing import router_sweep, routing_plot
-    from sim.run import SimConfig
-    from traces import apply_arrivals
-    from traces.synthetic import make_synthetic
-
-    def shared_prefix(seed: int):
-        return apply_arrivals(make_synthetic("shared-prefix", args.num_requests, seed=seed,
-                                             num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
-                                             suffix_len=args.suffix_len, output_len=args.output_len),
-                              rate=args.rates[0], seed=seed)
-
-    if args.trace == "shared-prefix":
-        _check_workload_size(args.trace, args.num_requests)
-    workload, trace = _study_workloads(args, shared_prefix if args.trace == "shared-prefix" else None)
-    opts = {} if args.max_imbalance is None else {"max_imbalance": args.max_imbalance}
-    if opts and not set(MATCH_ROUTERS) & set(args.routers):
-        raise ValueError(f"--max-imbalance applies to the {' and '.join(MATCH_ROUTERS)} routers, neither in --routers")
-    hw = tuple(args.replica_hardware or ())
-    base = SimConfig(model=args.model, hardware=args.hardware, block_size=args.block_size, seed=args.seed,
-                     replicas=len(hw) or args.replicas, replica_hardware=hw, prefix_caching=not args.no_prefix_caching,
-                     chunked_prefill=not args.no_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
-                     **_study_costs(args))
-    on = f"{args.model} on {' + '.join(hw)}" if hw else _study_title(args)
-    print(f"routing: {len(trace)} requests of {trace.name}, {base.replicas} replicas of {on}, "
-          f"prefix caching {'off' if args.no_prefix_caching else 'on'}")
-    print(f"{'router':<16} {'rate':>6} {'req/s':>7} {'TTFT':>8} {'norm lat':>9} {'cache hit':>9} {'spread':>7} "
-          f"{'wall s':>7}" + (f" {'seed':>5}" if args.seeds > 1 else ""))
-
-    def show(r: dict) -> None:
-        print(f"{r['router']:<16} {r['rate']:>6.2f} {r['throughput']:>7.3f} {r['ttft_mean']:>8.3f} "
-              f"{r['mean_normalized_latency']:>9.4f} {r['prefix_hit_fraction']:>9.1%} {r['imbalance']:>7.2f} "
-              f"{r['wall_s']:>7.2f}" + _seed_cell(r), flush=True)
-
-    table = router_sweep(workload, base, args.routers, args.rates, on_result=show, router_options=opts, jobs=args.jobs,
-                         **executor_options(args))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out / "routing.csv", index=False)
-    _write_seed_summary(table, ["router", "rate"], out / "routing_summary.csv", "ttft_mean")
-    routing_plot(table, out / "routing.png", f"{trace.name}, {base.replicas} replicas of {on}" + _seeds_note(args))
-    print(f"wrote {out}/routing.csv, routing.png")
     return 0
 
 
