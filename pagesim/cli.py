@@ -325,19 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     from analysis.sweep import add_parser as add_sweep_parser  # the command lives there
     add_sweep_parser(sub)
 
-    sh = sub.add_parser("sharing", help="memory saved by block sharing under parallel sampling and beam search",
-                        description="The vLLM paper's Figure 15 measure: blocks saved by sharing / blocks "
-                                    "without sharing, time-averaged, for each width and rate (policy vllm).")
-    add_study_args(sh, "alpaca-like", [10.0])
-    sh.add_argument("--n", type=positive_int, nargs="*", default=[2, 4, 6], help="parallel sampling widths (default 2 4 6)")
-    sh.add_argument("--beam-width", type=positive_int, nargs="*", default=[2, 4, 6], help="beam widths (default 2 4 6)")
-    sh.add_argument("--beam-decay", type=positive_float, nargs="+", default=[0.5],
-                    help="q of the simulated beam rule (parents picked ~ q^rank; measure it with `pagesim beams`): "
-                         "one value, or one per --beam-width (default 0.5)")
-    sh.add_argument("--beam-picks", help="a measured pick table (`pagesim beams --out`) for the widths it covers, "
-                                         "instead of the q^rank rule")
-    sh.add_argument("--out", type=out_dir, help="write sharing.csv here")
-    sh.set_defaults(func=cmd_sharing)
+    from analysis.sharing import add_parser as add_sharing_parser  # the command lives there
+    add_sharing_parser(sub)
 
     from analysis.routing import add_parser as add_routing_parser  # the command lives there
     add_routing_parser(sub)
@@ -512,40 +501,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         summaries[policy] = result.summary
     print(summary_table(summaries))
     print(f"\nper-request and per-iteration tables in {args.out}/<policy>/; try `pagesim simulate --help`")
-    return 0
-
-
-def cmd_sharing(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from analysis.sharing import sharing_table
-    from sim.run import SimConfig
-
-    widths = [("n", k) for k in args.n] + [("beam", k) for k in args.beam_width]
-    if not widths or any(k < 2 for _, k in widths):
-        raise ValueError("--n and --beam-width take widths >= 2 (at least one in all)")
-    if len(args.beam_decay) not in (1, len(args.beam_width)):
-        raise ValueError(f"--beam-decay: give one value or one per --beam-width ({len(args.beam_width)}), "
-                         f"got {len(args.beam_decay)}")
-    decay = dict(zip(args.beam_width, args.beam_decay * len(args.beam_width)))
-    trace = _study_trace(args)
-    base = SimConfig(model=args.model, hardware=args.hardware, block_size=args.block_size, seed=args.seed,
-                     beam_rank_decay=args.beam_decay[0], beam_picks=args.beam_picks, **_study_costs(args))
-    print(f"sharing: {len(trace)} requests of {trace.name}, {_study_title(args)}, block size "
-          f"{args.block_size}")
-    print(f"{'decoding':<18} {'width':>5} {'rate':>6} {'saving':>7} {'req/s':>7} {'norm lat':>9} {'preempt':>8}")
-
-    def show(r: dict) -> None:
-        print(f"{r['decoding']:<18} {r['width']:>5} {r['rate']:>6.2f} {r['saving']:>7.1%} {r['throughput']:>7.3f} "
-              f"{r['mean_normalized_latency']:>9.4f} {r['preemptions']:>8}", flush=True)
-
-    table = sharing_table(trace, base, args.rates, widths, on_row=show, beam_decay=decay, jobs=args.jobs,
-                          **executor_options(args))
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        table.to_csv(out / "sharing.csv", index=False)
-        print(f"wrote {out}/sharing.csv")
     return 0
 
 
