@@ -382,22 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsz.add_argument("--out", type=out_dir, required=True)
     bsz.set_defaults(func=cmd_block_size)
 
-    pre = sub.add_parser("preemption", help="recompute or swap: cost per block size, and end to end (simulated)",
-                         description="The vLLM paper's Figure 19: swap vs recompute time per block size from the "
-                                     "roofline model, then one trace simulated with each preemption mode at each "
-                                     "block size. Writes preemption_micro.csv, preemption_e2e.csv and "
-                                     "preemption.png to --out.")
-    pre.add_argument("--model", default="opt-13b")
-    pre.add_argument("--hardware", default="a100-40gb")
-    pre.add_argument("--block-sizes", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
-    pre.add_argument("--tokens", type=positive_int, default=1024, help="tokens swapped or recomputed (default 1024)")
-    pre.add_argument("--trace", default="sharegpt-like")
-    pre.add_argument("--trace-format", choices=KNOWN_FORMATS)
-    pre.add_argument("--num-requests", type=non_negative_int, default=1000, help="requests simulated (0: microbenchmark only)")
-    pre.add_argument("--rate", type=rate, default=2.0, help="request rate, req/s (default 2)")
-    pre.add_argument("--seed", type=seed, default=0)
-    pre.add_argument("--out", type=out_dir, required=True)
-    pre.set_defaults(func=cmd_preemption)
+    from analysis.preemption import add_parser as add_preemption_parser  # the command lives there
+    add_preemption_parser(sub)
 
     bm = sub.add_parser("beams", help="measure how live beam search picks parents; fit the simulator's beam rule",
                         description="Run beam search on a real model (EOS ignored), count the parent rank of "
@@ -501,47 +487,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         summaries[policy] = result.summary
     print(summary_table(summaries))
     print(f"\nper-request and per-iteration tables in {args.out}/<policy>/; try `pagesim simulate --help`")
-    return 0
-
-
-def cmd_preemption(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from analysis.preemption import crossover, end_to_end, microbenchmark, preemption_plot
-    from sim.cost_model import RooflineCostModel
-    from sim.run import SimConfig
-    from sim.specs import get_hardware, get_model
-
-    _check_workload_size(args.trace, args.num_requests)  # before the microbenchmark writes anything
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    micro = microbenchmark(RooflineCostModel(get_model(args.model), get_hardware(args.hardware)), args.block_sizes,
-                           args.tokens)
-    micro.to_csv(out / "preemption_micro.csv", index=False)
-    print(f"swap out + in vs recompute of {args.tokens} tokens, {args.model} on {args.hardware} (roofline)")
-    print(f"{'block size':>10} {'swap ms':>9} {'recompute ms':>13} {'cheaper':>10}")
-    for r in micro.itertuples():
-        print(f"{r.block_size:>10} {r.swap_ms:>9.2f} {r.recompute_ms:>13.2f} {r.cheaper:>10}")
-    cross = crossover(micro)
-    print(f"swapping is cheaper from block size {cross}" if cross else "recomputing is cheaper at every block size")
-    e2e = None
-    if args.num_requests:
-        from traces import resolve_trace
-        trace = resolve_trace(args.trace, num_requests=args.num_requests, rate=args.rate, seed=args.seed,
-                              format=args.trace_format)
-        print(f"\nend to end: {len(trace)} requests of {trace.name} at {args.rate:g} req/s, vllm")
-        print(f"{'block size':>10} {'preemption':>11} {'norm lat':>9} {'preempted':>10}")
-
-        def show(r: dict) -> None:
-            print(f"{r['block_size']:>10} {r['preemption']:>11} {r['mean_normalized_latency']:>9.4f} "
-                  f"{r['preemptions']:>10}", flush=True)
-
-        e2e = end_to_end(trace, SimConfig(model=args.model, hardware=args.hardware, seed=args.seed),
-                         args.block_sizes, on_row=show)
-        e2e.to_csv(out / "preemption_e2e.csv", index=False)
-    preemption_plot(micro, e2e, out / "preemption.png", f"{args.model} on {args.hardware}")
-    print(f"wrote {out}/preemption_micro.csv" + (", preemption_e2e.csv" if e2e is not None else "")
-          + ", preemption.png")
     return 0
 
 
