@@ -9,14 +9,19 @@ bisects between the last miss and the first hit; it assumes that adding a replic
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from analysis.parallel import run_tasks
-from analysis.seeds import rate_line, seeded
+from analysis.cli_args import add_seeds_arg, add_study_args, sim_config, study_title, study_workloads
+from analysis.parallel import executor_options, run_tasks
+from analysis.seeds import rate_line, seed_cell, seeded, seeds_note, write_seed_summary
+from pagesim.argtypes import fraction, out_dir, positive_float, positive_int
+from policies.router import ROUTERS
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
@@ -122,3 +127,105 @@ def capacity_plot(answers: pd.DataFrame, path: str | Path, title: str = "") -> P
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)
+
+
+# ---- the command: `pagesim capacity` ----
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    cap = sub.add_parser("capacity", help="the fewest replicas that serve a trace within latency SLOs (simulated)",
+                         description="Capacity planning: for each router and rate, the fewest replicas with at least "
+                                     "--attainment of the requests within --slo-ttft and --slo-tpot (doubling, then "
+                                     "bisecting). Writes capacity.csv (the answers), capacity_runs.csv (every "
+                                     "configuration simulated) and capacity.png to --out.")
+    add_study_args(cap, "sharegpt-like", [10.0, 20.0, 40.0])
+    add_seeds_arg(cap)
+    cap.add_argument("--routers", nargs="+", default=["least-loaded"], choices=list(ROUTERS))
+    cap.add_argument("--slo-ttft", type=positive_float, help="TTFT SLO, seconds")
+    cap.add_argument("--slo-tpot", type=positive_float, help="TPOT SLO, seconds")
+    cap.add_argument("--attainment", type=fraction, default=0.9, help="share of requests within the SLOs (default 0.9)")
+    cap.add_argument("--max-replicas", type=positive_int, default=64)
+    cap.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree of each replica (GPUs = replicas x tp)")
+    cap.add_argument("--prefix-caching", action="store_true")
+    cap.add_argument("--chunked-prefill", action="store_true")
+    cap.add_argument("--max-num-batched-tokens", type=positive_int, default=4096)
+    cap.add_argument("--out", type=out_dir, required=True)
+    cap.set_defaults(func=command)
+
+
+@dataclass
+class CapacityStudy:
+    """A capacity search as its arguments define it: the workload (one trace, or one per seed), its
+    first trace, and the configuration (with the SLOs) every search starts from."""
+
+    workload: Trace | list[Trace]
+    trace: Trace
+    base: SimConfig
+
+
+@dataclass
+class CapacityTables:
+    study: CapacityStudy
+    answers: pd.DataFrame  # one row per (router, rate[, seed]): the fewest replicas meeting the SLOs
+    tried: pd.DataFrame    # every configuration simulated
+
+
+def prepare(args: argparse.Namespace) -> CapacityStudy:
+    if args.slo_ttft is None and args.slo_tpot is None:
+        raise ValueError("--slo-ttft and/or --slo-tpot: capacity is the fewest replicas meeting an SLO")
+    workload, trace = study_workloads(args)
+    return CapacityStudy(workload, trace, sim_config(args))
+
+
+def run(args: argparse.Namespace, study: CapacityStudy | None = None,
+        on_result: Callable[[dict], None] | None = None,
+        on_run: Callable[[dict], None] | None = None) -> CapacityTables:
+    """The capacity tables; `on_run(row)` for each configuration simulated, `on_result(row)` for
+    each answer."""
+    study = study or prepare(args)
+    answers, tried = capacity_table(study.workload, study.base, args.routers, args.rates, args.attainment,
+                                    args.max_replicas, on_result=on_result, on_run=on_run, jobs=args.jobs,
+                                    **executor_options(args))
+    return CapacityTables(study, answers, tried)
+
+
+def command(args: argparse.Namespace) -> int:
+    study = prepare(args)
+    print_header(args, study)
+    write_report(args, run(args, study, on_result=lambda r: print_answer(args, r), on_run=print_row))
+    return 0
+
+
+def _slo(args: argparse.Namespace) -> str:
+    return " and ".join(s for s in (args.slo_ttft and f"TTFT <= {args.slo_ttft:g} s",
+                                    args.slo_tpot and f"TPOT <= {args.slo_tpot:g} s") if s)
+
+
+def print_header(args: argparse.Namespace, study: CapacityStudy) -> None:
+    print(f"capacity: {len(study.trace)} requests of {study.trace.name} on {study_title(args)}, "
+          f"{args.attainment:.0%} of requests within {_slo(args)}")
+    print(f"{'router':<16} {'rate':>6} {'replicas':>8} {'in SLO':>7} {'p90 TTFT':>9} {'p90 TPOT':>9} {'wall s':>7}"
+          + (f" {'seed':>5}" if args.seeds > 1 else ""))
+
+
+def print_row(r: dict) -> None:
+    print(f"{r['router']:<16} {r['rate']:>6g} {r['replicas']:>8} {r['slo_attainment']:>7.1%} {r['ttft_p90']:>9.3f} "
+          f"{r['tpot_p90']:>9.4f} {r['wall_s']:>7.2f}" + seed_cell(r), flush=True)
+
+
+def print_answer(args: argparse.Namespace, r: dict) -> None:
+    n = r["min_replicas"]
+    print(f"  -> {r['router']} at {r['rate']:g} req/s" + (f", seed {r['seed']}" if "seed" in r else "") + ": "
+          + (f"{n} replicas ({r['gpus']} GPUs)" if n is not None else f"more than {args.max_replicas} replicas"),
+          flush=True)
+
+
+def write_report(args: argparse.Namespace, result: CapacityTables) -> None:
+    """capacity.csv, capacity_runs.csv (and capacity_summary.csv with seeds), capacity.png."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result.answers.to_csv(out / "capacity.csv", index=False)
+    result.tried.to_csv(out / "capacity_runs.csv", index=False)
+    write_seed_summary(result.answers, ["router", "rate"], out / "capacity_summary.csv", "min_replicas")
+    capacity_plot(result.answers, out / "capacity.png",
+                  f"{result.study.trace.name}, {study_title(args)}, {_slo(args)}" + seeds_note(args.seeds))
+    print(f"wrote {out}/capacity.csv, capacity_runs.csv, capacity.png")

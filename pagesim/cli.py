@@ -331,24 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     from analysis.routing import add_parser as add_routing_parser  # the command lives there
     add_routing_parser(sub)
 
-    cap = sub.add_parser("capacity", help="the fewest replicas that serve a trace within latency SLOs (simulated)",
-                         description="Capacity planning: for each router and rate, the fewest replicas with at least "
-                                     "--attainment of the requests within --slo-ttft and --slo-tpot (doubling, then "
-                                     "bisecting). Writes capacity.csv (the answers), capacity_runs.csv (every "
-                                     "configuration simulated) and capacity.png to --out.")
-    add_study_args(cap, "sharegpt-like", [10.0, 20.0, 40.0])
-    add_seeds_arg(cap)
-    cap.add_argument("--routers", nargs="+", default=["least-loaded"], choices=list(ROUTERS))
-    cap.add_argument("--slo-ttft", type=positive_float, help="TTFT SLO, seconds")
-    cap.add_argument("--slo-tpot", type=positive_float, help="TPOT SLO, seconds")
-    cap.add_argument("--attainment", type=fraction, default=0.9, help="share of requests within the SLOs (default 0.9)")
-    cap.add_argument("--max-replicas", type=positive_int, default=64)
-    cap.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree of each replica (GPUs = replicas x tp)")
-    cap.add_argument("--prefix-caching", action="store_true")
-    cap.add_argument("--chunked-prefill", action="store_true")
-    cap.add_argument("--max-num-batched-tokens", type=positive_int, default=4096)
-    cap.add_argument("--out", type=out_dir, required=True)
-    cap.set_defaults(func=cmd_capacity)
+    from analysis.capacity import add_parser as add_capacity_parser  # the command lives there
+    add_capacity_parser(sub)
 
     dg = sub.add_parser("disagg", help="colocated or disaggregated prefill/decode on the same GPUs (simulated)",
                         description="Serve one trace on --gpus GPUs colocated and split into prefill and decode "
@@ -487,48 +471,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         summaries[policy] = result.summary
     print(summary_table(summaries))
     print(f"\nper-request and per-iteration tables in {args.out}/<policy>/; try `pagesim simulate --help`")
-    return 0
-
-
-def cmd_capacity(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from analysis.capacity import capacity_plot, capacity_table
-    from sim.run import SimConfig
-
-    if args.slo_ttft is None and args.slo_tpot is None:
-        raise ValueError("--slo-ttft and/or --slo-tpot: capacity is the fewest replicas meeting an SLO")
-    workload, trace = _study_workloads(args)
-    base = SimConfig(model=args.model, hardware=args.hardware, tp=args.tp, block_size=args.block_size, seed=args.seed,
-                     prefix_caching=args.prefix_caching, chunked_prefill=args.chunked_prefill,
-                     max_num_batched_tokens=args.max_num_batched_tokens, slo_ttft=args.slo_ttft,
-                     slo_tpot=args.slo_tpot, **_study_costs(args))
-    slo = " and ".join(s for s in (args.slo_ttft and f"TTFT <= {args.slo_ttft:g} s",
-                                   args.slo_tpot and f"TPOT <= {args.slo_tpot:g} s") if s)
-    print(f"capacity: {len(trace)} requests of {trace.name} on {_study_title(args)}, {args.attainment:.0%} of "
-          f"requests within {slo}")
-    print(f"{'router':<16} {'rate':>6} {'replicas':>8} {'in SLO':>7} {'p90 TTFT':>9} {'p90 TPOT':>9} {'wall s':>7}"
-          + (f" {'seed':>5}" if args.seeds > 1 else ""))
-
-    def run(r: dict) -> None:
-        print(f"{r['router']:<16} {r['rate']:>6g} {r['replicas']:>8} {r['slo_attainment']:>7.1%} {r['ttft_p90']:>9.3f} "
-              f"{r['tpot_p90']:>9.4f} {r['wall_s']:>7.2f}" + _seed_cell(r), flush=True)
-
-    def answer(r: dict) -> None:
-        n = r["min_replicas"]
-        print(f"  -> {r['router']} at {r['rate']:g} req/s" + (f", seed {r['seed']}" if "seed" in r else "") + ": "
-              + (f"{n} replicas ({r['gpus']} GPUs)" if n is not None else f"more than {args.max_replicas} replicas"),
-              flush=True)
-
-    answers, tried = capacity_table(workload, base, args.routers, args.rates, args.attainment, args.max_replicas,
-                                    on_result=answer, on_run=run, jobs=args.jobs, **executor_options(args))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    answers.to_csv(out / "capacity.csv", index=False)
-    tried.to_csv(out / "capacity_runs.csv", index=False)
-    _write_seed_summary(answers, ["router", "rate"], out / "capacity_summary.csv", "min_replicas")
-    capacity_plot(answers, out / "capacity.png", f"{trace.name}, {_study_title(args)}, {slo}" + _seeds_note(args))
-    print(f"wrote {out}/capacity.csv, capacity_runs.csv, capacity.png")
     return 0
 
 
