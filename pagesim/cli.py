@@ -334,23 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     from analysis.capacity import add_parser as add_capacity_parser  # the command lives there
     add_capacity_parser(sub)
 
-    dg = sub.add_parser("disagg", help="colocated or disaggregated prefill/decode on the same GPUs (simulated)",
-                        description="Serve one trace on --gpus GPUs colocated and split into prefill and decode "
-                                    "replicas (every split, or --splits), at each rate. Writes disagg.csv and "
-                                    "disagg.png (P90 TTFT, P90 TPOT, normalized latency against rate) to --out.")
-    add_study_args(dg, "sharegpt-like", [4.0, 8.0, 12.0])
-    dg.set_defaults(model="llama-3-8b", hardware="a100-80gb")
-    dg.add_argument("--gpus", type=positive_int, default=4, help="GPUs in every setup (default 4)")
-    dg.add_argument("--splits", nargs="+", metavar="P+D", help="prefill+decode splits to try (default: all)")
-    dg.add_argument("--router", default="least-loaded", choices=list(ROUTERS),
-                    help="router over the colocated replicas and over the prefill replicas (default least-loaded)")
-    dg.add_argument("--transfer-bandwidth", type=_gigabytes_per_s, metavar="GB/S", help="KV link (default: NVLink)")
-    dg.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
-    dg.add_argument("--chunked-prefill", action="store_true", help="chunked prefill in every replica")
-    dg.add_argument("--slo-ttft", type=positive_float)
-    dg.add_argument("--slo-tpot", type=positive_float)
-    dg.add_argument("--out", type=out_dir, required=True)
-    dg.set_defaults(func=cmd_disagg)
+    from analysis.disagg import add_parser as add_disagg_parser  # the command lives there
+    add_disagg_parser(sub)
 
     bsz = sub.add_parser("block-size", help="one trace at each block size, the KV capacity held fixed (simulated)",
                          description="The vLLM paper's Figure 18b: mean normalized latency against block size at "
@@ -471,44 +456,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         summaries[policy] = result.summary
     print(summary_table(summaries))
     print(f"\nper-request and per-iteration tables in {args.out}/<policy>/; try `pagesim simulate --help`")
-    return 0
-
-
-def cmd_disagg(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from analysis.disagg import disagg_plot, disagg_study, setups
-    from sim.run import SimConfig
-
-    splits = None
-    if args.splits:
-        try:
-            splits = [tuple(int(x) for x in s.split("+")) for s in args.splits]
-        except ValueError:
-            raise ValueError(f"--splits: expected PREFILL+DECODE such as 2+2, got {args.splits}") from None
-        if any(len(s) != 2 for s in splits):
-            raise ValueError(f"--splits: expected PREFILL+DECODE such as 2+2, got {args.splits}")
-    names = [n for n, _ in setups(args.gpus, splits)]  # checks the splits before any run
-    trace = _study_trace(args)
-    base = SimConfig(model=args.model, hardware=args.hardware, block_size=args.block_size, seed=args.seed,
-                     router=args.router, max_num_batched_tokens=args.max_num_batched_tokens,
-                     chunked_prefill=args.chunked_prefill, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
-                     transfer_bandwidth=args.transfer_bandwidth,
-                     **_study_costs(args))
-    print(f"disagg: {len(trace)} requests of {trace.name}, {args.gpus} GPUs of {_study_title(args)}: "
-          f"{', '.join(names)}")
-    print(f"{'setup':<10} {'rate':>6} {'p90 TTFT':>9} {'p90 TPOT':>9} {'norm lat':>9} {'req/s':>7} {'wall s':>7}")
-
-    def show(r: dict) -> None:
-        print(f"{r['setup']:<10} {r['rate']:>6g} {r['ttft_p90']:>9.3f} {r['tpot_p90']:>9.4f} "
-              f"{r['mean_normalized_latency']:>9.4f} {r['throughput']:>7.3f} {r['wall_s']:>7.2f}", flush=True)
-
-    table = disagg_study(trace, base, args.gpus, args.rates, splits, args.jobs, on_result=show, **executor_options(args))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out / "disagg.csv", index=False)
-    disagg_plot(table, out / "disagg.png", f"{trace.name}, {args.gpus} GPUs of {_study_title(args)}")
-    print(f"wrote {out}/disagg.csv, disagg.png")
     return 0
 
 
