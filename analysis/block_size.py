@@ -10,13 +10,17 @@ preemptions grow.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from analysis.parallel import run_tasks
+from analysis.cli_args import add_study_args, sim_config, study_title, study_trace
+from analysis.parallel import executor_options, run_tasks
+from pagesim.argtypes import out_dir, positive_int
 from sim.run import SimConfig, build_cost_model, num_blocks_for, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
@@ -110,3 +114,87 @@ def block_size_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> P
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)
+
+
+# ---- the command: `pagesim block-size` ----
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    bsz = sub.add_parser("block-size", help="one trace at each block size, the KV capacity held fixed (simulated)",
+                         description="The vLLM paper's Figure 18b: mean normalized latency against block size at "
+                                     "one or more rates, with what moves it (internal fragmentation, decode time per "
+                                     "sequence). Writes block_size.csv and block_size.png to --out. Small blocks cost "
+                                     "more only under a profile measured at several block sizes "
+                                     "(`pagesim profile --block-sizes`).")
+    add_study_args(bsz, "sharegpt-like", [2.0])
+    bsz.add_argument("--block-sizes", type=positive_int, nargs="+", default=list(BLOCK_SIZES))
+    bsz.add_argument("--kv-tokens", type=positive_int, help="KV cache capacity in tokens at every block size (needed with "
+                                                   "--profile; default: what --model leaves on --hardware)")
+    bsz.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
+    bsz.add_argument("--out", type=out_dir, required=True)
+    bsz.set_defaults(func=command)
+
+
+@dataclass
+class BlockSizeStudy:
+    """A block-size study as its arguments define it: the trace and the configuration every run
+    starts from (each run sets its own block size and the cache's blocks)."""
+
+    trace: Trace
+    base: SimConfig
+
+
+@dataclass
+class BlockSizeTables:
+    study: BlockSizeStudy
+    table: pd.DataFrame  # one row per (rate, block size)
+
+
+def prepare(args: argparse.Namespace) -> BlockSizeStudy:
+    if args.num_gpu_blocks is not None:
+        raise ValueError("--num-gpu-blocks: a block-size study holds the capacity in tokens; use --kv-tokens")
+    if args.profile and not args.kv_tokens:
+        raise ValueError("--kv-tokens: a profiled study needs the KV capacity in tokens (a profile does not say it)")
+    trace = study_trace(args)
+    return BlockSizeStudy(trace, sim_config(args))
+
+
+def run(args: argparse.Namespace, study: BlockSizeStudy | None = None,
+        on_row: Callable[[dict], None] | None = None) -> BlockSizeTables:
+    """The block-size table; `on_row(row)` as each run finishes."""
+    study = study or prepare(args)
+    table = block_size_sweep(study.trace, study.base, args.block_sizes, args.rates, args.kv_tokens, on_row=on_row,
+                             jobs=args.jobs, **executor_options(args))
+    return BlockSizeTables(study, table)
+
+
+def command(args: argparse.Namespace) -> int:
+    study = prepare(args)
+    print_header(args, study)
+    write_report(args, run(args, study, on_row=print_row))
+    return 0
+
+
+def print_header(args: argparse.Namespace, study: BlockSizeStudy) -> None:
+    print(f"block size: {len(study.trace)} requests of {study.trace.name}, {study_title(args)}, "
+          + (f"{args.kv_tokens:,} KV tokens" if args.kv_tokens else "KV capacity from the hardware spec"))
+    print(f"{'rate':>6} {'block':>6} {'blocks':>8} {'norm lat':>9} {'req/s':>7} {'preempt':>8} {'batch':>6} "
+          f"{'frag':>6} {'ref ms':>7}")
+
+
+def print_row(r: dict) -> None:
+    print(f"{r['rate']:>6g} {r['block_size']:>6} {r['num_gpu_blocks']:>8,} {r['mean_normalized_latency']:>9.4f} "
+          f"{r['throughput']:>7.3f} {r['preemptions']:>8} {r['mean_batched_seqs']:>6.1f} "
+          f"{r['internal_frag']:>6.1%} {r['reference_decode_ms']:>7.2f}", flush=True)
+
+
+def write_report(args: argparse.Namespace, result: BlockSizeTables) -> None:
+    """block_size.csv, block_size.png, and the best block sizes per rate."""
+    table = result.table
+    print("ref ms: the cost model's decode step of 16 sequences of 512 tokens at that block size")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / "block_size.csv", index=False)
+    block_size_plot(table, out / "block_size.png", f"{result.study.trace.name}, {study_title(args)}")
+    print("within 1% of the lowest mean normalized latency: "
+          + "; ".join(f"{r:g} req/s: block size {', '.join(map(str, bs))}" for r, bs in best_block_sizes(table).items()))
+    print(f"wrote {out}/block_size.csv, block_size.png")

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from analysis.parallel import add_executor_args, executor_options
+from analysis.parallel import add_executor_args
 from analysis.report import replica_table, summary_table
 from pagesim.argtypes import (
     fraction,
@@ -337,19 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     from analysis.disagg import add_parser as add_disagg_parser  # the command lives there
     add_disagg_parser(sub)
 
-    bsz = sub.add_parser("block-size", help="one trace at each block size, the KV capacity held fixed (simulated)",
-                         description="The vLLM paper's Figure 18b: mean normalized latency against block size at "
-                                     "one or more rates, with what moves it (internal fragmentation, decode time per "
-                                     "sequence). Writes block_size.csv and block_size.png to --out. Small blocks cost "
-                                     "more only under a profile measured at several block sizes "
-                                     "(`pagesim profile --block-sizes`).")
-    add_study_args(bsz, "sharegpt-like", [2.0])
-    bsz.add_argument("--block-sizes", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
-    bsz.add_argument("--kv-tokens", type=positive_int, help="KV cache capacity in tokens at every block size (needed with "
-                                                   "--profile; default: what --model leaves on --hardware)")
-    bsz.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
-    bsz.add_argument("--out", type=out_dir, required=True)
-    bsz.set_defaults(func=cmd_block_size)
+    from analysis.block_size import add_parser as add_block_size_parser  # the command lives there
+    add_block_size_parser(sub)
 
     from analysis.preemption import add_parser as add_preemption_parser  # the command lives there
     add_preemption_parser(sub)
@@ -456,42 +445,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         summaries[policy] = result.summary
     print(summary_table(summaries))
     print(f"\nper-request and per-iteration tables in {args.out}/<policy>/; try `pagesim simulate --help`")
-    return 0
-
-
-def cmd_block_size(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from analysis.block_size import best_block_sizes, block_size_plot, block_size_sweep
-    from sim.run import SimConfig
-
-    if args.num_gpu_blocks is not None:
-        raise ValueError("--num-gpu-blocks: a block-size study holds the capacity in tokens; use --kv-tokens")
-    if args.profile and not args.kv_tokens:
-        raise ValueError("--kv-tokens: a profiled study needs the KV capacity in tokens (a profile does not say it)")
-    trace = _study_trace(args)
-    base = SimConfig(model=args.model, hardware=args.hardware, seed=args.seed, preemption=args.preemption,
-                     **_study_costs(args))
-    print(f"block size: {len(trace)} requests of {trace.name}, {_study_title(args)}, "
-          + (f"{args.kv_tokens:,} KV tokens" if args.kv_tokens else "KV capacity from the hardware spec"))
-    print(f"{'rate':>6} {'block':>6} {'blocks':>8} {'norm lat':>9} {'req/s':>7} {'preempt':>8} {'batch':>6} "
-          f"{'frag':>6} {'ref ms':>7}")
-
-    def show(r: dict) -> None:
-        print(f"{r['rate']:>6g} {r['block_size']:>6} {r['num_gpu_blocks']:>8,} {r['mean_normalized_latency']:>9.4f} "
-              f"{r['throughput']:>7.3f} {r['preemptions']:>8} {r['mean_batched_seqs']:>6.1f} "
-              f"{r['internal_frag']:>6.1%} {r['reference_decode_ms']:>7.2f}", flush=True)
-
-    table = block_size_sweep(trace, base, args.block_sizes, args.rates, args.kv_tokens, on_row=show, jobs=args.jobs,
-                             **executor_options(args))
-    print("ref ms: the cost model's decode step of 16 sequences of 512 tokens at that block size")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out / "block_size.csv", index=False)
-    block_size_plot(table, out / "block_size.png", f"{trace.name}, {_study_title(args)}")
-    print("within 1% of the lowest mean normalized latency: "
-          + "; ".join(f"{r:g} req/s: block size {', '.join(map(str, bs))}" for r, bs in best_block_sizes(table).items()))
-    print(f"wrote {out}/block_size.csv, block_size.png")
     return 0
 
 
