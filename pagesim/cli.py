@@ -343,18 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     from analysis.preemption import add_parser as add_preemption_parser  # the command lives there
     add_preemption_parser(sub)
 
-    bm = sub.add_parser("beams", help="measure how live beam search picks parents; fit the simulator's beam rule",
-                        description="Run beam search on a real model (EOS ignored), count the parent rank of "
-                                    "every new beam, and fit q of the simulator's rule (parents picked with "
-                                    "probability proportional to q^rank; `simulate`/`sharing --beam-decay`).")
-    bm.add_argument("--model", default="smollm2-135m")
-    add_device_args(bm)
-    bm.add_argument("--beam-width", type=positive_int, nargs="+", default=[2, 4, 6])
-    bm.add_argument("--max-tokens", type=positive_int, default=58, help="tokens per beam (default 58, Alpaca's mean output)")
-    bm.add_argument("--prompts-file", help="one prompt per line (default: 24 built-in short instructions)")
-    bm.add_argument("--seed", type=seed, default=0)
-    bm.add_argument("--out", help="write the counts and fits here (.json)")
-    bm.set_defaults(func=cmd_beams)
+    from analysis.beams import add_parser as add_beams_parser  # the command lives there
+    add_beams_parser(sub)
 
     from analysis.fidelity import add_parser as add_fidelity_parser  # analysis sits on sim: imported late
     add_fidelity_parser(sub)
@@ -445,73 +435,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         summaries[policy] = result.summary
     print(summary_table(summaries))
     print(f"\nper-request and per-iteration tables in {args.out}/<policy>/; try `pagesim simulate --help`")
-    return 0
-
-
-def cmd_beams(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
-    live = _backend()
-    import numpy as np
-
-    from analysis.sharing import SharingMeter, sharing_saving
-    from backend.beam_calibration import INSTRUCTIONS, measure_parent_ranks
-    from backend.model_runner import ModelRunner
-    from sim.executor import BeamPicks, expected_distinct_parents, fit_beam_rank_decay
-    from sim.run import SimConfig
-    from traces.trace import Trace
-
-    model = live.load_model(args.model, seed=args.seed)
-    if model.tokenizer is None:
-        raise ValueError(f"model {args.model!r} has no tokenizer; beams needs one (use smollm2-135m)")
-    texts = INSTRUCTIONS
-    if args.prompts_file:
-        texts = [t for t in Path(args.prompts_file).read_text().splitlines() if t.strip()]
-        if not texts:
-            raise ValueError(f"{args.prompts_file}: no prompts (one per line)")
-    prompts = [model.tokenizer.encode(t) for t in texts]
-    longest = max(len(p) for p in prompts) + args.max_tokens
-    if longest > model.config.max_position:
-        raise ValueError(f"a prompt plus --max-tokens {args.max_tokens} exceeds the model's context "
-                         f"({model.config.max_position})")
-    print(f"beams: {len(prompts)} prompts (mean {sum(map(len, prompts)) / len(prompts):.1f} tokens), "
-          f"{args.max_tokens} tokens per beam, EOS ignored, {args.model}")
-    print(f"{'width':>5} {'steps':>6} {'q':>7} {'parents/step':>13} {'saving live':>12} {'sim rule':>9} "
-          f"{'sim picks':>10}   parent-rank share: observed (rule with q)")
-    # the same workload for the simulator: these prompt lengths, max_tokens each, all at once
-    lengths = np.array([len(p) for p in prompts])
-    same = Trace(arrival=np.zeros(len(prompts)), prompt_len=lengths, output_len=np.full(len(prompts), args.max_tokens),
-                 name="beam prompts", source="pagesim beams", has_timestamps=False)
-    results = []
-    for width in args.beam_width:
-        blocks = len(prompts) * width * (-(-longest // 16) + 2)
-        runner = ModelRunner(model.config, model.weights, args.device, attention=args.attention,
-                             num_gpu_blocks=blocks, block_size=16)
-        meter = SharingMeter()
-        ranks = measure_parent_ranks(runner, prompts, width, args.max_tokens, model.config.eos_token_id, args.seed,
-                                     observer=meter)
-        q = fit_beam_rank_decay(ranks.counts)
-        cfg = SimConfig(model=_spec_of(args.model), num_gpu_blocks=blocks, beam_width=width, beam_rank_decay=q,
-                        seed=args.seed)
-        sim_rule, _ = sharing_saving(same, cfg)
-        sim_picks, _ = sharing_saving(same, cfg, beam_picks={width: BeamPicks.from_counts(width, ranks.pick_vectors)})
-        total = sum(ranks.counts)
-        rule = [q ** r for r in range(width)]
-        shares = "  ".join(f"{c / total:.3f} ({w / sum(rule):.3f})" for c, w in zip(ranks.counts, rule))
-        seen = sum(ranks.distinct_parents) / len(ranks.distinct_parents)
-        expect = expected_distinct_parents(width, q)
-        print(f"{width:>5} {ranks.steps:>6} {q:>7.3f} {seen:>6.2f} ({expect:.2f}) {meter.saving:>12.1%} "
-              f"{sim_rule:>9.1%} {sim_picks:>10.1%}   {shares}", flush=True)
-        results.append({"width": width, "steps": ranks.steps, "rank_counts": ranks.counts, "q": q,
-                        "mean_distinct_parents": seen, "rule_distinct_parents": expect,
-                        "saving_live": meter.saving, "saving_sim_rule": sim_rule, "saving_sim_picks": sim_picks,
-                        "pick_vectors": dict(sorted(ranks.pick_vectors.items(), key=lambda kv: -kv[1]))})
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"model": args.model, "max_tokens": args.max_tokens,
-                                              "num_prompts": len(prompts), "widths": results}, indent=1) + "\n")
-        print(f"wrote {args.out}")
     return 0
 
 
