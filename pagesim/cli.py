@@ -264,16 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=out_dir, default="runs/demo")
     demo.set_defaults(func=cmd_demo)
 
-    live = sub.add_parser("live", help="replay a trace live on a real model (needs the backend extra)",
-                          description="Serve a trace on a real model with the same policies; writes the same "
-                                      "requests.csv, iterations.parquet and summary.json as simulate.")
-    add_workload_args(live)
-    add_policy_args(live)
-    add_live_model_args(live)
-    live.add_argument("--no-realtime", action="store_true",
-                      help="queue every request at once instead of replaying arrivals")
-    add_output_args(live)
-    live.set_defaults(func=cmd_live)
+    from pagesim.live import add_parser as add_live_parser  # the command lives there
+    add_live_parser(sub)
 
     prof = sub.add_parser("profile", help="time a grid of batch compositions on a real model and fit a cost model",
                           description="Calibration, step 1: run a grid of iterations (decodes, prefills with and "
@@ -448,15 +440,6 @@ def _backend():
     return live
 
 
-def cmd_live(args: argparse.Namespace) -> int:
-    trace = _load_workload(args)
-    req_df, it_df, summary = _serve_live(args, trace, realtime=not args.no_realtime)
-    out = write_run(args.out, req_df, it_df, summary)
-    print(summary_table({f"{args.policy} (live)": summary}))
-    print(f"\nwrote {out}/requests.csv, iterations.parquet, summary.json")
-    return 0
-
-
 def live_options(args: argparse.Namespace):
     """The live replay options (backend.replay.LiveOptions) of `pagesim live`'s arguments."""
     from backend.replay import LiveOptions
@@ -467,21 +450,6 @@ def live_options(args: argparse.Namespace):
                        preemption=args.preemption, chunked_prefill=args.chunked_prefill,
                        prefix_caching=args.prefix_caching, seed=args.seed, slo_ttft=args.slo_ttft,
                        slo_tpot=args.slo_tpot)
-
-
-def _serve_live(args: argparse.Namespace, trace, realtime: bool, check=None):
-    """Serve `trace` on the real model under the policy options (backend.replay.serve_trace);
-    (requests, iterations, summary). `check(runner)`, when given, runs before and after serving;
-    its results go into the summary as check_before / check_after."""
-    _backend()
-    from backend.replay import serve_trace
-    from sim.run import requests_from_trace
-
-    req_df, it_df, summary = serve_trace(
-        live_options(args), lambda max_len: requests_from_trace(trace, max_len, args.n, args.beam_width),
-        realtime=realtime, check=check, progress=not args.quiet)
-    summary.update(trace=trace.name, config={k: v for k, v in vars(args).items() if k != "func"})
-    return req_df, it_df, summary
 
 
 def _profile_from_runs(args: argparse.Namespace) -> int:
