@@ -267,28 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     from pagesim.live import add_parser as add_live_parser  # the command lives there
     add_live_parser(sub)
 
-    prof = sub.add_parser("profile", help="time a grid of batch compositions on a real model and fit a cost model",
-                          description="Calibration, step 1: run a grid of iterations (decodes, prefills with and "
-                                      "without a cached prefix, mixed, swaps, copies) on a real model, fit the "
-                                      "profiled cost model, and write a profile file (JSON) plus a fit plot.")
-    prof.add_argument("--model", default="smollm2-135m",
-                      help="smollm2-135m (real weights), a HF directory, a config.json, a catalogue name or a HF id in "
-                        "--models-dir (random weights)")
-    add_device_args(prof)
-    prof.add_argument("--block-size", type=positive_int, default=16)
-    prof.add_argument("--grid", choices=("default", "quick"), default="default",
-                      help="default (35 points, about 2 minutes for SmolLM2 on 2 CPU cores) or quick (a dozen tiny ones, for smoke tests)")
-    prof.add_argument("--reps", type=positive_int, help="timed repetitions per point (median kept; default 3)")
-    prof.add_argument("--block-sizes", type=positive_int, nargs="+", default=[], metavar="BS",
-                      help="also time every decode point at these block sizes, so that the fit can price "
-                           "KV blocks apart from tokens (what makes small blocks slow)")
-    prof.add_argument("--seed", type=seed, default=0)
-    prof.add_argument("--from-run", nargs="+", metavar="DIR",
-                      help="fit to the iterations of earlier `pagesim live` runs instead of running a grid "
-                           "(their measured step times, scheduling included)")
-    prof.add_argument("--out", required=True, help="profile file to write (.json); the fit plot goes beside it")
-    prof.add_argument("--quiet", action="store_true")
-    prof.set_defaults(func=cmd_profile)
+    from pagesim.profiling import add_parser as add_profile_parser  # the command lives there
+    add_profile_parser(sub)
 
     from analysis.validate import add_parser as add_validate_parser  # analysis sits on sim: imported late
     add_validate_parser(sub)
@@ -452,94 +432,10 @@ def live_options(args: argparse.Namespace):
                        slo_tpot=args.slo_tpot)
 
 
-def _profile_from_runs(args: argparse.Namespace) -> int:
-    """`pagesim profile --from-run`: a profile fitted to live runs' iteration tables."""
-    from sim.profiled import measurements_from_runs
-
-    measurements, meta = measurements_from_runs(args.from_run, args.block_size)
-    fit, path, plot = _write_profile(measurements, meta, args)
-    print(f"fitted to {fit['num_points']} live iterations of {len(meta['runs'])} run(s): mean error {fit['mape']:.1%}, "
-          f"held-out (5-fold) {fit['cv_mape']:.1%}")
-    print(f"wrote {path} and {plot}")
-    return 0
-
-
-def _write_profile(measurements: list[dict], meta: dict, args: argparse.Namespace):
-    """Fit, write the profile file and its fit plot beside it; (fit, profile path, plot path)."""
-    from pathlib import Path
-
-    from analysis.plots import profile_fit_plot
-    from sim.profiled import make_profile, save_profile
-
-    meta.update(created=_now(), command="pagesim " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["profile"]
-                else "pagesim profile")
-    profile = make_profile(measurements, args.block_size, meta)
-    path = save_profile(profile, args.out)
-    return profile["fit"], path, profile_fit_plot(profile, Path(path).with_suffix(".png"))
-
-
-def cmd_profile(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    if args.from_run:
-        return _profile_from_runs(args)
-    live = _backend()
-    from backend.model_runner import ModelRunner
-    from backend.profiler import ProfileGrid, environment, profile_model
-
-    grid = ProfileGrid.quick() if args.grid == "quick" else ProfileGrid()
-    if args.reps is not None:
-        if args.reps < 1:
-            raise ValueError(f"--reps: must be >= 1, got {args.reps}")
-        grid = dataclasses.replace(grid, reps=args.reps)
-    if any(bs < 1 for bs in args.block_sizes):
-        raise ValueError(f"--block-sizes: must be >= 1, got {args.block_sizes}")
-    grid = dataclasses.replace(grid, block_sizes=tuple(args.block_sizes))
-    points = grid.points()
-    model = live.load_model(args.model, seed=args.seed)
-    gpu_blocks, cpu_blocks = grid.blocks_needed(args.block_size)
-    runner = ModelRunner(model.config, model.weights, args.device, attention=args.attention, block_size=args.block_size,
-                         num_gpu_blocks=gpu_blocks, num_cpu_blocks=cpu_blocks)
-    extra = sorted(set(grid.block_sizes) - {args.block_size})
-    again = f" (decodes also at block sizes {', '.join(map(str, extra))})" if extra else ""
-    print(f"profile: {len(points)} points on {args.model} ({runner.dtype}, {args.device}){again}, "
-          f"{grid.reps} timed reps each, then {grid.serve_requests} requests served")
-    bar = None
-    if not args.quiet:
-        from tqdm import tqdm
-        bar = tqdm(total=len(points) + bool(grid.serve_requests), unit="point", desc="profiling", leave=False)
-
-    def show(i: int, total: int, m: dict) -> None:
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix_str(f"{m['label']}: {m['time_s'] * 1e3:.1f} ms", refresh=False)
-
-    run = profile_model(runner, grid, seed=args.seed, on_point=show)
-    if bar is not None:
-        bar.close()
-    for why in run.skipped:
-        print(f"skipped {why}")
-    fit, path, plot = _write_profile(run.measurements, environment(runner, model.config.name or args.model), args)
-    print("fitted step model (seconds per unit):")
-    for k, v in fit["coef"].items():
-        print(f"  {k:<24} {v:.4g}")
-    print(f"fit error over {fit['num_points']} points: mean {fit['mape']:.1%}, max {fit['max_ape']:.1%}, "
-          f"held-out (5-fold) mean {fit['cv_mape']:.1%}")
-    if "served_mape" in fit:
-        print(f"served iterations alone: mean {fit['served_mape']:.1%}, held-out {fit['served_cv_mape']:.1%}")
-    print(f"wrote {path} and {plot}; simulate with `pagesim simulate --model <spec> --profile {path}`")
-    return 0
-
-
 def _spec_of(model: str) -> str:
     """The simulator's model spec for a live model argument: the same string (the simulator reads a
     config file or HF directory itself, specs.load_model)."""
     return model
-
-
-def _now() -> str:
-    import datetime
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
