@@ -273,23 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     from analysis.validate import add_parser as add_validate_parser  # analysis sits on sim: imported late
     add_validate_parser(sub)
 
-    gen = sub.add_parser("generate", help="generate completions for prompts on a real model")
-    gen.add_argument("--model", default="smollm2-135m")
-    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
-    gen.add_argument("--max-tokens", type=positive_int, default=64)
-    mode = gen.add_mutually_exclusive_group()
-    mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
-    mode.add_argument("--temperature", type=non_negative_float, help="sample at this temperature")
-    gen.add_argument("--top-p", type=fraction, default=1.0)
-    gen.add_argument("--top-k", type=non_negative_int, default=0)
-    gen.add_argument("--seed", type=seed, default=0)
-    width = gen.add_mutually_exclusive_group()
-    width.add_argument("--n", type=positive_int, default=1, help="parallel samples per prompt")
-    width.add_argument("--beam-width", type=positive_int, default=1)
-    gen.add_argument("--ignore-eos", action="store_true")
-    add_device_args(gen)
-    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    gen.set_defaults(func=cmd_generate)
+    from pagesim.generate import add_parser as add_generate_parser  # the command lives there
+    add_generate_parser(sub)
 
     from pagesim.serve import add_serve_parser  # the server's parser and run function live there
     add_serve_parser(sub)
@@ -436,52 +421,6 @@ def _spec_of(model: str) -> str:
     """The simulator's model spec for a live model argument: the same string (the simulator reads a
     config file or HF directory itself, specs.load_model)."""
     return model
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    import json
-
-    live = _backend()
-    from backend.model_runner import ModelRunner
-    from policies.registry import make_scheduler
-    from policies.request import Request, SamplingParams
-
-    model = live.load_model(args.model, seed=args.seed)
-    if model.tokenizer is None:
-        raise ValueError(f"model {args.model!r} has no tokenizer; generate needs one (use smollm2-135m)")
-    tok, cfg = model.tokenizer, model.config
-    sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, n=args.n,
-                        beam_width=args.beam_width, temperature=args.temperature or 0.0, top_p=args.top_p,
-                        top_k=args.top_k, seed=args.seed)
-    requests = []
-    for i, text in enumerate(args.prompt):
-        ids = tok.encode(text)
-        if not ids or not text:
-            raise ValueError(f"prompt {i + 1} is empty")
-        if len(ids) + args.max_tokens > cfg.max_position:
-            raise ValueError(f"prompt {i + 1}: {len(ids)} tokens + --max-tokens {args.max_tokens} exceeds the "
-                             f"model's context of {cfg.max_position}")
-        requests.append(Request(i, 0.0, len(ids), sp, prompt_token_ids=ids))
-    blocks = sum(-(-(r.prompt_len + args.max_tokens) // 16) + 1 for r in requests) * max(args.n, args.beam_width) + 8
-    runner = ModelRunner(cfg, model.weights, args.device, attention=args.attention, num_gpu_blocks=blocks,
-                         block_size=16)
-    sched = make_scheduler("vllm", blocks, 16, max_num_batched_tokens=max(4096, cfg.max_position))
-    executor = live.LiveExecutor(sched, runner, [cfg.eos_token_id], seed=args.seed)
-    run = live.serve(sched, executor, requests, realtime=False)
-    for g in sorted(run.groups, key=lambda g: g.group_id):
-        p = g.request.prompt_len
-        if g.group_id in run.beam_results:
-            outs = [toks for toks, _ in run.beam_results[g.group_id]]
-        else:
-            outs = [s.token_ids[p:] for s in sorted(g.finished_seqs, key=lambda s: s.seq_id)]
-        if args.json:
-            print(json.dumps({"prompt": args.prompt[g.group_id], "prompt_token_ids": g.request.prompt_token_ids,
-                              "completions": [{"token_ids": o, "text": tok.decode(o)} for o in outs]}))
-        else:
-            for j, o in enumerate(outs):
-                label = f"[{g.group_id}]" + (f"[{j}]" if len(outs) > 1 else "")
-                print(f"{label} {args.prompt[g.group_id]}{tok.decode(o)}")
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
