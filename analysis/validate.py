@@ -325,9 +325,9 @@ def _earlier_reprofile(record: dict[str, Any] | None, decision):
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """`pagesim validate`: its arguments (the workload, policy and live model ones from pagesim.cli)."""
+    """`pagesim validate`: its arguments (the workload, policy and live model ones from analysis.cli_args)."""
+    from analysis.cli_args import add_live_model_args, add_output_args, add_policy_args, add_workload_args
     from pagesim.argtypes import non_negative_float, positive_int
-    from pagesim.cli import add_live_model_args, add_output_args, add_policy_args, add_workload_args
 
     val = subparsers.add_parser(
         "validate", help="replay one trace live and in simulation; report the simulator's error",
@@ -357,23 +357,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagesim.cli import _backend, _load_workload, _policy_options, _spec_of, live_options
-    from sim.run import SimConfig
+    from analysis.cli_args import live_options, load_workload, require_backend, sim_config
 
     if args.live_run and Path(args.live_run).is_file():  # a benchmark tool's result file: its requests are the trace
         from analysis.benchmark_results import guidellm_requests
         trace = guidellm_requests(args.live_run)[0]
     else:
-        trace = _load_workload(args)
-    cfg = SimConfig(model=_spec_of(args.model), policy=args.policy, policy_options=_policy_options(args),
-                    block_size=args.block_size, preemption=args.preemption,
-                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching,
-                    num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks, n=args.n,
-                    beam_width=args.beam_width, seed=args.seed, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
-                    cost_model="profiled", profile=args.profile)
+        trace = load_workload(args)
+    # the live run's policy, cache size and workload options, priced by --profile (required here)
+    cfg = sim_config(args)
     if not args.live_run:
-        _backend()  # a clear message without the backend extra
+        require_backend()  # a clear message without the backend extra
     v = run_validation(trace, cfg, args.out, live_options(args), args.live_run,
                        None if args.no_reprofile else args.reprofile_threshold, args.reprofile_reps,
                        progress=not args.quiet, config={k: x for k, x in vars(args).items() if k != "func"})

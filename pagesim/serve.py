@@ -15,8 +15,8 @@ import time
 
 
 def add_serve_parser(sub) -> None:
+    from analysis.cli_args import add_live_model_args, add_policy_args
     from pagesim.argtypes import non_negative_int, out_dir, positive_float, seed
-    from pagesim.cli import add_live_model_args, add_policy_args
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on a real model (needs the serve extra)",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
