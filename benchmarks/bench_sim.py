@@ -7,10 +7,11 @@ the one), least-loaded routing; target: at most 2x the one replica's wall time.
 Policies (issue 12): the smallest size under each policy written only against the public policy API
 (`--policies sjf vtc ...`), target: within 1.5x of vllm's wall time in the same run. Scale-out:
 `--million` simulates 1,000,000 requests over 16 replicas behind least-loaded routing (target
-<= 120 s on a 2-core machine).
+<= 120 s on a 2-core machine); `--routed-sizes` times other sizes over `--replicas` replicas the same
+way, without the single-replica runs (e.g. `--routed-sizes 100000 --replicas 16`).
 
     python -m benchmarks.bench_sim [--sizes 10000 100000] [--rate 100] [--replicas 4] [--policies sjf]
-        [--million]
+        [--million] [--routed-sizes 100000]
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ wall = time.perf_counter() - t0
 s = res.summary
 print(json.dumps({{"wall": wall, "sim": s["duration_s"], "iters": s["num_iterations"],
                    "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                   "finished": s["num_finished"], "preemptions": s["num_preemptions"]}}))
+                   "finished": s["num_finished"], "preemptions": s["num_preemptions"],
+                   "stepped": s["engine"]["stepped_iterations"]}}))
 """
 
 TARGET_WALL = {10_000: 3.0, 100_000: 30.0}
@@ -53,7 +55,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policies", nargs="*", default=["sjf", "vtc"],
                     help="policies timed against vllm at the smallest size (default sjf vtc)")
     ap.add_argument("--million", action="store_true", help="also 1,000,000 requests over 16 replicas")
+    ap.add_argument("--routed-sizes", type=int, nargs="+", default=[],
+                    help="only these sizes over --replicas replicas (least-loaded) at --rate x replicas")
     args = ap.parse_args(argv)
+    if args.routed_sizes:
+        routed(args.routed_sizes, args.rate, args.replicas)
+        return
     print("Simulator speed (vllm, OPT-13B / A100-40GB, sharegpt-like at saturation)")
     print(f"{'requests':>9} {'mode':>10} {'wall s':>8} {'target s':>8} {'ratio':>6} {'peak MB':>8} "
           f"{'iterations':>10} {'sim s':>8} {'sim/wall':>9}")
@@ -88,6 +95,17 @@ def main(argv: list[str] | None = None) -> None:
         r = run_case(1_000_000, args.rate * 16, True, 16)
         print(f"1,000,000 requests on 16 replicas (least-loaded) at {args.rate * 16:g} req/s: {r['wall']:.1f} s wall "
               f"(target <= 120 s), {r['iters']:,} iterations, peak {r['rss_mb']:.0f} MB, {r['finished']:,} finished")
+
+
+def routed(sizes: list[int], rate: float, replicas: int) -> None:
+    """Each size over `replicas` replicas behind least-loaded routing, each replica at `rate`."""
+    if replicas < 2:
+        raise SystemExit(f"--routed-sizes: --replicas must be >= 2, got {replicas}")
+    for n in sizes:
+        r = run_case(n, rate * replicas, True, replicas)
+        print(f"{n:,} requests on {replicas} replicas (least-loaded) at {rate * replicas:g} req/s: {r['wall']:.1f} s "
+              f"wall, {r['iters']:,} iterations ({r['stepped']:,} stepped), peak {r['rss_mb']:.0f} MB, "
+              f"{r['finished']:,} finished")
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ class ReplicaStep:
         if not _stop_at_finish(plan):
             return None
         durations = executor.price_repeat(plan)
-        ends = np.cumsum(np.concatenate(([now], durations)))[1:]
+        ends = np.concatenate(([now], durations)).cumsum()[1:]
         k = _stop_at_arrivals(plan, ends, now, next_arrival, sched, self.routed)
         if k is None:
             return None
@@ -199,9 +199,9 @@ def _stop_at_arrivals(plan: RepeatPlan, ends: np.ndarray, start: float, next_arr
     k = plan.steps
     if routed or sched.queues_by_state:
         # every arrival reads this replica's (or its policy's) state: finish the window before it
-        safe = int(np.searchsorted(ends, next_arrival, side="left"))
+        safe = int(ends.searchsorted(next_arrival, "left"))
         # and the first iteration starting at or after the policy's wake time
-        safe = min(safe, int(np.searchsorted(ends[:-1], sched.wake_time(start), side="left")) + 1)
+        safe = min(safe, int(ends[:-1].searchsorted(sched.wake_time(start), "left")) + 1)
         if safe < k or next_arrival != math.inf:
             plan.exhausts = False  # stepped instead: its end may pass an arrival (priced once applied)
         k = min(k, safe)
@@ -213,7 +213,7 @@ def _stop_at_arrivals(plan: RepeatPlan, ends: np.ndarray, start: float, next_arr
     limit = sched.wake_time(start)
     if not sched.waiting or not sched.policy.arrival_order:
         limit = min(limit, next_arrival)
-    safe = int(np.searchsorted(ends[:-1], limit, side="left")) + 1
+    safe = int(ends[:-1].searchsorted(limit, "left")) + 1
     if safe < k:
         plan.exhausts = False
         return safe if safe >= 2 else None

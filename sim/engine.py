@@ -135,8 +135,11 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
     sched = replica.scheduler
     step = replica.step
 
-    def queued(times: np.ndarray) -> np.ndarray:
+    def queued_by(times: np.ndarray) -> np.ndarray:
         return feed.queued_by(times, sched)
+
+    # a routed window ends before the next arrival: none joins the queue in it
+    queued = None if step.routed else queued_by
 
     while True:
         # let every arrival due at this instant land first (they were scheduled before us); the
