@@ -103,6 +103,10 @@ class VllmScheduler(Scheduler):
         PagedBlockManager.inject_prefix."""
         return self.bm.inject_prefix(request)
 
+    def abort(self, group_id: int, now: float, reason: str = "aborted") -> SequenceGroup | None:
+        self._offer = self._carry = None  # the batch a plan or carry describes may lose a group
+        return super().abort(group_id, now, reason)
+
     def block_usage(self) -> tuple[int, int]:
         """(logical blocks: the sum of every sequence's table length, physical blocks in use): what
         sharing saves is 1 - physical / logical."""
