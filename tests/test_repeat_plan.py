@@ -145,3 +145,16 @@ def test_routed_windows_run_through_block_exhaustion_once_every_request_has_arri
     b = run_simulation(dataclasses.replace(cfg, fast_forward=False), tr)
     pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
     pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
+
+
+@pytest.mark.parametrize("policy", ["vtc", "sjf"])
+def test_state_reading_policies_run_through_block_exhaustion_once_every_request_has_arrived(policy):
+    # arrivals read these policies' state (on_queued), so their windows end before every arrival;
+    # after the last one they keep the preempting iteration, and still equal stepping
+    tr = resolve_trace("multi-client", num_requests=120, rate=200.0, seed=3)
+    cfg = SimConfig(policy=policy, num_gpu_blocks=150)
+    a = run_simulation(cfg, tr)
+    assert a.summary["engine"]["preempting_in_windows"] > 0
+    b = run_simulation(dataclasses.replace(cfg, fast_forward=False), tr)
+    pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
+    pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
