@@ -149,14 +149,16 @@ class ReplicaStep:
         res = sched.apply_repeat(plan, end, executor.price)
         if k:
             b = plan.num_seqs
-            log.add_many({
+            cols = {
                 "start": np.concatenate(([now], ends[:-1])), "duration": durations,
                 "num_seqs": b, "decode_tokens": b,
                 "context_tokens": plan.context_tokens + b * np.arange(1, k + 1, dtype=np.int64),
                 "waiting": waiting, "running": res.running, "kv_token_states": res.token_states,
-                "kv_reserved": res.reserved, "kv_internal_frag": res.internal_frag,
-                "kv_external_frag": res.external_frag, "kv_free": res.free, "prefix_hits": sched.prefix_hits,
-            })
+                "kv_internal_frag": res.internal_frag, "kv_free": res.free, "prefix_hits": sched.prefix_hits,
+            }
+            if not (_zero(res.reserved) and _zero(res.external_frag)):  # columns left out of add_many stay 0
+                cols["kv_reserved"], cols["kv_external_frag"] = res.reserved, res.external_frag
+            log.add_many(cols)
         window = Window(now, ends.tolist(), durations.tolist(), res.exhaustion is not None)
         if res.exhaustion is not None:
             duration = res.exhaustion_duration
@@ -173,6 +175,10 @@ class ReplicaStep:
         self.windows += 1
         self.skipped += len(window.ends)
         self.exhaustions += window.exhaustion
+
+
+def _zero(column: np.ndarray | int) -> bool:
+    return isinstance(column, int) and column == 0
 
 
 def _stop_at_finish(plan: RepeatPlan) -> bool:
