@@ -20,6 +20,7 @@ import pandas as pd
 
 from analysis.cli_args import add_study_args, sim_config, study_title, study_trace
 from analysis.parallel import executor_options, run_tasks
+from analysis.report import Columns
 from pagesim.argtypes import out_dir, positive_int
 from sim.run import SimConfig, build_cost_model, num_blocks_for, run_simulation
 from traces import apply_arrivals
@@ -177,14 +178,17 @@ def command(args: argparse.Namespace) -> int:
 def print_header(args: argparse.Namespace, study: BlockSizeStudy) -> None:
     print(f"block size: {len(study.trace)} requests of {study.trace.name}, {study_title(args)}, "
           + (f"{args.kv_tokens:,} KV tokens" if args.kv_tokens else "KV capacity from the hardware spec"))
-    print(f"{'rate':>6} {'block':>6} {'blocks':>8} {'norm lat':>9} {'req/s':>7} {'preempt':>8} {'batch':>6} "
-          f"{'frag':>6} {'ref ms':>7}")
+    print(COLUMNS.header())
+
+
+COLUMNS = Columns(("rate", "rate", ">6g"), ("block", "block_size", ">6"), ("blocks", "num_gpu_blocks", ">8,"),
+                  ("norm lat", "mean_normalized_latency", ">9.4f"), ("req/s", "throughput", ">7.3f"),
+                  ("preempt", "preemptions", ">8"), ("batch", "mean_batched_seqs", ">6.1f"),
+                  ("frag", "internal_frag", ">6.1%"), ("ref ms", "reference_decode_ms", ">7.2f"))
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['rate']:>6g} {r['block_size']:>6} {r['num_gpu_blocks']:>8,} {r['mean_normalized_latency']:>9.4f} "
-          f"{r['throughput']:>7.3f} {r['preemptions']:>8} {r['mean_batched_seqs']:>6.1f} "
-          f"{r['internal_frag']:>6.1%} {r['reference_decode_ms']:>7.2f}", flush=True)
+    print(COLUMNS.row(r), flush=True)
 
 
 def write_report(args: argparse.Namespace, result: BlockSizeTables) -> None:

@@ -19,6 +19,7 @@ import pandas as pd
 
 from analysis.cli_args import add_seeds_arg, add_study_args, sim_config, study_title, study_workloads
 from analysis.parallel import executor_options, run_tasks
+from analysis.report import Columns
 from analysis.seeds import rate_line, seed_cell, seeded, seeds_note, write_seed_summary
 from pagesim.argtypes import fraction, out_dir, positive_float, positive_int
 from policies.router import ROUTERS
@@ -203,13 +204,16 @@ def _slo(args: argparse.Namespace) -> str:
 def print_header(args: argparse.Namespace, study: CapacityStudy) -> None:
     print(f"capacity: {len(study.trace)} requests of {study.trace.name} on {study_title(args)}, "
           f"{args.attainment:.0%} of requests within {_slo(args)}")
-    print(f"{'router':<16} {'rate':>6} {'replicas':>8} {'in SLO':>7} {'p90 TTFT':>9} {'p90 TPOT':>9} {'wall s':>7}"
-          + (f" {'seed':>5}" if args.seeds > 1 else ""))
+    print(COLUMNS.header() + (f" {'seed':>5}" if args.seeds > 1 else ""))
+
+
+COLUMNS = Columns(("router", "router", "<16"), ("rate", "rate", ">6g"), ("replicas", "replicas", ">8"),
+                  ("in SLO", "slo_attainment", ">7.1%"), ("p90 TTFT", "ttft_p90", ">9.3f"),
+                  ("p90 TPOT", "tpot_p90", ">9.4f"), ("wall s", "wall_s", ">7.2f"))
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['router']:<16} {r['rate']:>6g} {r['replicas']:>8} {r['slo_attainment']:>7.1%} {r['ttft_p90']:>9.3f} "
-          f"{r['tpot_p90']:>9.4f} {r['wall_s']:>7.2f}" + seed_cell(r), flush=True)
+    print(COLUMNS.row(r) + seed_cell(r), flush=True)
 
 
 def print_answer(args: argparse.Namespace, r: dict) -> None:

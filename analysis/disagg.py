@@ -15,6 +15,7 @@ import pandas as pd
 from analysis.cli_args import add_study_args, gigabytes_per_s, sim_config, study_title, study_trace
 from analysis.parallel import executor_options, run_tasks
 from analysis.plots import rate_panels
+from analysis.report import Columns
 from analysis.sweep import headline
 from pagesim.argtypes import out_dir, positive_float, positive_int
 from policies.router import ROUTERS
@@ -142,12 +143,16 @@ def command(args: argparse.Namespace) -> int:
 def print_header(args: argparse.Namespace, study: DisaggStudy) -> None:
     print(f"disagg: {len(study.trace)} requests of {study.trace.name}, {args.gpus} GPUs of {study_title(args)}: "
           f"{', '.join(study.names)}")
-    print(f"{'setup':<10} {'rate':>6} {'p90 TTFT':>9} {'p90 TPOT':>9} {'norm lat':>9} {'req/s':>7} {'wall s':>7}")
+    print(COLUMNS.header())
+
+
+COLUMNS = Columns(("setup", "setup", "<10"), ("rate", "rate", ">6g"), ("p90 TTFT", "ttft_p90", ">9.3f"),
+                  ("p90 TPOT", "tpot_p90", ">9.4f"), ("norm lat", "mean_normalized_latency", ">9.4f"),
+                  ("req/s", "throughput", ">7.3f"), ("wall s", "wall_s", ">7.2f"))
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['setup']:<10} {r['rate']:>6g} {r['ttft_p90']:>9.3f} {r['tpot_p90']:>9.4f} "
-          f"{r['mean_normalized_latency']:>9.4f} {r['throughput']:>7.3f} {r['wall_s']:>7.2f}", flush=True)
+    print(COLUMNS.row(r), flush=True)
 
 
 def write_report(args: argparse.Namespace, result: DisaggTables) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.cli_args import check_workload_size, sim_config
+from analysis.report import Columns
 from pagesim.argtypes import non_negative_int, out_dir, positive_int, rate, seed
 from policies.plan import StepComposition
 from sim.cost_model import RooflineCostModel
@@ -187,12 +188,15 @@ def write_micro(args: argparse.Namespace, micro: pd.DataFrame) -> None:
 
 def print_e2e_header(args: argparse.Namespace, trace: Trace) -> None:
     print(f"\nend to end: {len(trace)} requests of {trace.name} at {args.rate:g} req/s, vllm")
-    print(f"{'block size':>10} {'preemption':>11} {'norm lat':>9} {'preempted':>10}")
+    print(COLUMNS.header())
+
+
+COLUMNS = Columns(("block size", "block_size", ">10"), ("preemption", "preemption", ">11"),
+                  ("norm lat", "mean_normalized_latency", ">9.4f"), ("preempted", "preemptions", ">10"))
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['block_size']:>10} {r['preemption']:>11} {r['mean_normalized_latency']:>9.4f} "
-          f"{r['preemptions']:>10}", flush=True)
+    print(COLUMNS.row(r), flush=True)
 
 
 def write_report(args: argparse.Namespace, result: PreemptionTables) -> None:

@@ -73,3 +73,26 @@ def replica_table(summary: dict[str, Any]) -> str:
         lines.append(f"{r['replica']:>7}  {r['hardware']:<10}  {r['num_gpu_blocks']:>9,}  {r['requests']:>8,}  "
                      f"{r['busy_fraction']:>6.1%}  {lat_s:>13}  {r['prefix_hit_tokens']:>11,}  {r['preemptions']:>9,}")
     return "\n".join(lines)
+
+
+class Columns:
+    """A printed table's columns, each (title, row key, format spec of its values): the header and
+    every row come from the same specs, so they stay aligned. A title is laid out with its spec's
+    alignment and width ("<12", ">9" of ">9.3f")."""
+
+    def __init__(self, *columns: tuple[str, str, str]) -> None:
+        self.columns = columns
+
+    def header(self) -> str:
+        return " ".join(f"{title:{_layout(spec)}}" for title, _, spec in self.columns)
+
+    def row(self, r: dict[str, Any]) -> str:
+        return " ".join(f"{r[key]:{spec}}" for _, key, spec in self.columns)
+
+
+def _layout(spec: str) -> str:
+    """The alignment and width of a format spec: '>9' of '>9.3f', '<16' of '<16', '>8' of '>8,'."""
+    align = spec[0] if spec[:1] in "<>^" and spec else ""
+    rest = spec[len(align):]
+    width = rest[:len(rest) - len(rest.lstrip("0123456789"))]
+    return align + width

@@ -21,6 +21,7 @@ from analysis.cli_args import (
 )
 from analysis.parallel import executor_options, run_tasks
 from analysis.plots import rate_panels
+from analysis.report import Columns
 from analysis.seeds import seed_cell, seeded, seeds_note, write_seed_summary
 from analysis.sweep import headline
 from pagesim.argtypes import non_negative_int, out_dir, positive_int
@@ -170,14 +171,17 @@ def _replicas_of(args: argparse.Namespace) -> str:
 def print_header(args: argparse.Namespace, study: RoutingStudy) -> None:
     print(f"routing: {len(study.trace)} requests of {study.trace.name}, {study.base.replicas} replicas of "
           f"{_replicas_of(args)}, prefix caching {'off' if args.no_prefix_caching else 'on'}")
-    print(f"{'router':<16} {'rate':>6} {'req/s':>7} {'TTFT':>8} {'norm lat':>9} {'cache hit':>9} {'spread':>7} "
-          f"{'wall s':>7}" + (f" {'seed':>5}" if args.seeds > 1 else ""))
+    print(COLUMNS.header() + (f" {'seed':>5}" if args.seeds > 1 else ""))
+
+
+COLUMNS = Columns(("router", "router", "<16"), ("rate", "rate", ">6.2f"), ("req/s", "throughput", ">7.3f"),
+                  ("TTFT", "ttft_mean", ">8.3f"), ("norm lat", "mean_normalized_latency", ">9.4f"),
+                  ("cache hit", "prefix_hit_fraction", ">9.1%"), ("spread", "imbalance", ">7.2f"),
+                  ("wall s", "wall_s", ">7.2f"))
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['router']:<16} {r['rate']:>6.2f} {r['throughput']:>7.3f} {r['ttft_mean']:>8.3f} "
-          f"{r['mean_normalized_latency']:>9.4f} {r['prefix_hit_fraction']:>9.1%} {r['imbalance']:>7.2f} "
-          f"{r['wall_s']:>7.2f}" + seed_cell(r), flush=True)
+    print(COLUMNS.row(r) + seed_cell(r), flush=True)
 
 
 def write_report(args: argparse.Namespace, result: RoutingTables) -> None:

@@ -21,6 +21,7 @@ import pandas as pd
 
 from analysis.cli_args import add_study_args, sim_config, study_title, study_trace
 from analysis.parallel import executor_options, run_tasks
+from analysis.report import Columns
 from pagesim.argtypes import out_dir, positive_float, positive_int
 from policies.scheduler import Scheduler
 from sim.run import SimConfig, run_simulation
@@ -152,12 +153,16 @@ def command(args: argparse.Namespace) -> int:
 def print_header(args: argparse.Namespace, study: SharingStudy) -> None:
     print(f"sharing: {len(study.trace)} requests of {study.trace.name}, {study_title(args)}, block size "
           f"{args.block_size}")
-    print(f"{'decoding':<18} {'width':>5} {'rate':>6} {'saving':>7} {'req/s':>7} {'norm lat':>9} {'preempt':>8}")
+    print(COLUMNS.header())
+
+
+COLUMNS = Columns(("decoding", "decoding", "<18"), ("width", "width", ">5"), ("rate", "rate", ">6.2f"),
+                  ("saving", "saving", ">7.1%"), ("req/s", "throughput", ">7.3f"),
+                  ("norm lat", "mean_normalized_latency", ">9.4f"), ("preempt", "preemptions", ">8"))
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['decoding']:<18} {r['width']:>5} {r['rate']:>6.2f} {r['saving']:>7.1%} {r['throughput']:>7.3f} "
-          f"{r['mean_normalized_latency']:>9.4f} {r['preemptions']:>8}", flush=True)
+    print(COLUMNS.row(r), flush=True)
 
 
 def write_report(args: argparse.Namespace, result: SharingTables) -> None:

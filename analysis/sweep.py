@@ -20,6 +20,7 @@ from analysis.cli_args import (
     study_workloads,
 )
 from analysis.parallel import executor_options, run_tasks
+from analysis.report import Columns
 from analysis.seeds import seed_cell, seeded, seeds_note, write_seed_summary
 from pagesim.argtypes import out_dir, positive_float, positive_int
 from policies.registry import PAGED_ONLY_DEFAULTS, POLICIES
@@ -159,13 +160,16 @@ def print_header(args: argparse.Namespace, study: SweepStudy) -> None:
                                  (f"--preemption {args.preemption}", args.preemption != "recompute")) if on]
     if vllm_opts:
         print(f"{' '.join(vllm_opts)}: vllm runs only")
-    print(f"{'policy':<12} {'rate':>6} {'req/s':>7} {'norm lat':>9} {'p90 TTFT':>9} {'preempt':>8} {'wall s':>7}"
-          + (f" {'seed':>5}" if args.seeds > 1 else ""))
+    print(COLUMNS.header() + (f" {'seed':>5}" if args.seeds > 1 else ""))
+
+
+COLUMNS = Columns(("policy", "policy", "<12"), ("rate", "rate", ">6.2f"), ("req/s", "throughput", ">7.3f"),
+                  ("norm lat", "mean_normalized_latency", ">9.4f"), ("p90 TTFT", "ttft_p90", ">9.2f"),
+                  ("preempt", "preemptions", ">8"), ("wall s", "wall_s", ">7.2f"))
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['policy']:<12} {r['rate']:>6.2f} {r['throughput']:>7.3f} {r['mean_normalized_latency']:>9.4f} "
-          f"{r['ttft_p90']:>9.2f} {r['preemptions']:>8} {r['wall_s']:>7.2f}" + seed_cell(r), flush=True)
+    print(COLUMNS.row(r) + seed_cell(r), flush=True)
 
 
 def write_report(args: argparse.Namespace, result: SweepTables) -> None:

@@ -177,3 +177,12 @@ def test_run_tasks_rejects_no_workers():
     with pytest.raises(ValueError, match="jobs must be >= 1"):
         run_tasks(len, [("ab",)], jobs=0)
     assert run_tasks(len, [("ab",), ("abc",)], jobs=2) == [2, 3]
+
+
+def test_columns_lay_out_header_and_rows_from_one_spec():
+    from analysis.report import Columns
+
+    cols = Columns(("policy", "policy", "<12"), ("rate", "rate", ">6.2f"), ("blocks", "n", ">8,"), ("hit", "h", ">6.1%"))
+    assert cols.header() == f"{'policy':<12} {'rate':>6} {'blocks':>8} {'hit':>6}"
+    row = cols.row({"policy": "vllm", "rate": 1.5, "n": 12345, "h": 0.25})
+    assert row == "vllm           1.50   12,345  25.0%" and len(row) == len(cols.header())
