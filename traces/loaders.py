@@ -127,7 +127,7 @@ def _seconds(frame: pd.DataFrame, column: str, where: _Where, scale: float = 1.0
 # ---------------------------------------------------------------- reading files
 
 
-_TEXT_COLUMNS = {"prefix_hashes": str, "prompt_token_ids": str, "reject_reason": str}
+_TEXT_COLUMNS = {"prefix_hashes": str, "prompt_token_ids": str, "reject_reason": str, "client": str}
 
 
 def _read_csv(path: Path) -> pd.DataFrame:
@@ -213,10 +213,10 @@ def _build(path: Path, arrival: np.ndarray | None, prompt: np.ndarray, output: n
     order = _sorted_order(arrival, path) if has_ts else None
     if order is not None:
         arrival, prompt, output = arrival[order], prompt[order], output[order]
-        for key in ("prefix_hashes", "prompt_token_ids", "reject_reason"):
+        for key in ("prefix_hashes", "prompt_token_ids", "reject_reason", "client"):
             if extra.get(key) is not None:
                 extra[key] = [extra[key][i] for i in order]
-        for key in ("n", "beam_width"):
+        for key in ("n", "beam_width", "priority", "slo_ttft", "slo_tpot"):
             if extra.get(key) is not None:
                 extra[key] = extra[key][order]
     return Trace(
@@ -383,6 +383,7 @@ def _load_pagesim(path: Path) -> Trace:
         extra.update(_pagesim_hashes(frame, where))
     if "prompt_token_ids" in frame:
         extra["prompt_token_ids"] = _int_lists(frame, "prompt_token_ids", where)
+    extra.update(_classes(frame, where))
     # a row with a reject reason (a failed request kept from the source trace) may have zero tokens
     minimum = 1
     if "reject_reason" in frame:
@@ -401,6 +402,33 @@ def _load_pagesim(path: Path) -> Trace:
         return _build(path, arrival, prompt, output, **extra)
     except ValueError as exc:  # cross-column invariants (hash counts, token id counts)
         raise TraceFormatError(f"{path}: {exc}") from exc
+
+
+def _classes(frame: pd.DataFrame, where: _Where) -> dict[str, Any]:
+    """The optional client / priority / SLO-class columns that Trace.save writes (dropping them
+    silently lost every request's client and class on a save/load round trip)."""
+    extra: dict[str, Any] = {}
+    if "client" in frame:
+        extra["client"] = ["" if pd.isna(c) else str(c).strip() for c in frame["client"]]
+    if "priority" in frame:
+        values = _numeric(frame, "priority", where, "an integer priority")
+        bad = ~np.isfinite(values) | (values != np.floor(values)) | (values.abs() >= 2.0**63)
+        if bad.any():
+            label = values.index[bad.argmax()]
+            raise where.fail(label, "priority", f"{float(values[label])!r} is not an integer priority")
+        extra["priority"] = values.to_numpy(np.int64)
+    for column in ("slo_ttft", "slo_tpot"):
+        if column in frame:  # empty cells: the run's SLO
+            values = pd.to_numeric(frame[column], errors="coerce")
+            bad = (frame[column].notna() & values.isna()) | ~(values.isna() | ((values > 0) & np.isfinite(values)))
+            if bad.any():
+                label = values.index[bad.argmax()]
+                raw = frame[column][label]
+                shown = repr(raw) if isinstance(raw, str) else f"{float(raw):g}"
+                raise where.fail(label, column, f"{shown}, expected a finite number of seconds > 0 (or empty for "
+                                                "the run's)")
+            extra[column] = values.to_numpy(np.float64)
+    return extra
 
 
 def _int_lists(frame: pd.DataFrame, column: str, where: _Where) -> list[list[int]]:
