@@ -19,6 +19,7 @@ File fields and units (all per device, dense figures, no structured sparsity):
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,7 +77,7 @@ def read_hardware(path: str | Path) -> tuple[HardwareSpec, list[str]]:
     path = Path(path)
     try:
         data = json.loads(path.read_text())
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: cannot read: {e}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: line {e.lineno}: not valid JSON: {e.msg}") from None
@@ -88,14 +89,21 @@ def read_hardware(path: str | Path) -> tuple[HardwareSpec, list[str]]:
         if v is None:
             raise ValueError(f"{path}: {key}: missing (fields: {', '.join(_FIELDS)}, source)")
         least_ok = 0 if key in ("peak_fp8_tflops", "interconnect_latency_us") else None
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or (v < 0 if least_ok == 0 else v <= 0):
+        # json reads NaN and Infinity: NaN passed both comparisons and priced every step as NaN
+        if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
+                or (v < 0 if least_ok == 0 else v <= 0)):
             raise ValueError(f"{path}: {key}: must be a number {'>= 0' if least_ok == 0 else '> 0'}, got {v!r}")
         values[attr] = v * unit
     if not isinstance(data.get("source"), str) or not data["source"].strip():
         raise ValueError(f"{path}: source: missing (say which datasheet the figures come from)")
     values["memory_bytes"] = int(values["memory_bytes"])
     spec = HardwareSpec(name=str(data.get("name") or path.stem), source=data["source"], **values)
-    return spec, [str(a) for a in data.get("aliases", [])]
+    aliases = data.get("aliases", [])
+    if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+        raise ValueError(f"{path}: aliases: must be a list of names, got {aliases!r}")
+    if not isinstance(data.get("name", ""), str):
+        raise ValueError(f"{path}: name: must be a string, got {data['name']!r}")
+    return spec, aliases
 
 
 def _catalogue() -> tuple[dict[str, HardwareSpec], dict[str, str]]:

@@ -75,6 +75,8 @@ def model_type(cfg: dict[str, Any], where: str) -> str:
 def spec_fields(cfg: dict[str, Any], name: str, source: str = "") -> dict[str, Any]:
     """ModelSpec keyword arguments for a HF config dict (the spec checks its own invariants)."""
     where = source or name or "config"
+    if not isinstance(cfg, dict):  # a JSON list or number parsed fine, then failed on .get
+        raise ValueError(f"{where}: expected a JSON object (a HF config.json), got a JSON {type(cfg).__name__}")
     mt = model_type(cfg, where)
     r = _Reader(cfg, where)
     fields = _opt(r) if mt == "opt" else _llama(r, mt)
