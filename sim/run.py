@@ -225,6 +225,10 @@ def num_blocks_for(cfg: SimConfig) -> tuple[int, int]:
     if gpu is None:
         gpu = kv_capacity_blocks(model, hw, block_size=cfg.block_size, tp=cfg.tp,
                                  gpu_memory_utilization=cfg.gpu_memory_utilization)
+        if gpu < 1:  # the scheduler's "num_blocks must be >= 1" named no flag
+            raise ValueError(f"block_size (--block-size): the KV memory left on {cfg.tp} x {hw.name} after "
+                             f"{model.name}'s weights holds no whole block of {cfg.block_size:,} tokens; use a "
+                             f"smaller --block-size or give --num-gpu-blocks")
     # swap_space_gib is per GPU, as vLLM's swap_space; each of the tp GPUs holds 1/tp of a block
     cpu = cfg.num_cpu_blocks
     if cpu is None:

@@ -31,6 +31,8 @@ def read_checked(path: Path, kind: str, fmt: str, version: int, fields: tuple[st
         d = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not JSON ({exc})") from exc
+    except (OSError, UnicodeDecodeError) as exc:  # a folder, unreadable, binary: name the file
+        raise ValueError(f"{path}: cannot read: {exc}") from exc
     if not isinstance(d, dict) or d.get("format") != fmt:
         raise ValueError(f"{path}: not a pagesim {kind} (expected \"format\": \"{fmt}\")")
     if d.get("version") != version:
