@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -42,6 +43,7 @@ class ServeOptions:
     max_model_len: int          # prompt + max_tokens of one request, at most
     max_pending: int = 0        # requests in the engine beyond which a new one is answered 429 (0: no limit)
     created: int = 0            # when the server started (unix seconds), for /v1/models
+    max_body_bytes: int = 8 << 20  # a larger request body is answered 413 before it is read whole
 
 
 class _ClientGone(Exception):
@@ -96,6 +98,8 @@ class _Call:
 
     def _request(self, ids: list[int], arrival: float) -> Request:
         p, opts = self.parsed.params, self.api.options
+        if p.seed is not None and p.seed >= 2**63:  # torch's generators take a signed 64-bit seed
+            raise ApiError(f"'seed' must be below 2**63, got {p.seed}", param="seed")
         max_tokens = p.max_tokens if p.max_tokens is not None else opts.max_model_len - len(ids)
         if len(ids) + max_tokens > opts.max_model_len:
             raise ApiError(f"This model's maximum context length is {opts.max_model_len} tokens. However, you "
@@ -182,7 +186,7 @@ class OpenAIServer:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
-        ])
+        ], exception_handlers={HTTPException: _http_error})
 
     # ---------------------------------------------------------------- small routes
     async def models(self, request: HttpRequest) -> Response:
@@ -241,9 +245,13 @@ class OpenAIServer:
         if self.draining or not self.engine.alive:
             raise ApiError("the server is shutting down" if self.draining else "the engine has stopped",
                            status=503, type="server_error")
+        ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise ApiError(f"the request body must be JSON: content-type {ctype!r} is not application/json",
+                           code="unsupported_media_type")
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            body = json.loads(await _body(request, self.options.max_body_bytes))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise ApiError(f"malformed JSON in the request body: {e}", code="invalid_json") from None
         parsed = parse(body, self.options.model_name, self.tokenizer)
         call = _Call(self, parsed, arrival)
@@ -314,6 +322,29 @@ class OpenAIServer:
         if use is not None:
             body["usage"] = use
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def _body(request: HttpRequest, limit: int) -> bytes:
+    """The request body, refused with 413 once it is known to exceed `limit` bytes (by its
+    Content-Length, or while it streams in), so a huge body is never held whole."""
+    declared = request.headers.get("content-length", "")
+    too_big = ApiError(f"the request body exceeds {limit} bytes", status=413, code="request_too_large")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _http_error(request: HttpRequest, exc: HTTPException) -> JSONResponse:
+    """Unknown path (404), wrong method (405): OpenAI's error object, not Starlette's plain text."""
+    e = ApiError(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code,
+                 code="not_found" if exc.status_code == 404 else "method_not_allowed")
+    return JSONResponse(e.body(), status_code=exc.status_code, headers=exc.headers)
 
 
 def _error(e: ApiError) -> JSONResponse:

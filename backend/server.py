@@ -195,10 +195,16 @@ class AsyncEngine:
 
     def _add(self, req: EngineRequest) -> None:
         r = req.request
-        live = self._live[r.request_id] = _Live(req, [0] * r.sampling.n)
         if req.seed is not None:
-            dev = self.executor.runner.device
-            self.executor.generators[r.request_id] = torch.Generator(device=dev).manual_seed(req.seed)
+            try:  # a seed torch refuses (outside int64) fails this request alone, not the engine
+                gen = torch.Generator(device=self.executor.runner.device).manual_seed(req.seed)
+            except (ValueError, RuntimeError, OverflowError) as e:
+                with self._count_lock:
+                    self._outstanding -= 1
+                req.sink(RequestOutput(r.request_id, {}, finished=True, error=f"invalid seed {req.seed}: {e}"))
+                return
+            self.executor.generators[r.request_id] = gen
+        live = self._live[r.request_id] = _Live(req, [0] * r.sampling.n)
         group = self.scheduler.add_request(r)
         if group.rejected is not None:  # refused on arrival
             self._end(group, live, error=group.rejected)
