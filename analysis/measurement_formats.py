@@ -136,7 +136,10 @@ def load_file(path: Path, models_dirs: Sequence[str | Path] | None = None) -> li
 
 def _json_objects(path: Path) -> list[Any]:
     """The JSON values in the file: one, or several written one after another (--append-result)."""
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:  # binary or unreadable: name the file
+        raise ValueError(f"{path}: cannot read: {exc}") from None
     decoder, pos, out = json.JSONDecoder(), 0, []
     while True:
         while pos < len(text) and text[pos].isspace():
@@ -181,6 +184,17 @@ def _model(f: Fields, key: str, models_dirs: Sequence[str | Path] | None) -> tup
         raise f.error(key, str(exc)) from None
 
 
+def _tp(f: Fields, key: str, model: str) -> int:
+    """The measured tensor parallelism, which must split the model's heads (refused here naming the
+    file's field, not later as if the user had passed --tp)."""
+    tp = f.int(key, 1, minimum=1)
+    spec = load_model(model)
+    if math.gcd(spec.num_heads, spec.num_kv_heads) % tp:
+        raise f.error(key, f"{tp} does not divide {spec.name}'s {spec.num_heads} attention heads and "
+                           f"{spec.num_kv_heads} KV heads evenly")
+    return tp
+
+
 # --- vllm-h100 measurements.json ------------------------------------------------------------------
 
 def _source_hardware(source: Any) -> str | None:
@@ -207,7 +221,7 @@ def _vllm_h100_experiment(e: Fields, models_dirs: Sequence[str | Path] | None, h
         raise e.error("ignore_eos", "false: outputs of unknown length cannot be replayed")
     stages = tuple(_vllm_h100_stage(s, load, workload.output_len) for s in e.items("stages"))
     return Experiment(
-        name=e.str("name"), model_id=model_id, model=model, tp=e.int("tp", 1, minimum=1), stages=stages,
+        name=e.str("name"), model_id=model_id, model=model, tp=_tp(e, "tp", model), stages=stages,
         workload=workload, workload_name=e.str("workload", "shared_prefix"),
         max_model_len=e.int("max_model_len", None, minimum=1),
         max_num_batched_tokens=e.int("max_num_batched_tokens", None, minimum=1),
@@ -267,8 +281,7 @@ def _vllm_bench(f: Fields, name: str, models_dirs: Sequence[str | Path] | None) 
         throughput_rps=f.num("request_throughput", None), successes=completed,
         failures=f.int("failed", n - completed), requests=_bench_requests(f, n, completed, total_out))
     return Experiment(
-        name=name, model_id=model_id, model=model, tp=f.int(_first(f, "tensor_parallel_size", "tp", default="tp"),
-                                                          1, minimum=1),
+        name=name, model_id=model_id, model=model, tp=_tp(f, _first(f, "tensor_parallel_size", "tp"), model),
         stages=(stage,), workload_name=str(f.raw("dataset_name", "vllm-bench")),
         max_model_len=f.int("max_model_len", None, minimum=1),
         max_num_batched_tokens=f.int("max_num_batched_tokens", None, minimum=1),
