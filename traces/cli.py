@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from traces.arrivals import apply_arrivals
@@ -81,10 +82,16 @@ def run_generate(args: argparse.Namespace) -> int:
         return _error(f"{flags} not used by --kind {args.kind}", 2)
     if not 0 <= args.seed < 2**32:
         return _error(f"--seed: must be an integer in [0, 2**32), got {args.seed}", 2)
+    if args.num_requests < 1:  # 0 wrote a header-only file that no loader accepts
+        return _error(f"--num-requests: must be an integer >= 1, got {args.num_requests}", 2)
+    blocked = next((p for p in Path(args.out).parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        return _error(f"--out: {args.out} is inside {blocked}, an existing file", 2)
     try:
         trace = make_synthetic(args.kind, args.num_requests, seed=args.seed, **given)
         if args.rate is not None or args.burstiness is not None:
             trace = apply_arrivals(trace, rate=args.rate, burstiness=args.burstiness, seed=args.seed)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # as every other --out: made when missing
         path = trace.save(args.out)
     except (ValueError, OSError) as exc:
         return _error(str(exc), 1)
