@@ -46,6 +46,9 @@ class ServeOptions:
     max_body_bytes: int = 8 << 20  # a larger request body is answered 413 before it is read whole
 
 
+SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it samples greedily
+
+
 class _ClientGone(Exception):
     pass
 
@@ -100,6 +103,11 @@ class _Call:
         p, opts = self.parsed.params, self.api.options
         if p.seed is not None and p.seed >= 2**63:  # torch's generators take a signed 64-bit seed
             raise ApiError(f"'seed' must be below 2**63, got {p.seed}", param="seed")
+        if p.max_tokens is None and len(ids) >= opts.max_model_len:  # no room left for a default (vLLM's wording)
+            raise ApiError(f"This model's maximum context length is {opts.max_model_len} tokens. However, your "
+                           f"request has {len(ids)} input tokens. Please reduce the length of the input.",
+                           param="prompt" if self.parsed.kind == "completion" else "messages",
+                           code="context_length_exceeded")
         max_tokens = p.max_tokens if p.max_tokens is not None else opts.max_model_len - len(ids)
         if len(ids) + max_tokens > opts.max_model_len:
             raise ApiError(f"This model's maximum context length is {opts.max_model_len} tokens. However, you "
@@ -107,8 +115,12 @@ class _Call:
                            "for the completion). Please reduce the length of the prompt or completion.",
                            param="max_tokens" if p.max_tokens is not None else "prompt",
                            code="context_length_exceeded")
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=p.ignore_eos, n=p.n, temperature=p.temperature,
-                            top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+        # as vLLM: a temperature under 1e-5 is greedy (logits / 1e-40 overflow to inf, NaN after the
+        # softmax, and that stopped the engine for every client); a top_p under 1e-9 keeps the top
+        # token alone, as 1e-9 does (its probability is >= 1 / vocab), but a float32 0 keeps none
+        temperature = p.temperature if p.temperature >= SAMPLING_EPS else 0.0
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=p.ignore_eos, n=p.n, temperature=temperature,
+                            top_p=max(p.top_p, 1e-9), top_k=p.top_k, seed=p.seed)
         req = Request(self.api.engine.new_request_id(), arrival, len(ids), sp, prompt_token_ids=ids)
         reason = self.api.engine.refusal(req)
         if reason is not None:
@@ -186,7 +198,7 @@ class OpenAIServer:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
-        ], exception_handlers={HTTPException: _http_error})
+        ], exception_handlers={HTTPException: _http_error, Exception: _internal_error})
 
     # ---------------------------------------------------------------- small routes
     async def models(self, request: HttpRequest) -> Response:
@@ -253,6 +265,11 @@ class OpenAIServer:
             body = json.loads(await _body(request, self.options.max_body_bytes))
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise ApiError(f"malformed JSON in the request body: {e}", code="invalid_json") from None
+        try:  # a lone surrogate escape ("\ud800") parses, then breaks the tokenizer or the answer's encoding
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise ApiError("the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff): not valid "
+                           "Unicode", code="invalid_json") from None
         parsed = parse(body, self.options.model_name, self.tokenizer)
         call = _Call(self, parsed, arrival)
         limit = self.options.max_pending
@@ -345,6 +362,13 @@ async def _http_error(request: HttpRequest, exc: HTTPException) -> JSONResponse:
     e = ApiError(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code,
                  code="not_found" if exc.status_code == 404 else "method_not_allowed")
     return JSONResponse(e.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _internal_error(request: HttpRequest, exc: Exception) -> JSONResponse:
+    """A bug of ours: OpenAI's error object with status 500 (Starlette still logs the traceback)."""
+    e = ApiError(f"internal server error: {type(exc).__name__}: {exc}", status=500, code="internal_error",
+                 type="server_error")
+    return JSONResponse(e.body(), status_code=500)
 
 
 def _error(e: ApiError) -> JSONResponse:

@@ -136,6 +136,11 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
     ("/v1/completions", b"\xff\xfe", 400, None),
     ("/v1/completions", "[1, 2]", 400, None),
     ("/v1/completions", "[" * 100_000 + "]" * 100_000, 400, None),
+    # lone surrogate escapes: once a plain 500 from the tokenizer, or from encoding the error itself
+    ("/v1/completions", json.dumps({**C, "prompt": "a@b"}).replace("@", "\\ud800"), 400, None),
+    ("/v1/chat/completions", json.dumps({**CHAT, "messages": [{"role": "user", "content": "@"}]}).replace("@", "\\udc00"),
+     400, None),
+    ("/v1/completions", '{"model": "\\ud800", "prompt": "Hi"}', 400, None),
 ])
 def test_bad_requests_are_400_naming_the_field(server, path, body, status, param):
     r = _post(server, path, body)
@@ -144,11 +149,26 @@ def test_bad_requests_are_400_naming_the_field(server, path, body, status, param
     assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error"
 
 
+def test_extreme_sampling_values_do_not_stop_the_engine(server):
+    """A temperature of 1e-40 (logits overflow to inf) and a top_p of 1e-300 (0 in float32) once
+    put NaN into the sampler, which stopped the engine for every client; both are greedy, as in vLLM."""
+    c = _client(server)
+    greedy = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0).choices[0].text
+    tiny_t = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=1e-40, n=2)
+    tiny_p = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=1.0, top_p=1e-300, seed=1)
+    assert [x.text for x in tiny_t.choices] == [greedy, greedy] and tiny_p.choices[0].text == greedy
+    assert httpx.get(server["base"] + "/health", timeout=30).status_code == 200
+
+
 def test_context_overflow_states_the_lengths(server):
     r = _post(server, "/v1/completions", {**C, "prompt": "hi " * 2000})
     assert r.status_code == 400
     msg = r.json()["error"]["message"]
     assert "maximum context length is 1024" in msg and "2001 in the prompt" in msg
+    # no max_tokens and a prompt that fills the context: once a 500 (max_tokens < 1 reached the scheduler)
+    r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 1100}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "1131 input tokens" in r.json()["error"]["message"]
 
 
 def test_transport_level_refusals(server):
