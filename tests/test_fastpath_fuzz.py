@@ -5,8 +5,9 @@ Hypothesis draws whole SimConfigs over the space users reach (every registered p
 preemption, recompute / swap with a small CPU space, block sizes, n > 1 and beam search, the
 roofline, calibrated and profiled cost models) and traces from the synthetic generators with
 Poisson, bursty, constant and simultaneous arrivals. Both runs must give identical request and
-iteration tables and summaries; both run in debug mode, so every iteration (or window) also checks
-the block manager's invariants and conservation.
+iteration tables and summaries; runs on small caches are in debug mode, so every iteration (or
+window) also checks the block manager's invariants, and every run ends with the conservation checks
+(no block leaked, every request finished or rejected).
 
 Disaggregated runs are not drawn: sim/disagg.py always steps (no fast path to compare). The sim
 has no trace-driven aborts (Scheduler.abort is live-only), so none are drawn either.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,7 +32,7 @@ from sim.specs import get_model
 from traces import resolve_trace
 from traces.trace import Trace
 
-EXAMPLES = int(os.environ.get("PAGESIM_FUZZ_EXAMPLES", "30"))
+EXAMPLES = int(os.environ.get("PAGESIM_FUZZ_EXAMPLES", "60"))
 FUZZ_SEED = int(os.environ.get("PAGESIM_FUZZ_SEED", "0"))
 
 PAGED = ["vllm", "priority", "sjf", "srpt", "vtc", "edf"]
@@ -40,9 +42,16 @@ WORKLOADS = ["sharegpt-like", "alpaca-like", "fixed", "shared-prefix", "grouped-
 # (model, hardware, cost-model fields): roofline, calibrated roofline, measured profile
 COSTS: list[tuple[str, str, dict[str, Any]]] = [
     ("opt-13b", "a100-40gb", {}),
+    ("llama-3-70b", "h100-sxm", {"tp": 4}),
+    ("llama-3.1-8b", "l40s", {}),
     ("llama-7b", "h100-sxm", {"calibration": "vllm-v1-h100"}),
     ("smollm2-135m", "a100-40gb", {"cost_model": "profiled", "profile": "smollm2-135m-cpu"}),
 ]
+_MIXTRAL = Path(__file__).resolve().parents[2] / "shared" / "models" / "mixtral-8x7b-v0.1.json"
+if _MIXTRAL.is_file():  # a mixture-of-experts model (its own expert-count cost terms)
+    COSTS.append((str(_MIXTRAL), "h200", {"tp": 2}))
+# sampled_from lists put the stressful choice first: hypothesis starts from (and shrinks towards)
+# the first element, so a short run still preempts
 # summary keys that legitimately differ: wall time, how the engine got there, the config itself
 VOLATILE = {"wall_time_s", "engine", "config"}
 
@@ -65,14 +74,14 @@ def policy_options(draw: st.DrawFn, policy: str) -> dict[str, Any]:
 def traces(draw: st.DrawFn) -> Trace:
     """A small synthetic trace (outputs capped so stepping stays fast) with one arrival shape."""
     name = draw(st.sampled_from(WORKLOADS))
-    n = draw(st.integers(3, 24))
+    n = draw(st.integers(12, 30))
     seed = draw(st.integers(0, 2**16))
-    rate = draw(st.sampled_from([0.5, 4.0, 40.0, 400.0]))
+    rate = draw(st.sampled_from([40.0, 4.0, 400.0, 0.5]))
     shape = draw(st.sampled_from(["poisson", "bursty", "constant", "simultaneous", "ties"]))
     timestamped = name == "multi-client"
     burst = {"bursty": 3.0, "constant": 0.0}.get(shape) if not timestamped else None
     tr = resolve_trace(name, num_requests=n, rate=rate, burstiness=burst, seed=seed)
-    cap = draw(st.sampled_from([8, 60, 200, 400]))
+    cap = draw(st.sampled_from([200, 60, 400, 8]))
     tr = dataclasses.replace(tr, output_len=np.minimum(tr.output_len, cap))
     if shape == "simultaneous":  # every request at one instant
         tr = tr.with_arrivals(np.full(len(tr), float(tr.arrival[0]) if len(tr) else 0.0))
@@ -89,20 +98,24 @@ def cases(draw: st.DrawFn) -> tuple[SimConfig, Trace]:
     policy = draw(st.sampled_from(PAGED * 2 + CONTIGUOUS))  # the paged ones have more options
     paged = policy in PAGED
     model, hardware, cost = draw(st.sampled_from(COSTS))
-    block_size = draw(st.sampled_from([8, 16, 32])) if "profile" not in cost else 16
+    block_size = draw(st.sampled_from([8, 16, 32]))
     # the contiguous baselines reserve a whole max-length context per request (static pads to it)
     longest = int(tr.prompt_len.max() + tr.output_len.max()) if paged else get_model(model).max_position
     chunked = paged and draw(st.booleans())
     kw: dict[str, Any] = {"policy": policy, "policy_options": draw(policy_options(policy)), "model": model,
                           "hardware": hardware, "block_size": block_size, **cost,
-                          "max_num_seqs": draw(st.sampled_from([1, 2, 4, 256])),
+                          "max_num_seqs": draw(st.sampled_from([256, 4, 2, 1])),
                           "max_num_batched_tokens": max(block_size, int(tr.prompt_len.max()) + draw(
-                              st.sampled_from([-64, -1, 0, 1, 16, 2048] if chunked else [0, 1, 16, 2048]))),
+                              st.sampled_from([2048, -64, -1, 0, 1, 16] if chunked else [2048, 0, 1, 16]))),
                           "seed": draw(st.integers(0, 2**16))}
     # from one longest request's worth of blocks (preempting) to the hardware's own (None)
-    factor = draw(st.sampled_from([None, 1.0, 1.2, 1.5, 2.0, 3.0, 8.0]))
-    if factor is not None or "profile" in cost:
-        kw["num_gpu_blocks"] = max(1, int(-(-longest // block_size) * (factor or 8.0)))
+    # or a share of what the whole trace holds at once (several requests fit, then outgrow it)
+    factor = draw(st.sampled_from(["share", 1.0, 1.2, None, 2.0, 8.0]))
+    if factor == "share" and paged:
+        total = int((tr.prompt_len + tr.output_len).sum())
+        kw["num_gpu_blocks"] = -(-max(longest, int(total * draw(st.sampled_from([0.15, 0.3, 0.6])))) // block_size)
+    elif factor is not None or "profile" in cost:
+        kw["num_gpu_blocks"] = max(1, int(-(-longest // block_size) * (factor if factor not in (None, "share") else 8.0)))
     if paged:
         kw["prefix_caching"] = draw(st.booleans())
         kw["chunked_prefill"] = chunked
@@ -115,7 +128,13 @@ def cases(draw: st.DrawFn) -> tuple[SimConfig, Trace]:
     if replicas > 1:
         kw["replicas"] = replicas
         kw["router"] = draw(st.sampled_from(ROUTERS))
-    return SimConfig(**kw, debug=True), tr
+        if not cost and draw(st.booleans()):  # replicas on different GPUs (roofline only)
+            kw["replica_hardware"] = tuple(draw(st.sampled_from(["a100-40gb", "h100-sxm"])) for _ in range(replicas))
+    if draw(st.booleans()):  # goodput and SLO attainment in the summary
+        kw["slo_ttft"], kw["slo_tpot"] = draw(st.sampled_from([(0.5, 0.05), (5.0, 0.2)]))
+    # per-iteration invariant checks walk the whole pool: on for the small caches that preempt; a
+    # hardware-sized cache gets the end-of-run conservation checks every run makes (final_checks)
+    return SimConfig(**kw, debug="num_gpu_blocks" in kw), tr
 
 
 def _run(cfg: SimConfig, tr: Trace) -> SimResult | str:
