@@ -20,6 +20,10 @@ import os
 GPU_BLOCK_BYTES = 240
 CPU_BLOCK_BYTES = 48
 REQUEST_BYTES = 1_400
+# one replica's scheduler, executor and SimPy process besides its blocks: `simulate --replicas 2000`
+# (OPT-13B, A100-40GB, 951 blocks each) peaked 1.62 GiB above one replica, ~850 KB a replica of
+# which ~230 KB are blocks; 512 KiB keeps the estimate a lower bound
+REPLICA_BYTES = 512 * 2**10
 
 _NOT_WORTH_CHECKING = 256 * 2**20  # below this much, skip reading the system's memory figures
 

@@ -24,7 +24,7 @@ from policies.scheduler import Scheduler
 from sim.cost_model import CostModel, RooflineCostModel
 from sim.engine import ArrivalFeed, Replica, arrival_process, engine_process
 from sim.executor import SimulatedExecutor, load_beam_picks
-from sim.limits import CPU_BLOCK_BYTES, GPU_BLOCK_BYTES, REQUEST_BYTES, check_fits
+from sim.limits import CPU_BLOCK_BYTES, GPU_BLOCK_BYTES, REPLICA_BYTES, REQUEST_BYTES, check_fits
 from sim.specs import get_hardware, get_model, kv_capacity_blocks
 from traces.trace import Trace
 
@@ -115,15 +115,23 @@ def _check_tp(cfg: SimConfig) -> None:
 
 
 def _check_cache_memory(cfg: SimConfig) -> None:
-    """A given cache size (every replica holds one) must fit in memory as block bookkeeping."""
-    if cfg.num_gpu_blocks is None and cfg.num_cpu_blocks is None:
-        return  # derived from a hardware spec: at most a few million blocks
+    """Every replica's cache (given, or derived from the hardware) and bookkeeping must fit in memory
+    (--replicas 100000 with derived caches was killed by the OOM killer, not refused)."""
     replicas = sum(cfg.disaggregate) if cfg.disaggregate else max(cfg.replicas, 1)
-    gpu, cpu = cfg.num_gpu_blocks or 0, cfg.num_cpu_blocks or 0
-    what = " and ".join(f"{n:,} {kind} blocks ({flag})" for n, kind, flag in
-                        ((gpu, "GPU", "--num-gpu-blocks"), (cpu, "CPU", "--num-cpu-blocks")) if n)
-    check_fits(f"a KV cache of {what}" + (f" on each of {replicas} replicas" if replicas > 1 else ""),
-               [(replicas * gpu, GPU_BLOCK_BYTES), (replicas * cpu, CPU_BLOCK_BYTES)])
+    if cfg.num_gpu_blocks is None and cfg.num_cpu_blocks is None and replicas == 1:
+        return  # one cache derived from a hardware spec: at most a few million blocks
+    gpu, cpu = cfg.num_gpu_blocks, cfg.num_cpu_blocks
+    if gpu is None or cpu is None:
+        try:
+            derived = num_blocks_for(cfg)
+        except (ValueError, OSError):
+            return  # an unknown model or hardware, or no whole block, fails where it is used, naming it
+        gpu, cpu = derived[0] if gpu is None else gpu, derived[1] if cpu is None else cpu
+    what = " and ".join(f"{n:,} {kind} blocks ({flag if given is not None else 'derived'})"
+                        for n, kind, flag, given in ((gpu, "GPU", "--num-gpu-blocks", cfg.num_gpu_blocks),
+                                                     (cpu, "CPU", "--num-cpu-blocks", cfg.num_cpu_blocks)) if n)
+    check_fits(f"a KV cache of {what}" + (f" on each of {replicas:,} replicas (--replicas)" if replicas > 1 else ""),
+               [(replicas * gpu, GPU_BLOCK_BYTES), (replicas * cpu, CPU_BLOCK_BYTES), (replicas, REPLICA_BYTES)])
 
 
 @dataclass
