@@ -315,3 +315,10 @@ def test_replicas_beyond_memory_are_refused_with_the_estimate(tmp_path, capsys, 
     line = clean_error(["simulate", *TINY_RUN, "--replicas", "100000", "--out", str(tmp_path / "o")], capsys)
     assert "GPU blocks (derived)" in line and "on each of 100,000 replicas (--replicas)" in line
     assert "but 64.0 GiB is available" in line
+
+
+@pytest.mark.parametrize("burstiness", ["1e308", "1e-308"])
+def test_extreme_burstiness_is_refused_not_divided_by_zero(tmp_path, capsys, burstiness):
+    # was: ZeroDivisionError from the Gamma shape 1/cv**2 (cv*cv overflowed to inf or underflowed to 0)
+    line = clean_error(["simulate", *TINY_RUN, "--burstiness", burstiness, "--out", str(tmp_path / "o")], capsys)
+    assert f"burstiness (cv) {float(burstiness):g} at rate 1 is out of range" in line

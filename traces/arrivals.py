@@ -72,8 +72,13 @@ def gamma(n: int, rate: float, cv: float, seed: int = 0) -> np.ndarray:
     """
     n, rate = _check_count(n), _check_rate(rate)
     cv = _check_positive(cv, "cv")
-    shape = 1.0 / (cv * cv)
-    return np.cumsum(_rng(seed).gamma(shape, 1.0 / (rate * shape), size=n))
+    # an extreme cv makes cv*cv 0 or inf and the shape or scale 0 or inf (was a ZeroDivisionError)
+    shape = 1.0 / (cv * cv) if 0 < cv * cv < math.inf else 0.0
+    scale = 1.0 / (rate * shape) if 0 < rate * shape < math.inf else 0.0
+    if not (0 < shape < math.inf and 0 < scale < math.inf):
+        raise ValueError(f"burstiness (cv) {cv:g} at rate {rate:g} is out of range: the Gamma shape 1/cv**2 and "
+                         f"scale 1/(rate*shape) must be finite and > 0")
+    return np.cumsum(_rng(seed).gamma(shape, scale, size=n))
 
 
 def rescale(timestamps: np.ndarray, rate: float) -> np.ndarray:
