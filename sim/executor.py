@@ -64,8 +64,10 @@ def load_beam_picks(path: str | Path) -> dict[int, BeamPicks]:
         widths = data["widths"]
     except FileNotFoundError:
         raise
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not a `pagesim beams` file ({exc!r})") from exc
+    if not isinstance(widths, list) or not all(isinstance(w, dict) for w in widths):  # was AttributeError
+        raise ValueError(f"{path}: widths: expected a list of objects (one per beam width), got {widths!r:.80}")
     tables = {}
     for i, w in enumerate(widths):
         k = w.get("width")

@@ -322,3 +322,15 @@ def test_extreme_burstiness_is_refused_not_divided_by_zero(tmp_path, capsys, bur
     # was: ZeroDivisionError from the Gamma shape 1/cv**2 (cv*cv overflowed to inf or underflowed to 0)
     line = clean_error(["simulate", *TINY_RUN, "--burstiness", burstiness, "--out", str(tmp_path / "o")], capsys)
     assert f"burstiness (cv) {float(burstiness):g} at rate 1 is out of range" in line
+
+
+@pytest.mark.parametrize("content, says", [
+    ('{"widths": [1]}', "widths: expected a list of objects"),  # was: AttributeError
+    ('{"widths": 5}', "widths: expected a list of objects"),  # was: TypeError
+    (b"\xff\xfe", "not a `pagesim beams` file"),  # was: no file named
+])
+def test_bad_beam_picks_file_names_the_file(tmp_path, capsys, content, says):
+    path = write(tmp_path / "picks.json", content)
+    line = clean_error(["sharing", "--num-requests", "2", "--rates", "1", "--n", "--beam-width", "2",
+                        "--beam-picks", path, "--out", str(tmp_path / "o")], capsys)
+    assert f"error: {path}: {says}" in line
