@@ -101,12 +101,14 @@ class ReplicaStep:
         comp = plan.composition()
         return Step(now, plan, comp, self.executor.execute(plan, comp))
 
-    def complete(self, step: Step, end: float) -> list[SequenceGroup]:
+    def complete(self, step: Step, end: float, arriving: int = 0) -> list[SequenceGroup]:
         """Apply the executed step at time `end` (its result's duration is what the log records:
-        the cost model's, or the measured wall time the caller set). Returns the finished groups."""
+        the cost model's, or the measured wall time the caller set). Returns the finished groups.
+        `arriving`: requests due by `end` that will join the waiting queue but are not delivered
+        yet (the log's waiting column counts them, as a window's `queued` does)."""
         sched, result = self.scheduler, step.result
         finished = sched.on_step_done(step.plan, result, end)
-        self.log.add(step.start, result.duration, step.comp, len(step.plan.preempted), len(sched.waiting),
+        self.log.add(step.start, result.duration, step.comp, len(step.plan.preempted), len(sched.waiting) + arriving,
                      len(sched.running), sched.memory(), sched.prefix_hits)
         self.stepped += 1
         return finished

@@ -173,7 +173,12 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
             yield replica.wakeup
             continue
         yield env.timeout(it.result.duration)  # simulated time passes: the cost model's duration
-        finished = step.complete(it, env.now)
+        # an arrival due at exactly this instant may land before or after this process resumes
+        # (SimPy's same-time order follows when each timeout was created): count it as a window does
+        arriving = 0
+        if queued is not None and feed.next_arrival() <= env.now:
+            arriving = int(queued(np.array([env.now]))[0])
+        finished = step.complete(it, env.now, arriving)
         if finished and replica.on_finish is not None:
             replica.on_finish(finished)
         if replica.observer is not None:

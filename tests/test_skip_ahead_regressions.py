@@ -8,7 +8,6 @@ import dataclasses
 
 import numpy as np
 import pandas as pd
-import pytest
 
 from policies.block_manager import PagedBlockManager
 from policies.request import Request, SamplingParams, SequenceGroup
@@ -121,11 +120,9 @@ def test_disaggregated_run_keeps_unservable_trace_rows_as_rejected():
     assert res.requests.reject_reason[0] == "zero tokens in the trace"
 
 
-@pytest.mark.xfail(strict=True, reason="open: a window counts an arrival at exactly an iteration's end in that "
-                   "row's waiting column (ArrivalFeed.arrived_by, side='right'); stepping counts it only when "
-                   "the arrival's SimPy timeout was created before the engine's (its predecessor arrived before "
-                   "the iteration began). Request rows agree; only the iteration log's waiting differs")
 def test_arrival_at_exactly_an_iteration_end_counts_alike_in_the_waiting_column():
+    # a window counted an arrival at exactly an iteration's end in that row's waiting column; stepping
+    # only when the arrival's SimPy timeout was created before the engine's (same-instant order)
     # found by the coincidence search of tests/test_fastpath_fuzz.py's author: two decodes, then one
     # arrival one ulp before the end of stepped iteration 19 and two at exactly its end
     base = Trace(arrival=np.array([0.0, 0.0]), prompt_len=np.array([100, 50]), output_len=np.array([300, 200]))
@@ -134,5 +131,6 @@ def test_arrival_at_exactly_an_iteration_end_counts_alike_in_the_waiting_column(
     tr = Trace(arrival=np.array([0.0, 0.0, np.nextafter(e, 0.0), e, e]), prompt_len=np.array([100, 50, 20, 30, 40]),
                output_len=np.array([300, 200, 5, 40, 60]))
     a, b = _both(cfg, tr)
-    pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)  # holds today
-    _assert_same(a, b)  # row 19: waiting 3 (window) against 1 (stepping)
+    pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)  # the request rows agreed before the fix too
+    _assert_same(a, b)  # row 19: waiting was 3 (window) against 1 (stepping)
+    assert b.iterations.waiting[19] == 3
