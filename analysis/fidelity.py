@@ -49,6 +49,23 @@ def fidelity_results(experiments: Sequence[Experiment], calibration: str | None 
     return run_tasks(_simulate, tasks, jobs, done, executor, address)
 
 
+def unfit_experiments(experiments: Sequence[Experiment], calibration: str | None = None,
+                      hardware: str | None = None) -> dict[str, str]:
+    """Experiment name -> why it cannot be simulated as measured (its model's weights leave no KV
+    cache on its GPUs in pagesim's memory model, a block size that leaves no whole block, a
+    calibration that cannot be read...), for those that cannot; checked before any simulation."""
+    from sim.run import num_blocks_for
+
+    unfit = {}
+    for exp in experiments:
+        try:
+            num_blocks_for(stage_config(exp, exp.stages[0], hardware or exp.hardware or DEFAULT_HARDWARE,
+                                        calibration))
+        except ValueError as e:
+            unfit[exp.name] = str(e)
+    return unfit
+
+
 def _simulate(exp: Experiment, index: int, hardware: str, calibration: str | None, max_duration_s: float | None,
               seed: int) -> StageResult:
     stage = exp.stages[index]
@@ -224,6 +241,12 @@ def run(args: argparse.Namespace) -> int:
     if unsaid and not args.hardware:
         print(f"note: {len(unsaid)} experiments do not say their hardware ({', '.join(unsaid[:3])}"
               f"{', ...' if len(unsaid) > 3 else ''}): simulated on {DEFAULT_HARDWARE} (--hardware to choose)")
+    unfit = unfit_experiments(experiments, args.calibration, args.hardware)
+    for name, why in unfit.items():
+        print(f"not simulated: {name}: {why}")
+    if len(unfit) == len(experiments):
+        raise ValueError("no experiment can be simulated as measured (see the lines above)")
+    experiments = [e for e in experiments if e.name not in unfit]
     results = fidelity_results(experiments, args.calibration, args.hardware, args.jobs, args.max_duration, args.seed,
                                  **executor_options(args))
     table = results_table(results, experiments)
@@ -233,11 +256,14 @@ def run(args: argparse.Namespace) -> int:
     table.to_csv(out / "fidelity.csv", index=False)
     wall = time.perf_counter() - t0
     meta = {"measurements": [str(m) for m in args.measurements], "calibration": args.calibration,
-            "hardware": args.hardware, "max_duration_s": args.max_duration, "seed": args.seed, "wall_s": wall}
+            "hardware": args.hardware, "max_duration_s": args.max_duration, "seed": args.seed, "wall_s": wall,
+            "not_simulated": unfit}
     (out / "fidelity.json").write_text(json.dumps({**meta, **summary}, indent=1, default=float) + "\n")
     fidelity_figure(table, out / "fidelity.png", f"pagesim fidelity ({cost})")
     print(format_table(table))
     print()
     print(format_summary(summary))
+    if unfit:
+        print(f"not simulated ({len(unfit)} experiments, in fidelity.json): {', '.join(unfit)}")
     print(f"\n{len(table)} comparisons; wall time {wall:.1f} s; wrote {out}/fidelity.csv, fidelity.json, fidelity.png")
     return 0

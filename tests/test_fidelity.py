@@ -50,6 +50,20 @@ def test_fidelity_cli_bad_input(tmp_path, capsys):
     assert "unknown.json: experiments[0].model_id: unknown model 'acme/Unknown-3B'" in capsys.readouterr().err
 
 
+def test_fidelity_reports_an_experiment_that_cannot_fit_and_goes_on(tmp_path, capsys):
+    big = experiment_dict(name="big", model_id="meta-llama/Meta-Llama-3-70B", tp=1)  # 140 GB on one 80 GB GPU
+    path = write_measurements(tmp_path, experiment_dict(), big)
+    out = tmp_path / "out"
+    assert main(["fidelity", "--measurements", str(path), "--max-duration", "3", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "not simulated: big: llama-3-70b does not fit on 1 x h100-sxm" in printed
+    assert set(pd.read_csv(out / "fidelity.csv").experiment) == {"tiny"}
+    assert "does not fit" in json.loads((out / "fidelity.json").read_text())["not_simulated"]["big"]
+    only_big = write_measurements(tmp_path, big, name="big.json")
+    assert main(["fidelity", "--measurements", str(only_big), "--out", str(out)]) == 2
+    assert "no experiment can be simulated" in capsys.readouterr().err
+
+
 def test_fidelity_parallel_is_serial(tmp_path):
     exps = load_measurements(two_experiments(tmp_path))
     kw = {"hardware": "h100-sxm", "max_duration_s": 4}
