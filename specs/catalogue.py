@@ -7,6 +7,7 @@ name always gives the same object.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from collections.abc import Sequence
@@ -69,17 +70,32 @@ def find_config(name_or_path: str, search_dirs: Sequence[str | Path] = ()) -> Pa
     return None
 
 
-# Fine-tuned variants share their base model's shapes: "Mixtral-8x7B-Instruct-v0.1" is "mixtral-8x7b-v0.1"
+# Fine-tuned variants share their base model's shapes: "Mixtral-8x7B-Instruct-v0.1" is "mixtral-8x7b-v0.1",
+# "Meta-Llama-3.1-8B-Instruct" is "llama-3.1-8b-instruct", "Qwen3-30B-A3B-Instruct-2507" (a release date,
+# yymm) is "qwen3-30b-a3b". An fp8 checkpoint ("...-FP8", "...-FP8-dynamic") has them too, at one byte a weight.
 _VARIANT_WORDS = {"instruct", "chat", "hf", "it", "base"}
+_FP8_WORDS = {"fp8", "dynamic"}
+
+
+def _is_release_date(word: str) -> bool:
+    return len(word) == 4 and word.isdigit() and 23 <= int(word[:2]) <= 29 and 1 <= int(word[2:]) <= 12
 
 
 def _shape_key(name: str) -> tuple[str, ...]:
-    return tuple(w for w in name.lower().replace("_", "-").split("-") if w and w not in _VARIANT_WORDS)
+    words = [w for w in name.lower().replace("_", "-").split("-") if w]
+    if words[:2] == ["meta", "llama"]:  # Meta's own ids spelled the family "Meta-Llama" until Llama 3.1
+        words = words[1:]
+    return tuple(w for w in words if w not in _VARIANT_WORDS | _FP8_WORDS and not _is_release_date(w))
+
+
+def _is_fp8(name: str) -> bool:
+    return "fp8" in name.lower().replace("_", "-").split("-")
 
 
 def _variant_config(given: str, dirs: Sequence[str | Path]) -> Path | None:
     """The one config in `dirs` whose name equals `given` but for variant words (instruct, chat, hf,
-    it, base), with a warning that says which file stands in; None if none or several match."""
+    it, base, a "Meta-" before "Llama", a yymm release date, fp8), with a warning that says which
+    file stands in; None if none or several match."""
     key = _shape_key(given)
     for d in dirs:
         d = Path(d)
@@ -88,8 +104,9 @@ def _variant_config(given: str, dirs: Sequence[str | Path]) -> Path | None:
                   and _shape_key(p.name) == key} if d.is_dir() else set()
         if len(found) == 1:
             path = found.pop()
-            warnings.warn(f"model {given!r}: no config of that name; using {path} (the same model but for "
-                          f"variant words such as instruct/chat/hf: the same shapes)", stacklevel=4)
+            fp8 = " read at one byte a weight (fp8)" if _is_fp8(given) and not _is_fp8(path.stem) else ""
+            warnings.warn(f"model {given!r}: no config of that name; using {path}{fp8} (the same model but for "
+                          f"variant words such as instruct/chat/hf or a release date: the same shapes)", stacklevel=4)
             return path
     return None
 
@@ -114,7 +131,10 @@ def load_model(name_or_path: str, search_dirs: Sequence[str | Path] = ()) -> Mod
     given = name_or_path.strip().rstrip("/").rsplit("/", 1)[-1]
     variant = _variant_config(given, [*search_dirs, CATALOGUE_DIR])
     if variant is not None:
-        return read_config(variant)
+        spec = read_config(variant)
+        if _is_fp8(given) and spec.dtype_bytes > 1:  # fp8 weights; vLLM's default cache keeps the model's dtype
+            return dataclasses.replace(spec, dtype_bytes=1, kv_dtype_bytes=spec.dtype_bytes)
+        return spec
     last = name_or_path.strip().rstrip("/").rsplit("/", 1)[-1].lower()
     tried = f"not a file or a folder with config.json; not in the catalogue (known: {', '.join(sorted(MODELS))})"
     if search_dirs:

@@ -80,7 +80,7 @@ def spec_fields(cfg: dict[str, Any], name: str, source: str = "") -> dict[str, A
     mt = model_type(cfg, where)
     r = _Reader(cfg, where)
     fields = _opt(r) if mt == "opt" else _llama(r, mt)
-    fields.update(name=name, source=source, dtype_bytes=_dtype_bytes(r), vocab_size=r.int("vocab_size"),
+    fields.update(name=name, source=source, **_dtype_fields(r), vocab_size=r.int("vocab_size"),
                   num_layers=r.int("num_hidden_layers"),
                   bos_token_id=r.token("bos_token_id"), eos_token_id=r.token("eos_token_id"))
     if mt in _MOE:
@@ -88,10 +88,18 @@ def spec_fields(cfg: dict[str, Any], name: str, source: str = "") -> dict[str, A
     return fields
 
 
-def _dtype_bytes(r: _Reader) -> int:
+def _dtype_fields(r: _Reader) -> dict[str, int]:
+    """dtype_bytes of the weights, and kv_dtype_bytes where the KV cache differs: an fp8 checkpoint
+    (DeepSeek-V3, "...-FP8") keeps torch_dtype bfloat16 for its unquantized parts, which is also the
+    dtype vLLM's default ("auto") KV cache takes."""
+    torch_bytes = _torch_dtype_bytes(r)
     quant = r.cfg.get("quantization_config") or {}
     if isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "fp8":
-        return 1  # fp8 checkpoints (DeepSeek-V3) keep torch_dtype bfloat16 for the unquantized parts
+        return {"dtype_bytes": 1, "kv_dtype_bytes": 0 if torch_bytes == 1 else torch_bytes}
+    return {"dtype_bytes": torch_bytes}
+
+
+def _torch_dtype_bytes(r: _Reader) -> int:
     for key in ("torch_dtype", "dtype"):
         v = r.cfg.get(key)
         if v is not None:
@@ -210,11 +218,15 @@ def hf_field_error(e: ValueError, prefix: str, where: str) -> ValueError:
 def to_hf_config(spec: Any) -> dict[str, Any]:
     """The HF config dict of a ModelSpec (model_type chosen from its flags); spec_fields reads it back
     to equal fields."""
-    dtype = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32"}[spec.dtype_bytes]
+    names = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32"}
+    fp8_checkpoint = spec.dtype_bytes == 1 and spec.kv_dtype_bytes > 1  # torch_dtype is its cache's dtype
+    dtype = names[spec.kv_dtype_bytes if fp8_checkpoint else spec.dtype_bytes]
     common = {"num_hidden_layers": spec.num_layers, "hidden_size": spec.hidden_size,
               "num_attention_heads": spec.num_heads, "vocab_size": spec.vocab_size, "max_position_embeddings": spec.max_position,
               "tie_word_embeddings": spec.tied_embeddings, "torch_dtype": dtype,
               "bos_token_id": spec.bos_token_id, "eos_token_id": spec.eos_token_id}
+    if fp8_checkpoint:
+        common["quantization_config"] = {"quant_method": "fp8"}
     if spec.arch == "opt":
         return {"model_type": "opt", "architectures": ["OPTForCausalLM"], **common, "ffn_dim": spec.intermediate_size,
                 "word_embed_proj_dim": spec.hidden_size, "do_layer_norm_before": True,

@@ -60,6 +60,7 @@ class ModelSpec:
     vocab_size: int
     max_position: int
     dtype_bytes: int = 2
+    kv_dtype_bytes: int = 0  # bytes of one cached key/value element; 0: as the weights (an fp8 checkpoint keeps a bf16 cache)
     tied_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
@@ -99,6 +100,8 @@ class ModelSpec:
                 return f"{f}: must be an int >= 0, got {v!r}"
         if self.dtype_bytes not in (1, 2, 4):
             return f"dtype_bytes: must be 1, 2 or 4, got {self.dtype_bytes!r}"
+        if self.kv_dtype_bytes not in (0, 1, 2, 4):
+            return f"kv_dtype_bytes: must be 0 (as dtype_bytes), 1, 2 or 4, got {self.kv_dtype_bytes!r}"
         if self.num_heads % self.num_kv_heads:
             return (f"num_kv_heads: num_heads {self.num_heads} is not a multiple of "
                     f"num_kv_heads {self.num_kv_heads}")
@@ -310,7 +313,7 @@ class ModelSpec:
         """KV cache of one token across all layers: key and value per KV head, or for MLA the one
         latent (kv_lora_rank + qk_rope_head_dim) that all heads share."""
         per_layer = self.kv_size if self.is_mla else 2 * self.kv_size
-        return self.num_layers * per_layer * self.dtype_bytes
+        return self.num_layers * per_layer * (self.kv_dtype_bytes or self.dtype_bytes)
 
     @property
     def attn_flops_per_pair_per_layer(self) -> int:

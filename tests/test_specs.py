@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -105,6 +106,34 @@ def test_load_model_resolves_hf_ids_in_search_dirs(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"llama-2-7b-hf\.json or llama-2-7b-hf/config\.json in") as e:
         load_model("meta-llama/Llama-2-7b-hf", [tmp_path])
     assert "opt-13b" in str(e.value)  # what was tried includes the catalogue
+
+
+@needs_fixtures
+@pytest.mark.parametrize("model_id, file", [
+    ("meta-llama/Meta-Llama-3.1-70B-Instruct", "llama-3.1-70b-instruct"),  # Meta's older spelling
+    ("Qwen/Qwen3-30B-A3B-Instruct-2507", "qwen3-30b-a3b"),                # a yymm release
+    ("mistralai/Mistral-Nemo-Base-2407", "mistral-nemo-instruct-2407"),
+])
+def test_variant_ids_find_their_base_config(model_id: str, file: str) -> None:
+    with pytest.warns(UserWarning, match=f"using .*{file}.json"):
+        spec = load_model(model_id, [SHARED_MODELS])
+    assert spec == load_model(str(SHARED_MODELS / f"{file}.json"))
+
+
+@needs_fixtures
+def test_an_fp8_checkpoint_id_reads_its_weights_at_one_byte_and_keeps_a_bf16_cache(tmp_path: Path) -> None:
+    base = load_model(str(SHARED_MODELS / "qwen3-14b.json"))
+    with pytest.warns(UserWarning, match="one byte a weight"):
+        fp8 = load_model("Qwen/Qwen3-14B-FP8", [SHARED_MODELS])
+    assert fp8.weight_bytes == base.weight_bytes // 2 and fp8.kv_bytes_per_token == base.kv_bytes_per_token
+    # an fp8 config.json says the same (quantization_config, torch_dtype bfloat16), and round-trips
+    cfg = dict(json.loads((SHARED_MODELS / "qwen3-14b.json").read_text()), quantization_config={"quant_method": "fp8"})
+    (tmp_path / "q.json").write_text(json.dumps(cfg))
+    read = load_model(str(tmp_path / "q.json"))
+    assert (read.dtype_bytes, read.kv_dtype_bytes) == (1, 2) and read.kv_bytes_per_token == base.kv_bytes_per_token
+    (tmp_path / "back.json").write_text(json.dumps(read.to_hf_config()))
+    assert load_model(str(tmp_path / "back.json")) == dataclasses.replace(read, name="back")
+    assert MODELS["opt-13b"].kv_bytes_per_token == 2 * MODELS["opt-13b"].num_layers * 2 * 5120  # 0: as the weights
 
 
 # --- bad input ---------------------------------------------------------------------------------------
