@@ -15,7 +15,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -124,6 +124,9 @@ class _Call:
         req = Request(self.api.engine.new_request_id(), arrival, len(ids), sp, prompt_token_ids=ids)
         reason = self.api.engine.refusal(req)
         if reason is not None:
+            if sp.width > 1 and self.api.engine.refusal(replace(req, sampling=replace(sp, n=1))) is None:
+                # one sequence would be served: it is n that can never fit the batch (never worth a retry)
+                raise ApiError(f"this request can never be served: {reason}", param="n", code="invalid_value")
             raise ApiError(f"this request can never be served: {reason}", param="prompt",
                            code="context_length_exceeded")
         return req

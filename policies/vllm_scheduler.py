@@ -80,7 +80,12 @@ class VllmScheduler(Scheduler):
 
     def _never_fits(self, group: SequenceGroup) -> str | None:
         """Why a waiting group can never run on this cache and budget (rejected when it comes up),
-        or None: more blocks than the cache holds, or an unchunkable prompt over the token budget."""
+        or None: more blocks than the cache holds, more parallel sequences than the batch may hold,
+        or an unchunkable prompt over the token budget."""
+        width = group.request.sampling.width
+        if width > self.max_num_seqs or width > self.max_num_batched_tokens:
+            return (f"{width} parallel sequences exceed max_num_seqs={self.max_num_seqs} or "
+                    f"max_num_batched_tokens={self.max_num_batched_tokens}")
         need, have = self.bm.max_blocks_needed(group), self.capacity_tokens // self.block_size
         if need > have:
             return f"needs {need} blocks but the cache holds {have} (after the watermark)"
@@ -282,9 +287,6 @@ class VllmScheduler(Scheduler):
             width = req.sampling.width
             status = bm.can_allocate(group, budget[0] if self._chunkable(group.seqs[0]) else None)
             reason = self._never_fits(group)
-            if reason is None and (width > self.max_num_seqs or width > self.max_num_batched_tokens):
-                reason = (f"{width} parallel sequences exceed max_num_seqs={self.max_num_seqs} or "
-                          f"max_num_batched_tokens={self.max_num_batched_tokens}")
             if reason is None:
                 decision = ADMIT if self._admits_all else policy.admit(group, now)
                 if decision == DEFER:
@@ -400,7 +402,7 @@ class VllmScheduler(Scheduler):
             return False
         req = head.request
         width = req.sampling.width
-        if width > self.max_num_seqs or width > self.max_num_batched_tokens or self._never_fits(head):
+        if self._never_fits(head):
             return False  # would be rejected
         if not self._admits_all:
             decision = self.policy.admit(head, now)

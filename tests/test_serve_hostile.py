@@ -120,6 +120,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
     ("/v1/completions", {**C, "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {**C, "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {**C, "n": 0}, 400, "n"),
+    ("/v1/completions", {**C, "n": MAX_SEQS + 1}, 400, "n"),  # more than a batch holds: was 429, retried forever
     ("/v1/completions", {**C, "stop": 5}, 400, "stop"),
     ("/v1/completions", {**C, "stream_options": 3, "stream": True}, 400, "stream_options"),
     ("/v1/completions", {**C, "seed": 2**70}, 400, "seed"),  # once stopped the engine for every client
