@@ -44,7 +44,8 @@ ENGINE_PARAMS = ("iteration_overhead_s", "per_seq_s", "attn_mem_eff", "prefill_a
 # Two operator terms are refitted end to end, starting from the kernel fits, because the engine's kernels
 # are not the profiler's standalone calls: gemm_m_half (how decode GEMMs slow with the batch, inside CUDA
 # graphs) and allreduce_latency_s (when a fitted stage runs at tp > 1: a standalone NCCL call, ~30 us, is
-# not vLLM's custom all-reduce inside a CUDA graph). weight_mem_eff stays the kernels' own: with one model
+# not vLLM's custom all-reduce inside a CUDA graph; with no such stage it is the link's small-message latency
+# from the hardware file). weight_mem_eff stays the kernels' own: with one model
 # size a fit cannot tell weight streaming from a fixed per-step cost, and trading one for the other does
 # not transfer to other sizes (left out, it moved to 0.67 on Llama-2-7B and mispredicted CodeLlama-34B
 # by 38%; kept, 16%).
@@ -173,8 +174,13 @@ def fit_engine(refs: Sequence[StageRef], start: CalibrationParams, hardware: str
     from scipy.optimize import least_squares
     if not refs:
         raise ValueError("no unsaturated stage to fit the engine terms to")
-    if not any(r.exp.tp > 1 for r in refs):  # nothing here says what an all-reduce costs
+    if not any(r.exp.tp > 1 for r in refs):  # nothing here says what the engine's all-reduce costs
         names = [n for n in names if n != "allreduce_latency_s"]
+        link = get_hardware(hardware).interconnect_latency_s
+        if link > 0:  # the engine's all-reduce (custom, in a CUDA graph) is the link's latency, not a NCCL call's
+            start = replace(start, allreduce_latency_s=link)
+            log(f"  no stage runs at tp > 1: all-reduce latency {link * 1e6:.3g} us, the link's on {hardware} "
+                "(the kernel profiles time a standalone NCCL call)")
     inner = [n for n in names if n in CLIENT_PARAMS]
     outer = [n for n in names if n not in CLIENT_PARAMS]
     lo, hi, x0 = _log_box(outer, start)

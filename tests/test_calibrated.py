@@ -175,8 +175,12 @@ def test_tiny_calibrate_fits_the_client_term_on_a_truncated_stage() -> None:
     fit, over = split_stages(load_measurements(MEASUREMENTS))
     assert over and all(r.stage.ttft.mean > 1 or r.exp.overloaded_by_source for r in over)
     ref = [r for r in fit if "llama-2-7b" in r.label][:1]
-    start = CalibrationParams(client_ttft_s=1e-4)
-    params = fit_engine(ref, start, "h100-sxm", ["client_ttft_s"], max_duration_s=3.0, max_evals=4, log=lambda _: None)
+    start = CalibrationParams(client_ttft_s=1e-4, allreduce_latency_s=3e-5)  # 3e-5: as the NCCL profile gives
+    said: list[str] = []
+    params = fit_engine(ref, start, "h100-sxm", ["client_ttft_s"], max_duration_s=3.0, max_evals=4, log=said.append)
+    # a fit with no stage at tp > 1 takes the engine's all-reduce latency from the link, not the NCCL profile
+    assert params.allreduce_latency_s == get_hardware("h100-sxm").interconnect_latency_s != start.allreduce_latency_s
+    assert any("the link's on h100-sxm" in line for line in said)
     before = error_table(simulate_all(ref, start, "h100-sxm", 0, 3.0, None))["median_abs_error"]["ttft_mean"]
     after = error_table(simulate_all(ref, params, "h100-sxm", 0, 3.0, None))["median_abs_error"]["ttft_mean"]
     assert params.client_ttft_s > start.client_ttft_s and after < before
