@@ -24,8 +24,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.measurements import LOAD_TYPES, Experiment, Latency, SharedPrefix, Stage
-from specs import find_config, get_hardware, load_model
-from specs.catalogue import catalogue_name
+from specs import get_hardware, load_model, resolve_model_name
 from traces import SYNTHETIC, load_trace, make_synthetic
 from traces.trace import Trace
 
@@ -169,11 +168,7 @@ def resolve_model(model_id: str, models_dirs: Sequence[str | Path] | None = None
     HF id found in `models_dirs`, default `default_models_dirs()`), or a catalogue name. Raises
     ValueError saying what was tried otherwise."""
     dirs = default_models_dirs() if models_dirs is None else [Path(d) for d in models_dirs]
-    spec = load_model(model_id, dirs)  # raises for an unknown model, or a config it cannot read
-    path = find_config(model_id, dirs)
-    if path is None and catalogue_name(model_id) is None:  # a variant's config stood in (see load_model)
-        path = spec.source
-    return str(path) if path is not None else spec.name
+    return resolve_model_name(model_id, dirs)  # raises for an unknown model, or a config it cannot read
 
 
 def _model(f: Fields, key: str, models_dirs: Sequence[str | Path] | None) -> tuple[str, str]:

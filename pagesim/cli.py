@@ -94,16 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _resolve_specs(args: argparse.Namespace) -> None:
     """Load --model and --hardware before any work, so a bad one fails in one line; a HF id found in
-    --models-dir (or beside the path given) becomes that config file's path."""
+    --models-dir (or beside the path given) becomes that config file's path, a variant's id the name
+    that finds it again (`resolve_model_name`)."""
     from pathlib import Path
 
-    from specs import find_config, load_hardware, load_model
+    from specs import load_hardware, resolve_model_name
+    from specs.catalogue import catalogue_name
     model = getattr(args, "model", None)
     if isinstance(model, str) and model:
-        path = find_config(model, list(getattr(args, "models_dir", None) or []))
-        load_model(str(path) if path else model)  # raises, naming the file and field or what was tried
-        if path is not None and not Path(model).exists():
-            args.model = str(path)
+        # raises, naming the file and field or what was tried
+        resolved = resolve_model_name(model, list(getattr(args, "models_dir", None) or []))
+        if not Path(model).exists() and catalogue_name(model) is None:  # a HF id: its config, or a variant's
+            args.model = resolved
     hardware = getattr(args, "hardware", None)
     if isinstance(hardware, str) and hardware:
         load_hardware(hardware)

@@ -8,6 +8,7 @@ name always gives the same object.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import warnings
 from collections.abc import Sequence
@@ -61,8 +62,7 @@ def find_config(name_or_path: str, search_dirs: Sequence[str | Path] = ()) -> Pa
     if path.is_dir() and (path / "config.json").is_file():
         return path / "config.json"
     given = name_or_path.strip().rstrip("/").rsplit("/", 1)[-1]
-    beside = [path.parent] if path.parent != Path(".") and path.parent.is_dir() else []
-    for d in [*search_dirs, *beside]:
+    for d in [*search_dirs, *_beside(name_or_path)]:
         for last in dict.fromkeys((given.lower(), given)):  # lower-cased first, then as given
             for candidate in (Path(d) / f"{last}.json", Path(d) / last / "config.json"):
                 if candidate.is_file():
@@ -95,7 +95,13 @@ def _is_fp8(name: str) -> bool:
 def _variant_config(given: str, dirs: Sequence[str | Path]) -> Path | None:
     """The one config in `dirs` whose name equals `given` but for variant words (instruct, chat, hf,
     it, base, a "Meta-" before "Llama", a yymm release date, fp8), with a warning that says which
-    file stands in; None if none or several match."""
+    file stands in (once per name and folders: a run resolves its model many times); None if none
+    or several match."""
+    return _variant_config_once(given, tuple(Path(d).resolve() for d in dirs))
+
+
+@functools.lru_cache(maxsize=256)
+def _variant_config_once(given: str, dirs: tuple[Path, ...]) -> Path | None:
     key = _shape_key(given)
     for d in dirs:
         d = Path(d)
@@ -120,8 +126,9 @@ def catalogue_name(name: str) -> str | None:
 
 def load_model(name_or_path: str, search_dirs: Sequence[str | Path] = ()) -> ModelSpec:
     """A model spec from a path to a config.json, a folder with one, a catalogue name ("opt-13b",
-    "facebook/opt-13b"), or a HF id found in `search_dirs` (see `find_config`). A path wins over a
-    catalogue name. Unknown -> ValueError listing what was tried."""
+    "facebook/opt-13b"), or a HF id found in `search_dirs` (see `find_config`), or failing those a
+    variant of one of them (`_variant_config`). A path wins over a catalogue name. Unknown ->
+    ValueError listing what was tried."""
     path = find_config(name_or_path, search_dirs)
     if path is not None:
         return read_config(path)
@@ -129,19 +136,44 @@ def load_model(name_or_path: str, search_dirs: Sequence[str | Path] = ()) -> Mod
     if key is not None:
         return MODELS[key]
     given = name_or_path.strip().rstrip("/").rsplit("/", 1)[-1]
-    variant = _variant_config(given, [*search_dirs, CATALOGUE_DIR])
+    variant = _variant_config(given, [*search_dirs, *_beside(name_or_path), CATALOGUE_DIR])
     if variant is not None:
         spec = read_config(variant)
         if _is_fp8(given) and spec.dtype_bytes > 1:  # fp8 weights; vLLM's default cache keeps the model's dtype
-            return dataclasses.replace(spec, dtype_bytes=1, kv_dtype_bytes=spec.dtype_bytes)
+            return dataclasses.replace(spec, name=f"{spec.name}-fp8", dtype_bytes=1, kv_dtype_bytes=spec.dtype_bytes)
         return spec
-    last = name_or_path.strip().rstrip("/").rsplit("/", 1)[-1].lower()
+    last = given.lower()
     tried = f"not a file or a folder with config.json; not in the catalogue (known: {', '.join(sorted(MODELS))})"
     if search_dirs:
         tried += f"; no {last}.json or {last}/config.json in {', '.join(str(d) for d in search_dirs)}"
     else:
         tried += "; for a HF id, give --models-dir with its config"
     raise ValueError(f"unknown model {name_or_path!r}: {tried}")
+
+
+def resolve_model_name(name_or_path: str, search_dirs: Sequence[str | Path] = ()) -> str:
+    """What a SimConfig's `model` takes for `name_or_path` so that `load_model` without the search
+    folders finds the same spec: its config file's path (a variant's base config's, when the spec
+    is that file's), its catalogue name, or else its own last component in its base config's folder
+    ("<dir>/Qwen3-14B-FP8", found beside). Raises
+    as `load_model` for an unknown model."""
+    spec = load_model(name_or_path, search_dirs)
+    path = find_config(name_or_path, search_dirs)
+    if path is not None:
+        return str(path)
+    key = catalogue_name(name_or_path)
+    if key is not None:
+        return key
+    if read_config(spec.source) == spec:  # a variant with its base model's spec: that config's path
+        return spec.source
+    given = name_or_path.strip().rstrip("/").rsplit("/", 1)[-1]
+    return str(Path(spec.source).parent / given)
+
+
+def _beside(name_or_path: str) -> list[Path]:
+    """The folder a name points into ("../models/Llama-2-7b-hf": ../models), if it is one."""
+    parent = Path(name_or_path).expanduser().parent
+    return [parent] if parent != Path(".") and parent.is_dir() else []
 
 
 def get_model(name_or_path: str, search_dirs: Sequence[str | Path] = ()) -> ModelSpec:

@@ -24,6 +24,7 @@ from policies.metrics import write_run
 from sim.cost_model import ConstantCostModel
 from sim.run import SimConfig, run_simulation
 from specs import get_model
+from specs.catalogue import _variant_config_once
 from traces import apply_arrivals, make_synthetic
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "calibration" / "vllm-h100" / "measurements.json"
@@ -114,6 +115,7 @@ def test_model_ids_found_in_models_dirs(tmp_path):
         load_measurements(path, models_dirs=[])
     # a fine-tuned variant's id finds its base model's config (same shapes), and says so
     variant = write_measurements(tmp_path, experiment_dict(model_id="acme/Tiny-1B-Instruct"))
+    _variant_config_once.cache_clear()  # the warning comes once per name in a process
     with pytest.warns(UserWarning, match="tiny-1b.json"):
         exp, = load_measurements(variant, models_dirs=[configs])
     assert exp.model == str(configs / "tiny-1b.json")

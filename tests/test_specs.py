@@ -19,7 +19,9 @@ from specs import (
     load_hardware,
     load_model,
     read_config,
+    resolve_model_name,
 )
+from specs.catalogue import _variant_config_once
 
 SHARED_MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
 FIXTURES = sorted(SHARED_MODELS.glob("*.json")) if SHARED_MODELS.is_dir() else []
@@ -115,6 +117,7 @@ def test_load_model_resolves_hf_ids_in_search_dirs(tmp_path: Path) -> None:
     ("mistralai/Mistral-Nemo-Base-2407", "mistral-nemo-instruct-2407"),
 ])
 def test_variant_ids_find_their_base_config(model_id: str, file: str) -> None:
+    _variant_config_once.cache_clear()  # the warning comes once per name in a process
     with pytest.warns(UserWarning, match=f"using .*{file}.json"):
         spec = load_model(model_id, [SHARED_MODELS])
     assert spec == load_model(str(SHARED_MODELS / f"{file}.json"))
@@ -123,9 +126,13 @@ def test_variant_ids_find_their_base_config(model_id: str, file: str) -> None:
 @needs_fixtures
 def test_an_fp8_checkpoint_id_reads_its_weights_at_one_byte_and_keeps_a_bf16_cache(tmp_path: Path) -> None:
     base = load_model(str(SHARED_MODELS / "qwen3-14b.json"))
+    _variant_config_once.cache_clear()
     with pytest.warns(UserWarning, match="one byte a weight"):
         fp8 = load_model("Qwen/Qwen3-14B-FP8", [SHARED_MODELS])
     assert fp8.weight_bytes == base.weight_bytes // 2 and fp8.kv_bytes_per_token == base.kv_bytes_per_token
+    # what a SimConfig holds for it finds the same fp8 spec again without the search folders
+    again = resolve_model_name("Qwen/Qwen3-14B-FP8", [SHARED_MODELS])
+    assert again == str(SHARED_MODELS / "Qwen3-14B-FP8") and load_model(again) == fp8 and fp8.name == "qwen3-14b-fp8"
     # an fp8 config.json says the same (quantization_config, torch_dtype bfloat16), and round-trips
     cfg = dict(json.loads((SHARED_MODELS / "qwen3-14b.json").read_text()), quantization_config={"quant_method": "fp8"})
     (tmp_path / "q.json").write_text(json.dumps(cfg))
