@@ -126,8 +126,9 @@ def test_validate_replays_live_and_simulated(smollm2_path, tmp_path, capsys):
     assert steps["iterations"] == len(pd.read_parquet(out / "live" / "iterations.parquet"))
     assert 0 < steps["mape"] < 1 and steps["prompt_mape"] > 0
     speed = summary["machine_speed"]
-    # the shipped profile's kind of machine, within what load on a shared 2-core VM does (it measured 5-6x)
-    assert 0.2 < speed["before"] < 20 and 0.2 < speed["after"] < 20
+    # a sanity bound, not a speed target: a shared VM under load measured 62x (and 5x quiet); a unit
+    # slip (ms for s) would be ~1000x off
+    assert 0.02 < speed["before"] < 300 and 0.02 < speed["after"] < 300
     adjusted = summary["speed_adjusted"]  # simulated again at the measured speed
     assert adjusted["factor"] == pytest.approx((speed["before"] * speed["after"]) ** 0.5)
     again = pd.read_csv(out / "validation_speed_adjusted.csv")
