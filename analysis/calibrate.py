@@ -286,7 +286,7 @@ def sha256(path: str | Path) -> str:
 # --- the command -----------------------------------------------------------------------------------
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from pagesim.argtypes import non_negative_float, positive_float, positive_int, seed
+    from pagesim.argtypes import non_negative_float, out_file, positive_float, positive_int, seed
     p = subparsers.add_parser(
         "calibrate", help="fit the calibrated roofline of a hardware x engine pair to measurements",
         description="Fit the calibrated roofline's operator terms to kernel times (--operators) and its engine "
@@ -298,7 +298,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--operators", default=None,
                    help="folder of per-operator kernel times (<gpu>_<model>_mlp.csv, <gpu>_dgx_all_reduce.csv); "
                         "default ../shared/calibration/vidur-operators when it exists")
-    p.add_argument("--out", required=True, help="calibration file to write (.json); the plot goes beside it")
+    p.add_argument("--out", required=True, type=out_file,
+                   help="calibration file to write (.json); the plot goes beside it")
     p.add_argument("--name", help="the calibration's name (default: the file's stem)")
     p.add_argument("--leave-one-out", choices=("model", "experiment"), default="model",
                    help="refit without each model (default) or experiment and predict it")

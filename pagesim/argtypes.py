@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from pathlib import Path
 
 SEED_LIMIT = 2**32  # numpy's legacy seeding and most tools take seeds in [0, 2**32)
@@ -98,4 +99,19 @@ def out_dir(text: str) -> str:
                 where = "names an existing file" if p == path else f"is inside {p}, an existing file"
                 raise argparse.ArgumentTypeError(f"{text} {where}; give a directory")
             break
+    return text
+
+
+def out_file(text: str) -> str:
+    """An output file: not an existing folder, and no existing file in the way of its folders, with
+    write permission where it goes (refused now rather than when it is written, after a long run)."""
+    path = Path(text)
+    if text.endswith(("/", "\\")) or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name")
+    for p in path.parents:
+        if p.exists() and not p.is_dir():
+            raise argparse.ArgumentTypeError(f"{text}: {p} is an existing file, not a folder")
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if not os.access(existing, os.W_OK):  # the file itself, or the folder where it (or its folders) would be made
+        raise argparse.ArgumentTypeError(f"{text}: {existing} is not writable")
     return text

@@ -334,3 +334,15 @@ def test_bad_beam_picks_file_names_the_file(tmp_path, capsys, content, says):
     line = clean_error(["sharing", "--num-requests", "2", "--rates", "1", "--n", "--beam-width", "2",
                         "--beam-picks", path, "--out", str(tmp_path / "o")], capsys)
     assert f"error: {path}: {says}" in line
+
+
+@pytest.mark.parametrize("out, says", [
+    ("{tmp}", "is a directory; give a file name"),
+    ("{tmp}/afile/cal.json", "afile is an existing file, not a folder"),
+])
+def test_calibrate_out_is_checked_before_fitting(tmp_path, capsys, out, says):
+    # was: the fit ran (10-30 minutes) and only writing the calibration failed
+    write(tmp_path / "afile", "x")
+    line = clean_error(["calibrate", "--measurements", "nowhere.json", "--hardware", "h100-sxm",
+                        "--out", out.format(tmp=tmp_path)], capsys)
+    assert "argument --out" in line and says in line
