@@ -9,6 +9,7 @@ tests/test_ray_studies.py check this).
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -26,8 +27,8 @@ def run_tasks(fn: Callable[..., Any], tasks: Sequence[tuple], jobs: int = 1,
     (it is pickled to the workers). `on_done(i, result)` is called in this process as each task
     finishes: in task order when run serially, in completion order otherwise.
 
-    executor "process": `jobs` worker processes on this machine (1: in this process). executor
-    "ray": each task a Ray task on the cluster at `address` (None: a local Ray, started here if none
+    executor "process": `jobs` worker processes on this machine, at most one per CPU (1: in this
+    process). executor "ray": each task a Ray task on the cluster at `address` (None: a local Ray, started here if none
     is running); Ray places the tasks on the cluster's CPUs, so `jobs` does not apply. `progress`:
     a progress bar on stderr (None: when stderr is a terminal)."""
     if jobs < 1:
@@ -65,7 +66,10 @@ def _run_processes(fn: Callable[..., Any], tasks: Sequence[tuple], jobs: int,
                    finish: Callable[[int, Any], None]) -> None:
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else None)  # fork: workers start at once
-    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx) as pool:
+    cpus = os.cpu_count() or 1
+    if jobs > cpus and len(tasks) > cpus:  # more workers than CPUs only add memory (each holds a simulation)
+        print(f"note: --jobs {jobs} on {cpus} CPUs: {cpus} worker processes", file=sys.stderr)
+    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks), cpus), mp_context=ctx) as pool:
         futures = {pool.submit(fn, *task): i for i, task in enumerate(tasks)}
         for future in as_completed(futures):
             finish(futures[future], future.result())

@@ -346,3 +346,17 @@ def test_calibrate_out_is_checked_before_fitting(tmp_path, capsys, out, says):
     line = clean_error(["calibrate", "--measurements", "nowhere.json", "--hardware", "h100-sxm",
                         "--out", out.format(tmp=tmp_path)], capsys)
     assert "argument --out" in line and says in line
+
+
+def test_jobs_beyond_the_cpus_run_one_worker_per_cpu(monkeypatch, capsys):
+    # was: --jobs 10000 forked one process per task, each holding a simulation
+    import concurrent.futures
+
+    import analysis.parallel as parallel
+    seen = []
+    real = concurrent.futures.ProcessPoolExecutor
+    monkeypatch.setattr(parallel.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(parallel, "ProcessPoolExecutor", lambda max_workers, **kw: seen.append(max_workers)
+                        or real(max_workers=max_workers, **kw))
+    assert parallel.run_tasks(abs, [(-i,) for i in range(5)], jobs=10_000, progress=False) == [0, 1, 2, 3, 4]
+    assert seen == [2] and "note: --jobs 10000 on 2 CPUs: 2 worker processes" in capsys.readouterr().err
