@@ -105,8 +105,8 @@ class SimulatedExecutor:
         (numpy's per-call cost), and both are identical."""
         num_seqs, context0, k = plan.num_seqs, plan.context_tokens, plan.steps
         if k < 12:
-            price = self.cost.decode_step_time
-            return np.array([price(num_seqs, context0 + num_seqs * j) for j in range(1, k + 1)], dtype=np.float64)
+            contexts = [context0 + num_seqs * j for j in range(1, k + 1)]
+            return np.array(self.cost.decode_step_series(num_seqs, contexts), dtype=np.float64)
         contexts = context0 + num_seqs * np.arange(1, k + 1, dtype=np.int64)
         return self.cost.decode_step_times(np.full(k, num_seqs, dtype=np.int64), contexts)
 
