@@ -73,6 +73,23 @@ class BlockPool:
         block.filled = 0
         return block
 
+    def take_ids(self, n: int) -> list[int]:
+        """`take()` n times (the caller has counted them against the free blocks); their ids, in
+        the order taken. One loop for the many blocks a window of decodes opens."""
+        free, blocks, cached = self.free, self.blocks, self.cached
+        ids = []
+        for _ in range(n):
+            block_id, _ = free.popitem(last=False)
+            block = blocks[block_id]
+            if block.hash is not None:
+                del cached[block.hash]
+                block.hash = None
+                self.evictions += 1
+            block.ref_count = 1
+            block.filled = 0
+            ids.append(block_id)
+        return ids
+
     def share(self, block: Block) -> None:
         """One more reference on a block in use (a fork, or a block shared again after a swap)."""
         if block.ref_count < 1:
@@ -95,6 +112,23 @@ class BlockPool:
             self.free[block.block_id] = None
             if block.hash is None:           # nothing worth keeping: reuse it first
                 self.free.move_to_end(block.block_id, last=False)
+
+    def release_ids(self, block_ids: Iterable[int]) -> None:
+        """`release()` each block, in order: one loop for a whole table freed at once."""
+        blocks, free = self.blocks, self.free
+        freed_states = 0
+        for block_id in block_ids:
+            block = blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count <= 0:
+                if block.ref_count < 0:
+                    self.used_filled -= freed_states
+                    raise AssertionError(f"block {block_id} freed twice")
+                freed_states += block.filled
+                free[block_id] = None
+                if block.hash is None:           # nothing worth keeping: reuse it first
+                    free.move_to_end(block_id, last=False)
+        self.used_filled -= freed_states
 
     def set_filled(self, block: Block, filled: int) -> None:
         """Record how many slots of an in-use block hold tokens."""
@@ -201,6 +235,13 @@ class PagedBlockManager:
         if self.pool.num_free - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
+
+    def fits_now(self, group: SequenceGroup, num_new_tokens: int | None = None) -> bool:
+        """`can_allocate(...) is AllocStatus.OK` for a group the caller knows is not NEVER (it
+        checked the same bound, `max_blocks_needed`, already): the scheduler's hot paths ask this
+        of the same waiting head again and again."""
+        needed = sum(self._new_blocks_for_admission(s, num_new_tokens) for s in group.seqs)
+        return self.pool.num_free - needed >= self.watermark_blocks
 
     def _new_blocks_for_admission(self, seq: Sequence, num_new_tokens: int | None) -> int:
         hits, idle_hits = self._lookup_prefix(seq) if self.enable_prefix_caching else (0, 0)
@@ -393,9 +434,10 @@ class PagedBlockManager:
     def open_decode_blocks(self, seq_ids: Iterable[int]) -> None:
         """Append one fresh block to each sequence's table, in order (the caller has counted them
         against the free blocks)."""
-        take, tables = self.pool.take, self.tables
-        for sid in seq_ids:
-            tables[sid].append(take().block_id)
+        tables = self.tables
+        seq_ids = list(seq_ids)
+        for sid, block_id in zip(seq_ids, self.pool.take_ids(len(seq_ids))):
+            tables[sid].append(block_id)
 
     def add_token_states(self, n: int) -> None:
         """Count `n` token states decoded into the owed sequences' blocks (settled later)."""
@@ -451,10 +493,8 @@ class PagedBlockManager:
     def _free_device(self, seq: Sequence) -> None:
         table = self.tables.pop(seq.seq_id, None)
         self.slots.pop(seq.seq_id, None)
-        if table is None:
-            return
-        for b in reversed(table):
-            self.pool.release(self.pool.blocks[b])
+        if table is not None:
+            self.pool.release_ids(reversed(table))
 
     def free_group(self, group: SequenceGroup) -> None:
         for s in group.seqs:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from policies.block_manager import AllocStatus, PagedBlockManager
+from policies.block_manager import PagedBlockManager
 from policies.memory import MemoryBreakdown
 from policies.plan import RepeatPlan, RepeatResult, ScheduledSeq, StepComposition, StepPlan
 from policies.queue_policy import ADMIT, DEFER, QueuePolicy
@@ -53,6 +53,9 @@ class VllmScheduler(Scheduler):
         # plain decode steps applied to the blocks and counters but not yet to the running
         # sequences' own fields (see settle); every running group owes exactly this many
         self._pending_steps = 0
+        # the last group _never_fits judged and its answer (a function of the request and this
+        # scheduler's fixed settings): a blocked waiting head is asked about at every iteration
+        self._fits_memo: tuple[SequenceGroup, str | None] | None = None
 
     # ---------------------------------------------------------------- memory hooks
     def _free_seq(self, seq: Sequence) -> None:
@@ -82,6 +85,14 @@ class VllmScheduler(Scheduler):
         """Why a waiting group can never run on this cache and budget (rejected when it comes up),
         or None: more blocks than the cache holds, more parallel sequences than the batch may hold,
         or an unchunkable prompt over the token budget."""
+        memo = self._fits_memo
+        if memo is not None and memo[0] is group:
+            return memo[1]
+        reason = self._never_fits_reason(group)
+        self._fits_memo = (group, reason)
+        return reason
+
+    def _never_fits_reason(self, group: SequenceGroup) -> str | None:
         width = group.request.sampling.width
         if width > self.max_num_seqs or width > self.max_num_batched_tokens:
             return (f"{width} parallel sequences exceed max_num_seqs={self.max_num_seqs} or "
@@ -279,13 +290,12 @@ class VllmScheduler(Scheduler):
 
     def _schedule_waiting(self, plan: StepPlan, budget: list[int], now: float) -> None:
         bm = self.bm
-        demand = self._demand()
+        demand = None  # summed over the batch only when a group could be admitted
         policy = self.policy
         while self.waiting and budget[0] > 0:
             group = self.waiting[0]
             req = group.request
             width = req.sampling.width
-            status = bm.can_allocate(group, budget[0] if self._chunkable(group.seqs[0]) else None)
             reason = self._never_fits(group)
             if reason is None:
                 decision = ADMIT if self._admits_all else policy.admit(group, now)
@@ -297,7 +307,12 @@ class VllmScheduler(Scheduler):
                 self.waiting.popleft()
                 self._reject(group, reason, plan, now)
                 continue
-            if status is AllocStatus.LATER or demand + width > self.max_num_seqs:
+            # never NEVER here: _never_fits checks the same bound
+            if not bm.fits_now(group, budget[0] if self._chunkable(group.seqs[0]) else None):
+                return
+            if demand is None:
+                demand = self._demand()
+            if demand + width > self.max_num_seqs:
                 return
             if not self._admit(group, plan, budget):
                 return
@@ -410,8 +425,8 @@ class VllmScheduler(Scheduler):
                 return decision == DEFER
         left = self.max_num_batched_tokens - num_running
         chunkable = self._chunkable(head.seqs[0])
-        status = self.bm.can_allocate(head, left if chunkable else None)  # never NEVER: checked above
-        if status is AllocStatus.LATER or num_running + width > self.max_num_seqs:
+        # never NEVER: checked above
+        if not self.bm.fits_now(head, left if chunkable else None) or num_running + width > self.max_num_seqs:
             return True
         # refused by the budget, as _admit would: the prompt less its prefix-cache hit must not fit.
         # Decodes can only evict that hit (the need grows); unless the growth could make a
