@@ -93,6 +93,8 @@ class ReplicaStep:
         self.log = log if log is not None else IterationLog()
         self.routed = routed
         self.stepped = self.windows = self.skipped = self.exhaustions = 0
+        # the duration of the last iteration stepped or skipped (0: none yet); see begin_window
+        self._recent_duration = 0.0
 
     def begin(self, now: float) -> Step:
         plan = self.scheduler.schedule(now)
@@ -111,6 +113,7 @@ class ReplicaStep:
         self.log.add(step.start, result.duration, step.comp, len(step.plan.preempted), len(sched.waiting) + arriving,
                      len(sched.running), sched.memory(), sched.prefix_hits)
         self.stepped += 1
+        self._recent_duration = result.duration
         return finished
 
     # ---------------------------------------------------------------- windows
@@ -125,6 +128,11 @@ class ReplicaStep:
         replica meanwhile but arrivals, which it ends before or which cannot be admitted in it."""
         sched = self.scheduler
         if not sched.running:
+            return None
+        if (self.routed or sched.queues_by_state) and next_arrival - now < self._recent_duration:
+            # such a window must end two iterations before the next arrival (_stop_at_arrivals),
+            # which is nearer than one recent iteration: most likely no window, so step without
+            # asking (stepping gives the same result, so a guess costs only time)
             return None
         plan = sched.plan_repeat(now)
         if plan is None:
@@ -162,6 +170,8 @@ class ReplicaStep:
                 cols["kv_reserved"], cols["kv_external_frag"] = res.reserved, res.external_frag
             log.add_many(cols)
         window = Window(now, ends.tolist(), durations.tolist(), res.exhaustion is not None)
+        if k:
+            self._recent_duration = window.durations[-1]
         if res.exhaustion is not None:
             duration = res.exhaustion_duration
             end_x = end + duration  # the sum the scheduler finished its groups at
