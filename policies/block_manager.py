@@ -399,9 +399,8 @@ class PagedBlockManager:
             copies.append((old.block_id, new.block_id))
             self.pool.release(old)
             table[-1] = new.block_id
-        take = self.pool.take
-        for _ in range(need):
-            table.append(take().block_id)
+        if need:
+            table.extend(self.pool.take_ids(need))
         # blocks first.. now hold positions [first * bs, new_total): all full but the last. They
         # held [first * bs, cur) before (a partly filled own or copied block, then fresh ones),
         # so the token states grow by new_total - cur

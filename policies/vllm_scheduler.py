@@ -12,6 +12,7 @@ nothing new is admitted while any group is swapped out).
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import accumulate
 
 import numpy as np
 
@@ -280,8 +281,12 @@ class VllmScheduler(Scheduler):
             budget[0] -= sum(chunks)
 
     def _demand(self) -> int:
-        demand = self.seq_demand
-        return sum([demand(g) for g in self.running])
+        total = 0
+        for g in self.running:
+            sp = g.request.sampling
+            # seq_demand's common case inline: one sequence, no parallel samples or beams
+            total += 1 if len(g.seqs) == 1 and sp.n == 1 and sp.beam_width == 1 else self.seq_demand(g)
+        return total
 
     def _chunkable(self, seq: Sequence) -> bool:
         """Chunked prefill is on, or the work can never fit one iteration (a recompute of a
@@ -480,13 +485,13 @@ class VllmScheduler(Scheduler):
             served = self.policy.on_served
             for g in self.running:
                 served(g, 0, k)
-        j = np.arange(1, k + 1, dtype=np.int64)
-        # blocks taken by the end of each step (list repetition: np.resize costs more for small k)
-        taken = np.cumsum(([len(p) for p in by_phase] * -(-k // bs))[:k], dtype=np.int64)
-        states = mem0.token_states + j * b
-        used = mem0.token_states + mem0.internal_frag + taken * bs  # slots in allocated blocks
-        result = RepeatResult(np.full(k, b, dtype=np.int64), states, used - states, mem0.free - taken * bs,
-                              mem0.reserved, mem0.external_frag)
+        # per step, in plain ints (windows are mostly a few steps, where numpy's per-call cost
+        # dominates): blocks taken by the end of each step, token states, slots in allocated blocks
+        taken = list(accumulate(([len(p) for p in by_phase] * -(-k // bs))[:k]))
+        states0, allocated0, free0 = mem0.token_states, mem0.token_states + mem0.internal_frag, mem0.free
+        states = [states0 + j * b for j in range(1, k + 1)]
+        result = RepeatResult([b] * k, states, [allocated0 + t * bs - s for t, s in zip(taken, states)],
+                              [free0 - t * bs for t in taken], mem0.reserved, mem0.external_frag)
         if self._finish_plain(plan.remaining, k, now):
             mem = bm.memory()
             result.token_states[-1] = mem.token_states
