@@ -159,6 +159,8 @@ class SimulatedExecutor:
         `target` decides: the trace's length, or a forked sample's drawn one (drawn at its first
         step, before any window can contain it)."""
         targets = self.targets
+        if not targets:  # no forked samples: every target is the trace's
+            return [s.target_len - s.output_len for s in plan.seqs]
         return [targets.get(s.seq_id, s.target_len) - s.output_len for s in plan.seqs]
 
     def _beam_step(self, group, result: StepResult) -> None:
