@@ -185,7 +185,7 @@ class VllmScheduler(Scheduler):
                 if in_place and cur % bs and cur < end <= len(table) * bs and blocks[table[-1]].ref_count == 1:
                     # a decode into the sequence's own partly filled block: append_slots' first
                     # case, checked here as it is most of the work of a step
-                    extend_own_block(sid, end)
+                    extend_own_block(sid, end, cur, table)
                 else:
                     while True:
                         copies = bm.append_slots(seq, n)
