@@ -163,20 +163,18 @@ class VllmScheduler(Scheduler):
         bs = self.block_size
         in_place = not bm.enable_prefix_caching  # else a filled block may need registering
         emit = plan.seqs.append
-        running = self.running  # _preempt removes from this very list
-        i = 0
-        while i < len(running):
-            group = running[i]
+        running = self.running  # _preempt removes from this very list (the iterator sees that)
+        left = budget[0]  # a local while the loop runs: nothing it calls reads the budget
+        for group in running:
             seqs = group.seqs
             if len(seqs) == 1:  # the common case, kept lean
                 seq = seqs[0]
                 start = seq.num_computed
                 known = seq.prompt_len + seq.output_len
                 n = known - start
-                if n > budget[0]:
-                    n = budget[0] if self._chunkable(seq) else 0
+                if n > left:
+                    n = left if self._chunkable(seq) else 0
                 if n == 0:
-                    i += 1
                     continue
                 sid = seq.seq_id
                 table = tables[sid]
@@ -198,13 +196,11 @@ class VllmScheduler(Scheduler):
                         break
                     if copies:
                         plan.copies.extend(copies)
-                budget[0] -= n
+                left -= n
                 emit(ScheduledSeq(sid, group.group_id, start, n, table, end == known))
-                i += 1
                 continue
-            chunks = [self._chunk(s, budget[0]) for s in seqs]
-            if sum(chunks) > budget[0] or 0 in chunks:
-                i += 1
+            chunks = [self._chunk(s, left) for s in seqs]
+            if sum(chunks) > left or 0 in chunks:
                 continue
             while sum(bm.can_append(s, n) for s, n in zip(seqs, chunks)) > bm.num_free_blocks:
                 preempted = True
@@ -215,8 +211,8 @@ class VllmScheduler(Scheduler):
             for s, n in zip(seqs, chunks):
                 plan.copies.extend(bm.append_slots(s, n))
                 self._emit(plan, s, n)
-            budget[0] -= sum(chunks)
-            i += 1
+            left -= sum(chunks)
+        budget[0] = left
         return preempted
 
     def _victim(self) -> SequenceGroup:
