@@ -48,30 +48,53 @@ class BlockPool:
 
     The free queue holds blocks with ref_count 0 in eviction order: never-cached blocks at the
     front, cached ones behind them in the order they were freed. Taking a block from the front
-    evicts its hash, if any.
+    evicts its hash, if any. It is kept in two parts, as a block's hash says which it is in: the
+    never-cached blocks (a stack whose top is the queue's front: a freed one is reused first)
+    and the idle cached ones (least recently freed first); only a take clears a hash, so no block
+    moves between them while free.
     """
 
     def __init__(self, num_blocks: int) -> None:
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._fresh: list[int] = list(range(num_blocks - 1, -1, -1))  # hash None; the front is the end
+        self._idle: OrderedDict[int, None] = OrderedDict()  # hashed, least recently freed first
         self.cached: dict[int, int] = {}  # content hash -> block id
         self.evictions = 0
         self.used_filled = 0  # sum of `filled` over blocks in use: the token states, kept O(1)
 
     @property
+    def free(self) -> list[int]:
+        """The free queue's block ids, front first (a copy: for checks and tests)."""
+        return [*reversed(self._fresh), *self._idle]
+
+    @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self._fresh) + len(self._idle)
 
     def take(self) -> Block:
-        block_id, _ = self.free.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.hash is not None:
-            del self.cached[block.hash]
-            block.hash = None
-            self.evictions += 1
-        block.ref_count = 1
-        block.filled = 0
-        return block
+        return self.blocks[self.take_ids(1)[0]]
+
+    def take_ids(self, n: int) -> list[int]:
+        """`take()` n times (the caller has counted them against the free blocks); their ids, in
+        the order taken. One loop for the many blocks a window of decodes opens."""
+        fresh, blocks = self._fresh, self.blocks
+        if n > len(fresh) + len(self._idle):
+            raise KeyError("take from an empty free queue")
+        ids = []
+        for _ in range(n):
+            if fresh:
+                block_id = fresh.pop()
+                block = blocks[block_id]
+            else:  # the least recently freed cached block: evicted
+                block_id, _ = self._idle.popitem(last=False)
+                block = blocks[block_id]
+                del self.cached[block.hash]
+                block.hash = None
+                self.evictions += 1
+            block.ref_count = 1
+            block.filled = 0
+            ids.append(block_id)
+        return ids
 
     def share(self, block: Block) -> None:
         """One more reference on a block in use (a fork, or a block shared again after a swap)."""
@@ -82,19 +105,30 @@ class BlockPool:
     def touch(self, block: Block) -> None:
         """Take a reference on a block found by hash (removing it from the free queue if idle)."""
         if block.ref_count == 0:
-            del self.free[block.block_id]
+            del self._idle[block.block_id]
             self.used_filled += block.filled
         block.ref_count += 1
 
     def release(self, block: Block) -> None:
-        block.ref_count -= 1
-        if block.ref_count < 0:
-            raise AssertionError(f"block {block.block_id} freed twice")
-        if block.ref_count == 0:
-            self.used_filled -= block.filled
-            self.free[block.block_id] = None
-            if block.hash is None:           # nothing worth keeping: reuse it first
-                self.free.move_to_end(block.block_id, last=False)
+        self.release_ids((block.block_id,))
+
+    def release_ids(self, block_ids: Iterable[int]) -> None:
+        """`release()` each block, in order: one loop for a whole table freed at once."""
+        blocks, fresh, idle = self.blocks, self._fresh, self._idle
+        freed_states = 0
+        for block_id in block_ids:
+            block = blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count <= 0:
+                if block.ref_count < 0:
+                    self.used_filled -= freed_states
+                    raise AssertionError(f"block {block_id} freed twice")
+                freed_states += block.filled
+                if block.hash is None:  # nothing worth keeping: reuse it first
+                    fresh.append(block_id)
+                else:
+                    idle[block_id] = None
+        self.used_filled -= freed_states
 
     def set_filled(self, block: Block, filled: int) -> None:
         """Record how many slots of an in-use block hold tokens."""
@@ -201,6 +235,13 @@ class PagedBlockManager:
         if self.pool.num_free - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
+
+    def fits_now(self, group: SequenceGroup, num_new_tokens: int | None = None) -> bool:
+        """`can_allocate(...) is AllocStatus.OK` for a group the caller knows is not NEVER (it
+        checked the same bound, `max_blocks_needed`, already): the scheduler's hot paths ask this
+        of the same waiting head again and again."""
+        needed = sum(self._new_blocks_for_admission(s, num_new_tokens) for s in group.seqs)
+        return self.pool.num_free - needed >= self.watermark_blocks
 
     def _new_blocks_for_admission(self, seq: Sequence, num_new_tokens: int | None) -> int:
         hits, idle_hits = self._lookup_prefix(seq) if self.enable_prefix_caching else (0, 0)
@@ -358,9 +399,8 @@ class PagedBlockManager:
             copies.append((old.block_id, new.block_id))
             self.pool.release(old)
             table[-1] = new.block_id
-        take = self.pool.take
-        for _ in range(need):
-            table.append(take().block_id)
+        if need:
+            table.extend(self.pool.take_ids(need))
         # blocks first.. now hold positions [first * bs, new_total): all full but the last. They
         # held [first * bs, cur) before (a partly filled own or copied block, then fresh ones),
         # so the token states grow by new_total - cur
@@ -375,13 +415,18 @@ class PagedBlockManager:
             self._register_full_blocks(seq, first, new_total // bs)
         return copies
 
-    def extend_own_block(self, seq_id: int, new_total: int) -> None:
+    def extend_own_block(self, seq_id: int, new_total: int, cur: int | None = None,
+                         table: list[int] | None = None) -> None:
         """`append_slots`' common decode case without its checks, for a scheduler's inner loop: the
         caller knows the sequence's last block is partly filled, its own (ref_count 1), and holds
-        positions up to `new_total` (and that no full block needs registering for prefix caching)."""
-        cur = self.slots[seq_id]
+        positions up to `new_total` (and that no full block needs registering for prefix caching).
+        `cur` and `table`, when given, are the sequence's slots and table (read already)."""
+        if cur is None:
+            cur = self.slots[seq_id]
+        if table is None:
+            table = self.tables[seq_id]
         self.pool.used_filled += new_total - cur
-        self.pool.blocks[self.tables[seq_id][-1]].filled += new_total - cur
+        self.pool.blocks[table[-1]].filled += new_total - cur
         self.slots[seq_id] = new_total
 
     # ---------------------------------------------- decodes applied in bulk (simulator skip-ahead)
@@ -393,9 +438,10 @@ class PagedBlockManager:
     def open_decode_blocks(self, seq_ids: Iterable[int]) -> None:
         """Append one fresh block to each sequence's table, in order (the caller has counted them
         against the free blocks)."""
-        take, tables = self.pool.take, self.tables
-        for sid in seq_ids:
-            tables[sid].append(take().block_id)
+        tables = self.tables
+        seq_ids = list(seq_ids)
+        for sid, block_id in zip(seq_ids, self.pool.take_ids(len(seq_ids))):
+            tables[sid].append(block_id)
 
     def add_token_states(self, n: int) -> None:
         """Count `n` token states decoded into the owed sequences' blocks (settled later)."""
@@ -451,10 +497,8 @@ class PagedBlockManager:
     def _free_device(self, seq: Sequence) -> None:
         table = self.tables.pop(seq.seq_id, None)
         self.slots.pop(seq.seq_id, None)
-        if table is None:
-            return
-        for b in reversed(table):
-            self.pool.release(self.pool.blocks[b])
+        if table is not None:
+            self.pool.release_ids(reversed(table))
 
     def free_group(self, group: SequenceGroup) -> None:
         for s in group.seqs:
@@ -544,9 +588,12 @@ class PagedBlockManager:
                 refs[b] += 1
         filled = sum(b.filled for b in self.pool.blocks if b.ref_count > 0)
         assert filled == self.pool.used_filled, f"token-state count {self.pool.used_filled} != {filled}"
+        free = self.pool.free
+        assert len(set(free)) == len(free), "a block is in the free queue twice"
+        free = set(free)
         for b in self.pool.blocks:
             assert b.ref_count == refs[b.block_id], f"block {b.block_id}: ref {b.ref_count} != {refs[b.block_id]}"
-            assert (b.ref_count == 0) == (b.block_id in self.pool.free), f"block {b.block_id}: free-queue mismatch"
+            assert (b.ref_count == 0) == (b.block_id in free), f"block {b.block_id}: free-queue mismatch"
         for h, bid in self.pool.cached.items():
             assert self.pool.blocks[bid].hash == h, f"cache entry {h} points at block {bid} with other hash"
         cpu_refs = [0] * self.cpu.num_blocks

@@ -180,18 +180,18 @@ class RepeatPlan:
 
 @dataclass(slots=True, eq=False)
 class RepeatResult:
-    """What applying a RepeatPlan did. Per repeated iteration (arrays of `steps` entries, or one
-    value for all): the running groups and KV memory by category after it (a finish shows in the
-    last). When the plan exhausted blocks, the preempting iteration after them: its composition,
+    """What applying a RepeatPlan did. Per repeated iteration (arrays or lists of `steps` entries,
+    or one value for all): the running groups and KV memory by category after it (a finish shows
+    in the last). When the plan exhausted blocks, the preempting iteration after them: its composition,
     duration and preemptions (`exhaustion` None when that iteration ran nothing: every sequence of
     the batch was preempted, so no time passed)."""
 
-    running: np.ndarray
-    token_states: np.ndarray
-    internal_frag: np.ndarray
-    free: np.ndarray
-    reserved: np.ndarray | int = 0
-    external_frag: np.ndarray | int = 0
+    running: np.ndarray | list[int]
+    token_states: np.ndarray | list[int]
+    internal_frag: np.ndarray | list[int]
+    free: np.ndarray | list[int]
+    reserved: np.ndarray | list[int] | int = 0
+    external_frag: np.ndarray | list[int] | int = 0
     exhaustion: StepComposition | None = None
     exhaustion_duration: float = 0.0
     num_preempted: int = 0

@@ -77,9 +77,17 @@ class LeastLoadedRouter(Router):
         self._last = -1
 
     def route(self, request: Request, replicas: Sequence[Scheduler]) -> int:
-        i = self._pick(replicas, range(len(replicas)))
-        self._last = i
-        return i
+        # _pick over every replica, in one pass: this runs at every arrival, over every replica
+        n = len(replicas)
+        first = (self._last + 1) % n
+        best, least = first, -1
+        for i in (*range(first, n), *range(first)):  # tie order: from the one after the last pick
+            r = replicas[i]
+            load = len(r.waiting) + len(r.running) + len(r.swapped)  # outstanding(r)
+            if load < least or least < 0:
+                best, least = i, load
+        self._last = best
+        return best
 
     def _pick(self, replicas: Sequence[Scheduler], candidates: Sequence[int]) -> int:
         n = len(replicas)

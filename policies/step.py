@@ -26,8 +26,10 @@ any arrival. The result is the same, bit for bit, as stepping the window's itera
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Protocol
 
 import numpy as np
@@ -48,7 +50,7 @@ class RepeatExecutor(Executor, Protocol):
 
     def remaining(self, plan: RepeatPlan) -> list[int]: ...
 
-    def price_repeat(self, plan: RepeatPlan) -> np.ndarray: ...
+    def price_repeat(self, plan: RepeatPlan) -> np.ndarray | list[float]: ...
 
     def price(self, comp: StepComposition) -> float: ...
 
@@ -93,6 +95,8 @@ class ReplicaStep:
         self.log = log if log is not None else IterationLog()
         self.routed = routed
         self.stepped = self.windows = self.skipped = self.exhaustions = 0
+        # the duration of the last iteration stepped or skipped (0: none yet); see begin_window
+        self._recent_duration = 0.0
 
     def begin(self, now: float) -> Step:
         plan = self.scheduler.schedule(now)
@@ -111,6 +115,7 @@ class ReplicaStep:
         self.log.add(step.start, result.duration, step.comp, len(step.plan.preempted), len(sched.waiting) + arriving,
                      len(sched.running), sched.memory(), sched.prefix_hits)
         self.stepped += 1
+        self._recent_duration = result.duration
         return finished
 
     # ---------------------------------------------------------------- windows
@@ -126,6 +131,11 @@ class ReplicaStep:
         sched = self.scheduler
         if not sched.running:
             return None
+        if (self.routed or sched.queues_by_state) and next_arrival - now < self._recent_duration:
+            # such a window must end two iterations before the next arrival (_stop_at_arrivals),
+            # which is nearer than one recent iteration: most likely no window, so step without
+            # asking (stepping gives the same result, so a guess costs only time)
+            return None
         plan = sched.plan_repeat(now)
         if plan is None:
             return None
@@ -135,7 +145,11 @@ class ReplicaStep:
         if not _stop_at_finish(plan):
             return None
         durations = executor.price_repeat(plan)
-        ends = np.concatenate(([now], durations)).cumsum()[1:]
+        # plain floats: windows are mostly a few iterations, where numpy's per-call cost dominates;
+        # accumulate adds in order, as stepping's clock does (and as numpy's cumsum did)
+        durations = durations.tolist() if isinstance(durations, np.ndarray) else list(durations)
+        ends = list(accumulate(durations, initial=now))
+        del ends[0]
         k = _stop_at_arrivals(plan, ends, now, next_arrival, sched, self.routed)
         if k is None:
             return None
@@ -144,24 +158,27 @@ class ReplicaStep:
         log = self.log
         if k:
             # arrivals during the window join the queue behind a blocked head: count them in
-            waiting = len(sched.waiting) + (queued(ends) if queued is not None else 0)
-            end = float(ends[-1])
+            waiting = len(sched.waiting) + (queued(np.array(ends)) if queued is not None else 0)
+            end = ends[-1]
         else:
             end = now
         res = sched.apply_repeat(plan, end, executor.price)
         if k:
             b = plan.num_seqs
+            context0 = plan.context_tokens
             cols = {
-                "start": np.concatenate(([now], ends[:-1])), "duration": durations,
+                "start": [now, *ends[:-1]], "duration": durations,
                 "num_seqs": b, "decode_tokens": b,
-                "context_tokens": plan.context_tokens + b * np.arange(1, k + 1, dtype=np.int64),
+                "context_tokens": [context0 + b * j for j in range(1, k + 1)],
                 "waiting": waiting, "running": res.running, "kv_token_states": res.token_states,
                 "kv_internal_frag": res.internal_frag, "kv_free": res.free, "prefix_hits": sched.prefix_hits,
             }
             if not (_zero(res.reserved) and _zero(res.external_frag)):  # columns left out of add_many stay 0
                 cols["kv_reserved"], cols["kv_external_frag"] = res.reserved, res.external_frag
             log.add_many(cols)
-        window = Window(now, ends.tolist(), durations.tolist(), res.exhaustion is not None)
+        window = Window(now, ends, durations, res.exhaustion is not None)
+        if k:
+            self._recent_duration = window.durations[-1]
         if res.exhaustion is not None:
             duration = res.exhaustion_duration
             end_x = end + duration  # the sum the scheduler finished its groups at
@@ -196,7 +213,7 @@ def _stop_at_finish(plan: RepeatPlan) -> bool:
     return plan.exhausts or plan.steps >= 2  # else the preempting iteration is stepped, after these
 
 
-def _stop_at_arrivals(plan: RepeatPlan, ends: np.ndarray, start: float, next_arrival: float,
+def _stop_at_arrivals(plan: RepeatPlan, ends: list[float], start: float, next_arrival: float,
                       sched: Scheduler, routed: bool) -> int | None:
     """How many of the plan's iterations (ending at `ends`) stay certain given arrivals and the
     policy's wake time: the first iteration starting at or after a time when something could be
@@ -207,9 +224,9 @@ def _stop_at_arrivals(plan: RepeatPlan, ends: np.ndarray, start: float, next_arr
     k = plan.steps
     if routed or sched.queues_by_state:
         # every arrival reads this replica's (or its policy's) state: finish the window before it
-        safe = int(ends.searchsorted(next_arrival, "left"))
+        safe = bisect_left(ends, next_arrival)
         # and the first iteration starting at or after the policy's wake time
-        safe = min(safe, int(ends[:-1].searchsorted(sched.wake_time(start), "left")) + 1)
+        safe = min(safe, bisect_left(ends, sched.wake_time(start), 0, len(ends) - 1) + 1)
         if safe < k or next_arrival != math.inf:
             plan.exhausts = False  # stepped instead: its end may pass an arrival (priced once applied)
         k = min(k, safe)
@@ -221,7 +238,7 @@ def _stop_at_arrivals(plan: RepeatPlan, ends: np.ndarray, start: float, next_arr
     limit = sched.wake_time(start)
     if not sched.waiting or not sched.policy.arrival_order:
         limit = min(limit, next_arrival)
-    safe = int(ends[:-1].searchsorted(limit, "left")) + 1
+    safe = bisect_left(ends, limit, 0, len(ends) - 1) + 1
     if safe < k:
         plan.exhausts = False
         return safe if safe >= 2 else None

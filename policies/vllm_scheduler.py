@@ -12,10 +12,11 @@ nothing new is admitted while any group is swapped out).
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import accumulate
 
 import numpy as np
 
-from policies.block_manager import AllocStatus, PagedBlockManager
+from policies.block_manager import PagedBlockManager
 from policies.memory import MemoryBreakdown
 from policies.plan import RepeatPlan, RepeatResult, ScheduledSeq, StepComposition, StepPlan
 from policies.queue_policy import ADMIT, DEFER, QueuePolicy
@@ -53,6 +54,9 @@ class VllmScheduler(Scheduler):
         # plain decode steps applied to the blocks and counters but not yet to the running
         # sequences' own fields (see settle); every running group owes exactly this many
         self._pending_steps = 0
+        # the last group _never_fits judged and its answer (a function of the request and this
+        # scheduler's fixed settings): a blocked waiting head is asked about at every iteration
+        self._fits_memo: tuple[SequenceGroup, str | None] | None = None
 
     # ---------------------------------------------------------------- memory hooks
     def _free_seq(self, seq: Sequence) -> None:
@@ -82,6 +86,14 @@ class VllmScheduler(Scheduler):
         """Why a waiting group can never run on this cache and budget (rejected when it comes up),
         or None: more blocks than the cache holds, more parallel sequences than the batch may hold,
         or an unchunkable prompt over the token budget."""
+        memo = self._fits_memo
+        if memo is not None and memo[0] is group:
+            return memo[1]
+        reason = self._never_fits_reason(group)
+        self._fits_memo = (group, reason)
+        return reason
+
+    def _never_fits_reason(self, group: SequenceGroup) -> str | None:
         width = group.request.sampling.width
         if width > self.max_num_seqs or width > self.max_num_batched_tokens:
             return (f"{width} parallel sequences exceed max_num_seqs={self.max_num_seqs} or "
@@ -151,20 +163,18 @@ class VllmScheduler(Scheduler):
         bs = self.block_size
         in_place = not bm.enable_prefix_caching  # else a filled block may need registering
         emit = plan.seqs.append
-        running = self.running  # _preempt removes from this very list
-        i = 0
-        while i < len(running):
-            group = running[i]
+        running = self.running  # _preempt removes from this very list (the iterator sees that)
+        left = budget[0]  # a local while the loop runs: nothing it calls reads the budget
+        for group in running:
             seqs = group.seqs
             if len(seqs) == 1:  # the common case, kept lean
                 seq = seqs[0]
                 start = seq.num_computed
                 known = seq.prompt_len + seq.output_len
                 n = known - start
-                if n > budget[0]:
-                    n = budget[0] if self._chunkable(seq) else 0
+                if n > left:
+                    n = left if self._chunkable(seq) else 0
                 if n == 0:
-                    i += 1
                     continue
                 sid = seq.seq_id
                 table = tables[sid]
@@ -173,7 +183,7 @@ class VllmScheduler(Scheduler):
                 if in_place and cur % bs and cur < end <= len(table) * bs and blocks[table[-1]].ref_count == 1:
                     # a decode into the sequence's own partly filled block: append_slots' first
                     # case, checked here as it is most of the work of a step
-                    extend_own_block(sid, end)
+                    extend_own_block(sid, end, cur, table)
                 else:
                     while True:
                         copies = bm.append_slots(seq, n)
@@ -186,13 +196,11 @@ class VllmScheduler(Scheduler):
                         break
                     if copies:
                         plan.copies.extend(copies)
-                budget[0] -= n
+                left -= n
                 emit(ScheduledSeq(sid, group.group_id, start, n, table, end == known))
-                i += 1
                 continue
-            chunks = [self._chunk(s, budget[0]) for s in seqs]
-            if sum(chunks) > budget[0] or 0 in chunks:
-                i += 1
+            chunks = [self._chunk(s, left) for s in seqs]
+            if sum(chunks) > left or 0 in chunks:
                 continue
             while sum(bm.can_append(s, n) for s, n in zip(seqs, chunks)) > bm.num_free_blocks:
                 preempted = True
@@ -203,8 +211,8 @@ class VllmScheduler(Scheduler):
             for s, n in zip(seqs, chunks):
                 plan.copies.extend(bm.append_slots(s, n))
                 self._emit(plan, s, n)
-            budget[0] -= sum(chunks)
-            i += 1
+            left -= sum(chunks)
+        budget[0] = left
         return preempted
 
     def _victim(self) -> SequenceGroup:
@@ -269,8 +277,12 @@ class VllmScheduler(Scheduler):
             budget[0] -= sum(chunks)
 
     def _demand(self) -> int:
-        demand = self.seq_demand
-        return sum([demand(g) for g in self.running])
+        total = 0
+        for g in self.running:
+            sp = g.request.sampling
+            # seq_demand's common case inline: one sequence, no parallel samples or beams
+            total += 1 if len(g.seqs) == 1 and sp.n == 1 and sp.beam_width == 1 else self.seq_demand(g)
+        return total
 
     def _chunkable(self, seq: Sequence) -> bool:
         """Chunked prefill is on, or the work can never fit one iteration (a recompute of a
@@ -279,13 +291,12 @@ class VllmScheduler(Scheduler):
 
     def _schedule_waiting(self, plan: StepPlan, budget: list[int], now: float) -> None:
         bm = self.bm
-        demand = self._demand()
+        demand = None  # summed over the batch only when a group could be admitted
         policy = self.policy
         while self.waiting and budget[0] > 0:
             group = self.waiting[0]
             req = group.request
             width = req.sampling.width
-            status = bm.can_allocate(group, budget[0] if self._chunkable(group.seqs[0]) else None)
             reason = self._never_fits(group)
             if reason is None:
                 decision = ADMIT if self._admits_all else policy.admit(group, now)
@@ -297,7 +308,12 @@ class VllmScheduler(Scheduler):
                 self.waiting.popleft()
                 self._reject(group, reason, plan, now)
                 continue
-            if status is AllocStatus.LATER or demand + width > self.max_num_seqs:
+            # never NEVER here: _never_fits checks the same bound
+            if not bm.fits_now(group, budget[0] if self._chunkable(group.seqs[0]) else None):
+                return
+            if demand is None:
+                demand = self._demand()
+            if demand + width > self.max_num_seqs:
                 return
             if not self._admit(group, plan, budget):
                 return
@@ -410,8 +426,8 @@ class VllmScheduler(Scheduler):
                 return decision == DEFER
         left = self.max_num_batched_tokens - num_running
         chunkable = self._chunkable(head.seqs[0])
-        status = self.bm.can_allocate(head, left if chunkable else None)  # never NEVER: checked above
-        if status is AllocStatus.LATER or num_running + width > self.max_num_seqs:
+        # never NEVER: checked above
+        if not self.bm.fits_now(head, left if chunkable else None) or num_running + width > self.max_num_seqs:
             return True
         # refused by the budget, as _admit would: the prompt less its prefix-cache hit must not fit.
         # Decodes can only evict that hit (the need grows); unless the growth could make a
@@ -465,13 +481,13 @@ class VllmScheduler(Scheduler):
             served = self.policy.on_served
             for g in self.running:
                 served(g, 0, k)
-        j = np.arange(1, k + 1, dtype=np.int64)
-        # blocks taken by the end of each step (list repetition: np.resize costs more for small k)
-        taken = np.cumsum(([len(p) for p in by_phase] * -(-k // bs))[:k], dtype=np.int64)
-        states = mem0.token_states + j * b
-        used = mem0.token_states + mem0.internal_frag + taken * bs  # slots in allocated blocks
-        result = RepeatResult(np.full(k, b, dtype=np.int64), states, used - states, mem0.free - taken * bs,
-                              mem0.reserved, mem0.external_frag)
+        # per step, in plain ints (windows are mostly a few steps, where numpy's per-call cost
+        # dominates): blocks taken by the end of each step, token states, slots in allocated blocks
+        taken = list(accumulate(([len(p) for p in by_phase] * -(-k // bs))[:k]))
+        states0, allocated0, free0 = mem0.token_states, mem0.token_states + mem0.internal_frag, mem0.free
+        states = [states0 + j * b for j in range(1, k + 1)]
+        result = RepeatResult([b] * k, states, [allocated0 + t * bs - s for t, s in zip(taken, states)],
+                              [free0 - t * bs for t in taken], mem0.reserved, mem0.external_frag)
         if self._finish_plain(plan.remaining, k, now):
             mem = bm.memory()
             result.token_states[-1] = mem.token_states

@@ -37,6 +37,13 @@ class CostModel(ABC):
         """`step_time` of one pure-decode iteration (subclasses may skip building the composition)."""
         return self.step_time(StepComposition(num_decode_seqs=num_seqs, decode_context_tokens=context_tokens))
 
+    def decode_step_series(self, num_seqs: int, context_tokens: list[int]) -> list[float]:
+        """`decode_step_time(num_seqs, c)` for each c of `context_tokens` (a few iterations of one
+        batch: plain floats, without numpy's per-call cost). Subclasses may price the terms that
+        depend on the batch size once, if the result stays bit for bit the same."""
+        price = self.decode_step_time
+        return [price(num_seqs, c) for c in context_tokens]
+
     def decode_step_times(self, num_seqs: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
         """Times of pure-decode iterations, elementwise: `num_seqs[i]` sequences whose contexts sum
         to `context_tokens[i]`. Equals `step_time` of the same composition; the simulator uses it to
@@ -258,11 +265,35 @@ class RooflineCostModel(CostModel):
         if c.is_empty:
             return 0.0
         if not (c.num_prefill_seqs or c.swap_in_blocks or c.swap_out_blocks or c.copy_blocks):
-            return self._decode_time(float(c.num_decode_seqs), float(c.decode_context_tokens))
+            return self.decode_step_time(c.num_decode_seqs, c.decode_context_tokens)
         return float(self._total(self._composition_groups(c)))
 
     def decode_step_time(self, num_seqs: int, context_tokens: int) -> float:
-        return self._decode_time(float(num_seqs), float(context_tokens)) if num_seqs > 0 else 0.0
+        if num_seqs <= 0:
+            return 0.0
+        if self._expert_params or self.tp > 1:
+            return self._decode_time(float(num_seqs), float(context_tokens))
+        seqs = float(num_seqs)
+        return self._decode_fixed(seqs) + self._decode_attention(float(context_tokens), seqs) + self._lm_head(seqs)
+
+    def decode_step_series(self, num_seqs: int, context_tokens: list[int]) -> list[float]:
+        if num_seqs <= 0 or self._expert_params or self.tp > 1:
+            return super().decode_step_series(num_seqs, context_tokens)
+        # the terms of one batch size are the same in every iteration: priced once, added in order
+        seqs = float(num_seqs)
+        fixed, lm, attention = self._decode_fixed(seqs), self._lm_head(seqs), self._decode_attention
+        return [fixed + attention(float(c), seqs) + lm for c in context_tokens]
+
+    def _decode_fixed(self, seqs: float) -> float:
+        """overhead + linear of a dense model's pure decode, for a float: the first two terms of
+        _decode_time's sum."""
+        return self.overhead_s + self._linear(seqs)
+
+    def _decode_attention(self, ctx: float, seqs: float) -> float:
+        """_attention(ctx, ctx, seqs) for floats, without its calls (the same IEEE operations)."""
+        a = self._attn_flops_per_pair * ctx / self._attn_flops
+        b = (self._kv_bytes * ctx + self._qkvo_bytes * seqs) / self._attn_bw
+        return max(a, b)
 
     def _decode_time(self, seqs: ArrayLike, ctx: ArrayLike) -> ArrayLike:
         """step_time of pure decodes (floats or arrays), most of a simulation's pricing: _groups +

@@ -98,15 +98,14 @@ class SimulatedExecutor:
         # decode_step_times (tests/test_cost_model.py), so skipping ahead reproduces these times
         return self.cost.step_time(c)
 
-    def price_repeat(self, plan: RepeatPlan) -> np.ndarray:
+    def price_repeat(self, plan: RepeatPlan) -> np.ndarray | list[float]:
         """Durations of the plan's `steps` pure-decode iterations of `num_seqs` sequences whose
         contexts sum to context_tokens + num_seqs * j at iteration j = 1..steps, in one call. A few
         iterations are priced one by one: the vectorised path costs as much as ~12 scalar prices
         (numpy's per-call cost), and both are identical."""
         num_seqs, context0, k = plan.num_seqs, plan.context_tokens, plan.steps
         if k < 12:
-            price = self.cost.decode_step_time
-            return np.array([price(num_seqs, context0 + num_seqs * j) for j in range(1, k + 1)], dtype=np.float64)
+            return self.cost.decode_step_series(num_seqs, [context0 + num_seqs * j for j in range(1, k + 1)])
         contexts = context0 + num_seqs * np.arange(1, k + 1, dtype=np.int64)
         return self.cost.decode_step_times(np.full(k, num_seqs, dtype=np.int64), contexts)
 
@@ -160,6 +159,8 @@ class SimulatedExecutor:
         `target` decides: the trace's length, or a forked sample's drawn one (drawn at its first
         step, before any window can contain it)."""
         targets = self.targets
+        if not targets:  # no forked samples: every target is the trace's
+            return [s.target_len - s.output_len for s in plan.seqs]
         return [targets.get(s.seq_id, s.target_len) - s.output_len for s in plan.seqs]
 
     def _beam_step(self, group, result: StepResult) -> None:

@@ -355,12 +355,16 @@ def _tables(replicas: list[Replica]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Request and iteration tables of all replicas (one replica: exactly its own tables)."""
     if len(replicas) == 1:
         return request_frame(replicas[0].scheduler.done), replicas[0].log.frame()
-    reqs, its = [], []
-    for r in replicas:
-        reqs.append(request_frame(r.scheduler.done).assign(replica=r.index))
-        its.append(r.log.frame().assign(replica=r.index))
-    requests = pd.concat(reqs, ignore_index=True).sort_values("request_id", kind="stable", ignore_index=True)
-    iterations = pd.concat(its, ignore_index=True)
+    # each column copied once (the logs' frames are views; assign and concat copied them twice):
+    # the iteration tables of a large run are gigabytes
+    its = [r.log.frame() for r in replicas]
+    columns = {c: np.concatenate([f[c].to_numpy() for f in its]) for c in its[0].columns}
+    columns["replica"] = np.repeat(np.array([r.index for r in replicas], dtype=np.int64), [len(f) for f in its])
+    iterations = pd.DataFrame(columns, copy=False)
+    # one request table over every replica's groups, in request id order (ids are unique)
+    pairs = sorted(((g, r.index) for r in replicas for g in r.scheduler.done), key=lambda p: p[0].request.request_id)
+    requests = request_frame([g for g, _ in pairs])
+    requests["replica"] = np.array([i for _, i in pairs], dtype=np.int64)
     return requests, iterations
 
 

@@ -167,6 +167,12 @@ def test_decode_step_times_equals_step_time(tp: int) -> None:
                 StepComposition(num_decode_seqs=int(n), decode_context_tokens=int(k))))) if n else 0.0
                 for n, k in zip(seqs, ctx, strict=True)]
             np.testing.assert_array_equal(want, general)
+        for n in {int(x) for x in seqs[:10]}:  # a window's series of one batch size, as price_repeat asks
+            series = [int(n) * j + 7 for j in range(1, 9)]
+            np.testing.assert_array_equal(model.decode_step_series(n, series),
+                                          [model.decode_step_time(n, k) for k in series])
+            np.testing.assert_array_equal(model.decode_step_series(n, series),
+                                          model.decode_step_times(np.full(8, n), np.array(series)))
 
 
 def test_tensor_parallel_speeds_up_a_big_model() -> None:

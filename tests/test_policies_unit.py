@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 
-from policies.block_manager import AllocStatus, PagedBlockManager
+from policies.block_manager import AllocStatus, BlockPool, PagedBlockManager
 from policies.buddy import BuddyAllocator, next_pow2
 from policies.contiguous import ContiguousAllocator
 from policies.contiguous_schedulers import OrcaScheduler, StaticScheduler
@@ -348,6 +348,56 @@ def test_freed_cached_blocks_are_reused_then_evicted_lru():
     assert bm.block_table(e.seq_id) == [3, 2] and bm.pool.evictions == 2
     assert bm.allocate(group(5, 1, ids=[5, 6, 7, 8, 1]).seqs[0]) == 0     # d's prefix is gone
     assert bm.allocate(group(5, 1, ids=[1, 2, 3, 4, 1]).seqs[0]) == 4     # a's prefix survived
+
+
+def test_block_pool_free_queue_matches_one_ordered_queue():
+    """The pool's two-part free queue (never-cached stack, idle cached LRU) takes, evicts and
+    revives blocks exactly as one queue would: never-cached blocks at the front (a freed one
+    first), cached ones behind in the order they were freed."""
+    import random
+    from collections import OrderedDict
+
+    rng = random.Random(7)
+    pool = BlockPool(12)
+    queue = OrderedDict.fromkeys(range(12))  # the reference: one ordered free queue
+    hashes: dict[int, int] = {}  # the reference's block -> hash
+    used: list[int] = []
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.4 and queue:
+            n = rng.randint(1, len(queue))
+            want = []
+            for _ in range(n):
+                b, _ = queue.popitem(last=False)
+                hashes.pop(b, None)
+                want.append(b)
+            assert pool.take_ids(n) == want
+            used.extend(want)
+        elif op < 0.5 and used:  # name a block's content, as prefix caching does to full blocks
+            b = rng.choice(used)
+            h = rng.randint(0, 30)
+            if b not in hashes and h not in hashes.values():
+                hashes[b] = h
+            pool.register(pool.blocks[b], h)
+        elif op < 0.6 and hashes:  # a prefix hit revives an idle cached block (or shares a used one)
+            b = rng.choice(list(hashes))
+            if b in queue:
+                del queue[b]
+            used.append(b)
+            pool.touch(pool.blocks[b])
+        elif used:
+            rng.shuffle(used)
+            k = rng.randint(1, len(used))
+            gone, used = used[:k], used[k:]
+            for i, b in enumerate(gone):
+                if b not in used and b not in gone[i + 1:]:  # its last reference
+                    queue[b] = None
+                    if b not in hashes:
+                        queue.move_to_end(b, last=False)
+            pool.release_ids(gone)
+        assert list(pool.free) == list(queue), step
+        assert pool.num_free == len(queue)
+    assert pool.evictions > 0
 
 
 def test_idle_cached_hits_count_as_blocks_taken_from_the_free_queue():

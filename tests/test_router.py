@@ -215,6 +215,35 @@ def test_round_robin_spreads_requests_in_turn_and_accounts_for_all():
     assert [x["requests"] for x in rows] == [30, 30, 30] and res.summary["router"]["imbalance"] == 1.0
 
 
+def test_routed_tables_are_each_replicas_tables_joined():
+    """The run's tables are every replica's own tables with a `replica` column: requests in id
+    order, iterations replica by replica (as concatenating the per-replica frames gives them)."""
+    from policies.metrics import request_frame
+    from sim import run as sim_run
+
+    seen = {}
+    tables = sim_run._tables
+
+    def spy(replicas):
+        seen["replicas"] = replicas
+        return tables(replicas)
+
+    tr = resolve_trace("multi-client", num_requests=300, rate=30.0, seed=4)
+    tr.prompt_len[7] = 9000  # one rejected request among them
+    try:
+        sim_run._tables = spy
+        res = run_simulation(SimConfig(num_gpu_blocks=300, replicas=3, router="least-loaded"), tr)
+    finally:
+        sim_run._tables = tables
+    reps = seen["replicas"]
+    requests = pd.concat([request_frame(r.scheduler.done).assign(replica=r.index) for r in reps], ignore_index=True)
+    requests = requests.sort_values("request_id", kind="stable", ignore_index=True)
+    iterations = pd.concat([r.log.frame().assign(replica=r.index) for r in reps], ignore_index=True)
+    pd.testing.assert_frame_equal(res.requests, requests, check_exact=True)
+    pd.testing.assert_frame_equal(res.iterations, iterations, check_exact=True)
+    assert (res.requests.status == "rejected").sum() == 1
+
+
 def test_one_replica_is_the_single_engine_run():
     tr = resolve_trace("sharegpt-like", num_requests=60, rate=10.0, seed=1)
     one = run_simulation(SimConfig(num_gpu_blocks=300, replicas=1, router="random"), tr)
