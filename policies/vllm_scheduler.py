@@ -277,6 +277,9 @@ class VllmScheduler(Scheduler):
             budget[0] -= sum(chunks)
 
     def _demand(self) -> int:
+        if type(self).seq_demand is not Scheduler.seq_demand:  # a subclass's own rule counts every group
+            demand = self.seq_demand
+            return sum(demand(g) for g in self.running)
         total = 0
         for g in self.running:
             sp = g.request.sampling

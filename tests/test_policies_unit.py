@@ -940,3 +940,25 @@ def test_vllm_recompute_does_not_reject_a_request_that_was_running():
     assert not run.rejections() and sorted(run.finish_order) == [0, 1]
 
 
+
+
+def test_a_subclass_seq_demand_rule_is_what_admission_counts():
+    """The paged scheduler counts plain groups inline for speed, but only while seq_demand is the
+    base rule: a subclass that reserves two sequences a group gets its own rule applied."""
+    class Reserving(VllmScheduler):
+        @staticmethod
+        def seq_demand(group: SequenceGroup) -> int:
+            return 2
+
+    def running_after_two_steps(cls: type[VllmScheduler]) -> int:
+        s = cls(num_gpu_blocks=100, block_size=4, max_num_seqs=4)
+        for i in range(2):
+            s.add_request(req(i, 4, 8))
+        s.schedule(0.0)  # both admitted: 2 running groups, whose demand the rule then decides
+        for i in range(2, 4):
+            s.add_request(req(i, 4, 8))
+        s.schedule(1.0)
+        return len(s.running)
+
+    assert running_after_two_steps(VllmScheduler) == 4
+    assert running_after_two_steps(Reserving) == 2  # 2 x 2 reserved: no room for another
