@@ -97,7 +97,7 @@ def _variant_config(given: str, dirs: Sequence[str | Path]) -> Path | None:
     it, base, a "Meta-" before "Llama", a yymm release date, fp8), with a warning that says which
     file stands in (once per name and folders: a run resolves its model many times); None if none
     or several match."""
-    return _variant_config_once(given, tuple(Path(d).resolve() for d in dirs))
+    return _variant_config_once(given, tuple(Path(d) for d in dirs))
 
 
 @functools.lru_cache(maxsize=256)
