@@ -81,15 +81,20 @@ def _is_release_date(word: str) -> bool:
     return len(word) == 4 and word.isdigit() and 23 <= int(word[:2]) <= 29 and 1 <= int(word[2:]) <= 12
 
 
+def _words(name: str) -> list[str]:
+    """The lower-cased words of a model name, split at '-' and '_'."""
+    return [w for w in name.lower().replace("_", "-").split("-") if w]
+
+
 def _shape_key(name: str) -> tuple[str, ...]:
-    words = [w for w in name.lower().replace("_", "-").split("-") if w]
+    words = _words(name)
     if words[:2] == ["meta", "llama"]:  # Meta's own ids spelled the family "Meta-Llama" until Llama 3.1
         words = words[1:]
     return tuple(w for w in words if w not in _VARIANT_WORDS | _FP8_WORDS and not _is_release_date(w))
 
 
 def _is_fp8(name: str) -> bool:
-    return "fp8" in name.lower().replace("_", "-").split("-")
+    return "fp8" in _words(name)
 
 
 def _variant_config(given: str, dirs: Sequence[str | Path]) -> Path | None:
