@@ -17,7 +17,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.cli_args import add_seeds_arg, add_study_args, sim_config, study_title, study_workloads
+from analysis.cli_args import (
+    add_seeds_arg,
+    add_study_args,
+    router_name,
+    sim_config,
+    study_title,
+    study_workloads,
+)
 from analysis.parallel import executor_options, run_tasks
 from analysis.report import Columns
 from analysis.seeds import rate_line, seed_cell, seeded, seeds_note, write_seed_summary
@@ -140,7 +147,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "configuration simulated) and capacity.png to --out.")
     add_study_args(cap, "sharegpt-like", [10.0, 20.0, 40.0])
     add_seeds_arg(cap)
-    cap.add_argument("--routers", nargs="+", default=["least-loaded"], choices=list(ROUTERS))
+    cap.add_argument("--routers", nargs="+", default=["least-loaded"], type=router_name, metavar="ROUTER",
+                     help=f"routers to plan for: {', '.join(ROUTERS)}, or package.module:Class (default least-loaded)")
     cap.add_argument("--slo-ttft", type=positive_float, help="TTFT SLO, seconds")
     cap.add_argument("--slo-tpot", type=positive_float, help="TPOT SLO, seconds")
     cap.add_argument("--attainment", type=fraction, default=0.9, help="share of requests within the SLOs (default 0.9)")

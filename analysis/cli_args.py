@@ -29,7 +29,7 @@ from pagesim.argtypes import (
     seed,
 )
 from policies.registry import POLICIES
-from policies.router import MATCH_ROUTERS, ROUTERS
+from policies.router import MATCH_ROUTERS, ROUTERS, resolve_router
 from traces.loaders import KNOWN_FORMATS
 from traces.synthetic import SYNTHETIC
 
@@ -81,11 +81,24 @@ def policy_options(args: argparse.Namespace) -> dict:
     return parse_policy_args(getattr(args, "policy_args", None))
 
 
+def router_name(text: str) -> str:
+    """A --router value: a registry name, package.module:Class, or a 'pagesim.routers' entry point
+    that resolves to a Router class (checked at parse time, before any simulation)."""
+    try:
+        resolve_router(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def add_replica_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("replicas (simulation only)")
     g.add_argument("--replicas", type=positive_int, default=1, help="model replicas, each with its own KV cache (default 1)")
-    g.add_argument("--router", default="round-robin", choices=list(ROUTERS),
-                   help="how arrivals are spread over replicas (default round-robin)")
+    g.add_argument("--router", default="round-robin", metavar="ROUTER", type=router_name,
+                   help=f"how arrivals are spread over replicas: {', '.join(ROUTERS)} (default round-robin), "
+                        "or one's own Router subclass as package.module:Class or a 'pagesim.routers' entry point")
+    g.add_argument("--router-arg", action="append", metavar="KEY=VALUE", dest="router_args",
+                   help="a keyword option of the router class (repeatable), e.g. --router-arg max_imbalance=4")
     g.add_argument("--replica-hardware", nargs="+", metavar="GPU",
                    help="each replica's GPU spec, e.g. a100-80gb a100-80gb h100-sxm (sets --replicas; roofline only)")
     g.add_argument("--disaggregate", type=positive_int, nargs=2, metavar=("PREFILL", "DECODE"),
@@ -200,11 +213,14 @@ def replica_count(args: argparse.Namespace) -> int:
 
 
 def router_options(args: argparse.Namespace) -> dict:
+    """The router class's keyword options: --router-arg KEY=VALUE, and --max-imbalance."""
+    from policies.registry import parse_policy_args
+    options = parse_policy_args(getattr(args, "router_args", None), "--router-arg")
     if getattr(args, "max_imbalance", None) is None:
-        return {}
+        return options
     if args.router not in MATCH_ROUTERS:
         raise ValueError(f"--max-imbalance applies to --router {' or '.join(MATCH_ROUTERS)}, not {args.router}")
-    return {"max_imbalance": args.max_imbalance}
+    return {**options, "max_imbalance": args.max_imbalance}
 
 
 def check_workload_size(spec: str, num_requests: int | None) -> None:

@@ -12,13 +12,19 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.cli_args import add_study_args, gigabytes_per_s, sim_config, study_title, study_trace
+from analysis.cli_args import (
+    add_study_args,
+    gigabytes_per_s,
+    router_name,
+    sim_config,
+    study_title,
+    study_trace,
+)
 from analysis.parallel import executor_options, run_tasks
 from analysis.plots import rate_panels
 from analysis.report import Columns
 from analysis.sweep import headline
 from pagesim.argtypes import out_dir, positive_float, positive_int
-from policies.router import ROUTERS
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
@@ -76,7 +82,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     dg.set_defaults(model="llama-3-8b", hardware="a100-80gb")
     dg.add_argument("--gpus", type=positive_int, default=4, help="GPUs in every setup (default 4)")
     dg.add_argument("--splits", nargs="+", metavar="P+D", help="prefill+decode splits to try (default: all)")
-    dg.add_argument("--router", default="least-loaded", choices=list(ROUTERS),
+    dg.add_argument("--router", default="least-loaded", type=router_name, metavar="ROUTER",
                     help="router over the colocated replicas and over the prefill replicas (default least-loaded)")
     dg.add_argument("--transfer-bandwidth", type=gigabytes_per_s, metavar="GB/S", help="KV link (default: NVLink)")
     dg.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)

@@ -15,6 +15,7 @@ from analysis.cli_args import (
     add_seeds_arg,
     add_study_args,
     check_workload_size,
+    router_name,
     sim_config,
     study_title,
     study_workloads,
@@ -95,7 +96,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     rt.add_argument("--replica-hardware", nargs="+", metavar="GPU",
                     help="each replica's GPU spec (sets --replicas; default: all on --hardware)")
     rt.add_argument("--routers", nargs="+", default=["round-robin", "least-loaded", "prefix-affinity", "cache-aware"],
-                    choices=list(ROUTERS))
+                    type=router_name, metavar="ROUTER",
+                    help=f"routers to compare: {', '.join(ROUTERS)}, or package.module:Class (default: the first four)")
     rt.add_argument("--max-imbalance", type=non_negative_int, help="prefix-affinity's and cache-aware's load cap (default 8)")
     rt.add_argument("--no-prefix-caching", action="store_true", help="turn the replicas' prefix caches off")
     rt.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, help="token budget (default 8192)")

@@ -9,13 +9,12 @@ options come as `policy_options` (`--policy-arg key=value`), checked against its
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
-from importlib.metadata import entry_points
 from typing import Any
 
 from policies.contiguous_schedulers import OrcaScheduler, StaticScheduler
+from policies.plugins import load_plugin
 from policies.queue_policy import BUILTIN, QueuePolicy
 from policies.scheduler import Scheduler
 from policies.vllm_scheduler import VllmScheduler
@@ -120,23 +119,7 @@ def resolve_policy(name: str) -> Callable[..., Scheduler]:
     entry point; a clear ValueError naming what did not resolve, before any simulation starts."""
     if name in POLICIES:
         return POLICIES[name]
-    target: Any = None
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            target = importlib.import_module(module)
-        except ImportError as e:
-            raise ValueError(f"policy {name!r}: cannot import module {module!r} ({e})") from None
-        for part in attr.split("."):
-            if not hasattr(target, part):
-                raise ValueError(f"policy {name!r}: module {module!r} has no attribute {attr!r}")
-            target = getattr(target, part)
-    else:
-        found = [ep for ep in entry_points(group="pagesim.policies") if ep.name == name]
-        if not found:
-            raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)} "
-                             "(or package.module:Class, or a 'pagesim.policies' entry point)")
-        target = found[0].load()
+    target = load_plugin(name, "pagesim.policies", "policy", POLICIES)
     if inspect.isclass(target) and issubclass(target, QueuePolicy):
         return _paged(target, repr(name))
     if inspect.isclass(target) and issubclass(target, Scheduler) and not inspect.isabstract(target):
@@ -166,15 +149,15 @@ def make_scheduler(name: str, num_blocks: int, block_size: int = 16, **kw: Any) 
     return factory(num_blocks, block_size, **kw)
 
 
-def parse_policy_args(items: list[str] | None) -> dict[str, Any]:
-    """`key=value` strings (`--policy-arg`) as keyword options; values read as int, float, true/false
-    or none where they parse so, else kept as text."""
+def parse_policy_args(items: list[str] | None, flag: str = "--policy-arg") -> dict[str, Any]:
+    """`key=value` strings (`--policy-arg`, `--router-arg`: `flag` names it in errors) as keyword
+    options; values read as int, float, true/false or none where they parse so, else kept as text."""
     options: dict[str, Any] = {}
     for item in items or []:
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not key.isidentifier():
-            raise ValueError(f"--policy-arg {item!r}: expected key=value with a Python identifier as key")
+            raise ValueError(f"{flag} {item!r}: expected key=value with a Python identifier as key")
         options[key] = _parse_value(text.strip())
     return options
 

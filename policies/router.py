@@ -14,6 +14,9 @@ schedulers: plain classes with constructor parameters and a registry name (`make
                      loaded (the router's own record stands in for the caches)
     cache-aware      the replica whose prefix cache holds most of the prompt now, with the same
                      cap (a router fed by the replicas' KV-cache events)
+
+A router of one's own is a Router subclass named by import path (`package.module:Class`) or by a
+`pagesim.routers` entry point, its keyword options passed through (`--router-arg key=value`).
 """
 
 from __future__ import annotations
@@ -26,27 +29,43 @@ from typing import Any
 
 import numpy as np
 
+from policies.plugins import load_plugin
 from policies.request import Request
 from policies.scheduler import Scheduler
 
 
 def outstanding(replica: Scheduler) -> int:
-    """Requests a replica holds and has not finished: waiting, running and swapped out."""
-    return len(replica.waiting) + len(replica.running) + len(replica.swapped)
+    """Requests a replica holds and has not finished: waiting, running and swapped out (and, in a
+    simulation, those a skip-ahead window finishes later than now: `Scheduler.departing`)."""
+    return len(replica.waiting) + len(replica.running) + len(replica.swapped) + replica.departing
 
 
 class Router(ABC):
     """Picks a replica for each arriving request. Invariant: `route` returns an index into the
-    replicas it is given, and is called exactly once per request, in arrival order."""
+    replicas it is given, and is called exactly once per request, in arrival order.
+
+    `reads_counts_only`: `route` reads nothing of a replica but `outstanding(replica)` (and its
+    own records). A count changes only when a request arrives or finishes, so the simulator may
+    then skip replicas ahead across other replicas' arrivals; a router that reads more (queue
+    contents, caches, memory) leaves it False, and replicas stop at every arrival instead. Each
+    class declares it for itself (`counts_only`): a subclass does not inherit it, since it may
+    read more than its parent."""
 
     name = "base"
+    reads_counts_only = False
 
     @abstractmethod
     def route(self, request: Request, replicas: Sequence[Scheduler]) -> int: ...
 
 
+def counts_only(router: Router) -> bool:
+    """Whether the router's own class declares that it reads only outstanding counts."""
+    return bool(type(router).__dict__.get("reads_counts_only", False))
+
+
 class RoundRobinRouter(Router):
     name = "round-robin"
+    reads_counts_only = True
 
     def __init__(self) -> None:
         self._next = 0
@@ -59,6 +78,7 @@ class RoundRobinRouter(Router):
 
 class RandomRouter(Router):
     name = "random"
+    reads_counts_only = True
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = np.random.default_rng(seed)
@@ -72,6 +92,7 @@ class LeastLoadedRouter(Router):
     so that an idle cluster is filled in turn rather than always from replica 0."""
 
     name = "least-loaded"
+    reads_counts_only = True
 
     def __init__(self) -> None:
         self._last = -1
@@ -83,7 +104,7 @@ class LeastLoadedRouter(Router):
         best, least = first, -1
         for i in (*range(first, n), *range(first)):  # tie order: from the one after the last pick
             r = replicas[i]
-            load = len(r.waiting) + len(r.running) + len(r.swapped)  # outstanding(r)
+            load = len(r.waiting) + len(r.running) + len(r.swapped) + r.departing  # outstanding(r)
             if load < least or least < 0:
                 best, least = i, load
         self._last = best
@@ -151,6 +172,7 @@ class PrefixAffinityRouter(_MatchRouter):
     nothing of evictions, as a front end without cache events would not."""
 
     name = "prefix-affinity"
+    reads_counts_only = True  # its matches are its own record of what it sent where
 
     def __init__(self, max_imbalance: int = 8, memory_blocks: int | None = None, block: int = 16) -> None:
         if memory_blocks is not None and memory_blocks < 1:
@@ -210,16 +232,30 @@ ROUTERS: dict[str, Callable[..., Router]] = {
 MATCH_ROUTERS = (PrefixAffinityRouter.name, CacheAwareRouter.name)
 
 
+def resolve_router(name: str) -> Callable[..., Router]:
+    """The router class for a registry name, an import path `package.module:Class`, or a
+    `pagesim.routers` entry point; a ValueError naming what did not resolve, or a class that
+    does not implement Router."""
+    if name in ROUTERS:
+        return ROUTERS[name]
+    target = load_plugin(name, "pagesim.routers", "router", ROUTERS)
+    if not (inspect.isclass(target) and issubclass(target, Router) and not inspect.isabstract(target)):
+        raise ValueError(f"router {name!r}: {target!r} is not a concrete Router (policies.router.Router, "
+                         "with route(request, replicas) -> replica index)")
+    return target
+
+
 def make_router(name: str, **kw: Any) -> Router:
-    """Create a router by registry name with keyword parameters (`seed` is passed only to routers
-    that take one)."""
-    if name not in ROUTERS:
-        raise ValueError(f"unknown router {name!r}; known routers: {', '.join(ROUTERS)}")
-    factory = ROUTERS[name]
-    known = set(inspect.signature(factory).parameters)
-    if "seed" in kw and "seed" not in known:
-        kw = {k: v for k, v in kw.items() if k != "seed"}
-    for k in kw:
-        if k not in known:
-            raise ValueError(f"unknown parameter {k!r} for router {name!r}; known: {', '.join(sorted(known)) or 'none'}")
+    """Create a router by name (see resolve_router) with keyword parameters (`seed` is passed only
+    to routers that take one); an unknown parameter is a ValueError naming it."""
+    factory = resolve_router(name)
+    params = inspect.signature(factory).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        known = set(params)
+        if "seed" in kw and "seed" not in known:
+            kw = {k: v for k, v in kw.items() if k != "seed"}
+        for k in kw:
+            if k not in known:
+                raise ValueError(f"unknown parameter {k!r} for router {name!r}; "
+                                 f"known: {', '.join(sorted(known)) or 'none'}")
     return factory(**kw)

@@ -59,6 +59,9 @@ class Scheduler(ABC):
         self._seq_ids = itertools.count()
         self.num_added = 0
         self.num_preemptions = 0
+        # groups a skip-ahead window has already finished whose last iteration the simulated
+        # clock has not reached: still outstanding to a router reading meanwhile (sim/engine.py)
+        self.departing = 0
         self.policy = policy if policy is not None else QueuePolicy()
         p = type(self.policy)
         # what the hot paths may skip: the base rules (FCFS order, admit everything, no wake time)

@@ -19,15 +19,18 @@ paged scheduler offers one under every QueuePolicy). This object ends the window
 a finish (the finishing iteration included), blocks running out (that preempting iteration
 included when the scheduler can apply it), an arrival that could be admitted (any arrival when
 nothing waits or arrivals may jump the queue), the policy's wake time, and, when arrivals read
-this replica's state (`routed`: a router picks a replica by it; or the policy queues by state),
-any arrival. The result is the same, bit for bit, as stepping the window's iterations one by one.
+this replica's state (`routed`: a router picks a replica by more than its outstanding count; or
+the policy queues by state), any arrival. A router that reads only counts (`counts_only`) sees
+the count the replica had at the arrival's time: it changes in a window only at its last end,
+where its finishes are, and `Scheduler.departing` holds them until the caller's clock gets there.
+The result is the same, bit for bit, as stepping the window's iterations one by one.
 """
 
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
-from collections.abc import Callable
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Protocol
@@ -74,26 +77,32 @@ class Step:
 class Window:
     """Iterations applied at once from `start`: ends[i] = ends[i - 1] + durations[i] (from
     `start`), the clock must land on exactly ends[-1]; the last one is the preempting iteration
-    when `exhaustion`. Empty when that iteration preempted the whole batch (no time passes)."""
+    when `exhaustion`. Empty when that iteration preempted the whole batch (no time passes).
+    `rows` and `exhaustion_row`: its log rows, written when it completes (the waiting column
+    then counts the requests routed to the replica meanwhile)."""
 
     start: float
     ends: list[float]
     durations: list[float]
     exhaustion: bool
+    rows: dict | None = None
+    exhaustion_row: list | None = None
 
 
 class ReplicaStep:
     """A replica's scheduler and executor stepped one iteration, or one window, at a time, each
     iteration recorded in `log`. `routed`: arrivals read this replica's state (a router picks by
-    it), so windows end before every arrival. Counts: `stepped` iterations, `windows` and the
-    iterations they covered (`skipped`, of which `exhaustions` preempted)."""
+    it), so windows end before every arrival, unless the router reads only outstanding counts
+    (`counts_only`). Counts: `stepped` iterations, `windows` and the iterations they covered
+    (`skipped`, of which `exhaustions` preempted)."""
 
     def __init__(self, scheduler: Scheduler, executor: Executor, log: IterationLog | None = None,
-                 routed: bool = False) -> None:
+                 routed: bool = False, counts_only: bool = False) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.log = log if log is not None else IterationLog()
         self.routed = routed
+        self.counts_only = counts_only
         self.stepped = self.windows = self.skipped = self.exhaustions = 0
         # the duration of the last iteration stepped or skipped (0: none yet); see begin_window
         self._recent_duration = 0.0
@@ -105,14 +114,12 @@ class ReplicaStep:
         comp = plan.composition()
         return Step(now, plan, comp, self.executor.execute(plan, comp))
 
-    def complete(self, step: Step, end: float, arriving: int = 0) -> list[SequenceGroup]:
+    def complete(self, step: Step, end: float) -> list[SequenceGroup]:
         """Apply the executed step at time `end` (its result's duration is what the log records:
-        the cost model's, or the measured wall time the caller set). Returns the finished groups.
-        `arriving`: requests due by `end` that will join the waiting queue but are not delivered
-        yet (the log's waiting column counts them, as a window's `queued` does)."""
+        the cost model's, or the measured wall time the caller set). Returns the finished groups."""
         sched, result = self.scheduler, step.result
         finished = sched.on_step_done(step.plan, result, end)
-        self.log.add(step.start, result.duration, step.comp, len(step.plan.preempted), len(sched.waiting) + arriving,
+        self.log.add(step.start, result.duration, step.comp, len(step.plan.preempted), len(sched.waiting),
                      len(sched.running), sched.memory(), sched.prefix_hits)
         self.stepped += 1
         self._recent_duration = result.duration
@@ -127,11 +134,15 @@ class ReplicaStep:
         router). `queued(times)`: how many requests not yet delivered join this replica's waiting
         queue by each time (the log's waiting column; none when omitted). The window is applied
         to the scheduler and logged before the caller's clock passes over it: nothing reads the
-        replica meanwhile but arrivals, which it ends before or which cannot be admitted in it."""
+        replica meanwhile but arrivals, which it ends before, which cannot be admitted in it, or
+        which read only its outstanding count (`departing` keeps the window's finishes in it until
+        the window ends). Its rows are logged by `complete_window`."""
         sched = self.scheduler
         if not sched.running:
             return None
-        if (self.routed or sched.queues_by_state) and next_arrival - now < self._recent_duration:
+        # windows end before every arrival when it reads more of this replica than its count
+        reads_state = (self.routed and not self.counts_only) or sched.queues_by_state
+        if reads_state and next_arrival - now < self._recent_duration:
             # such a window must end two iterations before the next arrival (_stop_at_arrivals),
             # which is nearer than one recent iteration: most likely no window, so step without
             # asking (stepping gives the same result, so a guess costs only time)
@@ -150,19 +161,20 @@ class ReplicaStep:
         durations = durations.tolist() if isinstance(durations, np.ndarray) else list(durations)
         ends = list(accumulate(durations, initial=now))
         del ends[0]
-        k = _stop_at_arrivals(plan, ends, now, next_arrival, sched, self.routed)
+        k = _stop_at_arrivals(plan, ends, now, next_arrival, sched, reads_state)
         if k is None:
             return None
         if k < plan.steps:
             plan.steps, ends, durations = k, ends[:k], durations[:k]
-        log = self.log
         if k:
             # arrivals during the window join the queue behind a blocked head: count them in
             waiting = len(sched.waiting) + (queued(np.array(ends)) if queued is not None else 0)
             end = ends[-1]
         else:
             end = now
+        done0 = len(sched.done)
         res = sched.apply_repeat(plan, end, executor.price)
+        window = Window(now, ends, durations, res.exhaustion is not None)
         if k:
             b = plan.num_seqs
             context0 = plan.context_tokens
@@ -175,22 +187,35 @@ class ReplicaStep:
             }
             if not (_zero(res.reserved) and _zero(res.external_frag)):  # columns left out of add_many stay 0
                 cols["kv_reserved"], cols["kv_external_frag"] = res.reserved, res.external_frag
-            log.add_many(cols)
-        window = Window(now, ends, durations, res.exhaustion is not None)
-        if k:
-            self._recent_duration = window.durations[-1]
+            window.rows = cols
+            self._recent_duration = durations[-1]
         if res.exhaustion is not None:
             duration = res.exhaustion_duration
             end_x = end + duration  # the sum the scheduler finished its groups at
             waiting_x = len(sched.waiting) + (int(queued(np.array([end_x]))[0]) if queued is not None else 0)
-            log.add(end, duration, res.exhaustion, res.num_preempted, waiting_x, len(sched.running),
-                    sched.memory(), sched.prefix_hits)
-            window.ends.append(end_x)
-            window.durations.append(duration)
+            window.exhaustion_row = [end, duration, res.exhaustion, res.num_preempted, waiting_x,
+                                     len(sched.running), sched.memory(), sched.prefix_hits]
+            # new lists: the rows above hold the plain decodes' own
+            window.ends, window.durations = [*ends, end_x], [*durations, duration]
+        sched.departing = len(sched.done) - done0  # all at the window's last end
         return window
 
-    def complete_window(self, window: Window) -> None:
-        """The window's iterations have passed (the caller's clock is at window.ends[-1])."""
+    def complete_window(self, window: Window, joined: Sequence[float] = ()) -> None:
+        """The window's iterations have passed (the caller's clock is at window.ends[-1]): log
+        them. `joined`: the arrival times, in order, of requests that joined this replica's
+        waiting queue meanwhile and that the `queued` given to begin_window did not count (a
+        routed replica's); each counts in the rows of iterations ending at or after it."""
+        self.scheduler.departing = 0
+        rows, x_row = window.rows, window.exhaustion_row
+        if rows is not None:
+            if joined:
+                base = rows["waiting"]
+                rows["waiting"] = [base + bisect_right(joined, e) for e in window.ends[:len(rows["start"])]]
+            self.log.add_many(rows)
+        if x_row is not None:
+            if joined:
+                x_row[4] += bisect_right(joined, window.ends[-1])
+            self.log.add(*x_row)
         self.windows += 1
         self.skipped += len(window.ends)
         self.exhaustions += window.exhaustion
@@ -214,7 +239,7 @@ def _stop_at_finish(plan: RepeatPlan) -> bool:
 
 
 def _stop_at_arrivals(plan: RepeatPlan, ends: list[float], start: float, next_arrival: float,
-                      sched: Scheduler, routed: bool) -> int | None:
+                      sched: Scheduler, reads_state: bool) -> int | None:
     """How many of the plan's iterations (ending at `ends`) stay certain given arrivals and the
     policy's wake time: the first iteration starting at or after a time when something could be
     admitted may not be skipped; clears plan.exhausts when the window is cut or arrivals read the
@@ -222,7 +247,7 @@ def _stop_at_arrivals(plan: RepeatPlan, ends: list[float], start: float, next_ar
     routed window only when no arrival is left). None when fewer than 2 iterations remain and no
     preempting one ends the window."""
     k = plan.steps
-    if routed or sched.queues_by_state:
+    if reads_state:
         # every arrival reads this replica's (or its policy's) state: finish the window before it
         safe = bisect_left(ends, next_arrival)
         # and the first iteration starting at or after the policy's wake time

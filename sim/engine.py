@@ -12,9 +12,14 @@ result is the same, bit for bit, as stepping them one by one (tests/test_sim.py 
 The window is the replica step's (policies/step.py `ReplicaStep.begin_window`: the scheduler's
 RepeatPlan, priced by the executor in one call, cut at the first stop condition, applied by the
 scheduler at once and logged); this module only moves the SimPy clock over its end times, landing
-exactly where stepping's additions would (`_advance`). With several replicas a window also ends
-before the next arrival anywhere: the router reads every replica's state at each arrival, and must
-find it where stepping would have left it.
+exactly where stepping's additions would (`_advance`). With several replicas the router reads every
+replica at each arrival and must find it as stepping would have left it: a window ends before the
+next arrival anywhere, unless the router reads only outstanding counts (round-robin, random,
+least-loaded, prefix-affinity), which a window changes only at its last end.
+
+An arrival is processed before anything else due at the same instant (`ArrivalTimeout`): a
+request arriving exactly when an iteration ends is routed before that iteration's finishes are
+counted, and waits in the queue the next iteration is scheduled from.
 """
 
 from __future__ import annotations
@@ -65,6 +70,23 @@ class ArrivalFeed:
         return self.next_index >= len(self.requests)
 
 
+class ArrivalTimeout(simpy.Timeout):
+    """A timeout processed before every other event due at the same instant (SimPy orders events
+    of one instant by priority, then by creation: arrivals get the urgent priority so that ties
+    with iteration ends never depend on which event happened to be created first)."""
+
+    def __init__(self, env: simpy.Environment, delay: float) -> None:
+        if delay < 0:
+            raise ValueError(f"negative delay {delay}")
+        # Timeout's own initialization (SimPy inlines it the same way), at the urgent priority
+        self.env = env
+        self.callbacks = []
+        self._value = None
+        self._delay = delay
+        self._ok = True
+        env.schedule(self, simpy.events.URGENT, delay)
+
+
 class Replica:
     """One model replica: a scheduler, a simulated executor and the iteration log."""
 
@@ -72,7 +94,7 @@ class Replica:
                  fast_forward: bool = True, debug: bool = False,
                  on_progress: Callable[[float, int], None] | None = None,
                  observer: Callable[[float, float, Scheduler], None] | None = None,
-                 index: int = 0, routed: bool = False,
+                 index: int = 0, routed: bool = False, counts_only: bool = False,
                  on_finish: Callable[[list], None] | None = None) -> None:
         self.env = env
         self.on_finish = on_finish  # sees the groups each stepped iteration finishes
@@ -85,8 +107,11 @@ class Replica:
         self.debug = debug
         self.log = IterationLog()
         # the loop's one iteration (and its windows), clock-agnostic; behind a router, other
-        # replicas' arrivals read this one's state, so windows stop before them
-        self.step = ReplicaStep(scheduler, executor, self.log, routed=routed)
+        # replicas' arrivals read this one's state, so windows stop before them (or, when the
+        # router reads only counts, run across them)
+        self.step = ReplicaStep(scheduler, executor, self.log, routed=routed, counts_only=counts_only)
+        # arrival times of requests routed here and queued while a window passes (its log rows count them)
+        self.joined: list[float] | None = None
         self.wakeup = env.event()
         self.on_progress = on_progress
 
@@ -109,7 +134,9 @@ class Replica:
         return self.step.exhaustions
 
     def deliver(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+        group = self.scheduler.add_request(request)
+        if self.joined is not None and group.rejected is None:
+            self.joined.append(request.arrival)
         if not self.wakeup.triggered:
             self.wakeup.succeed()
 
@@ -122,7 +149,7 @@ def arrival_process(env: simpy.Environment, feed: ArrivalFeed, replicas: list[Re
     while not feed.exhausted:
         request = feed.requests[feed.next_index]
         if request.arrival > env.now:
-            yield env.timeout(request.arrival - env.now)
+            yield ArrivalTimeout(env, request.arrival - env.now)
         feed.next_index += 1
         i = router.route(request, schedulers) if router is not None else 0
         if not 0 <= i < len(replicas):
@@ -138,12 +165,12 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
     def queued_by(times: np.ndarray) -> np.ndarray:
         return feed.queued_by(times, sched)
 
-    # a routed window ends before the next arrival: none joins the queue in it
+    # behind a router, arrivals' replicas are known only once routed: the replica records them
     queued = None if step.routed else queued_by
 
     while True:
-        # let every arrival due at this instant land first (they were scheduled before us); the
-        # arrival process is the only other actor, so with none due the yield can be spared
+        # let every arrival due at this instant land first: arrivals are urgent (ArrivalTimeout),
+        # so only at the start can this process run before one; with none due the yield is spared
         if feed.next_arrival() <= env.now:
             yield env.timeout(0)
         if not sched.has_unfinished():
@@ -155,8 +182,11 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
         if replica.fast_forward:
             window = step.begin_window(env.now, feed.next_arrival(), queued)
             if window is not None:
+                if step.routed:
+                    replica.joined = []
                 yield from _advance(env, window.start, window.ends, window.durations)
-                step.complete_window(window)
+                step.complete_window(window, replica.joined or ())
+                replica.joined = None
                 if replica.debug:
                     sched.settle()  # the sequences' own counters are owed until read (see apply_repeat)
                     _check(sched)
@@ -173,12 +203,7 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
             yield replica.wakeup
             continue
         yield env.timeout(it.result.duration)  # simulated time passes: the cost model's duration
-        # an arrival due at exactly this instant may land before or after this process resumes
-        # (SimPy's same-time order follows when each timeout was created): count it as a window does
-        arriving = 0
-        if queued is not None and feed.next_arrival() <= env.now:
-            arriving = int(queued(np.array([env.now]))[0])
-        finished = step.complete(it, env.now, arriving)
+        finished = step.complete(it, env.now)  # arrivals due by now have landed (ArrivalTimeout)
         if finished and replica.on_finish is not None:
             replica.on_finish(finished)
         if replica.observer is not None:

@@ -19,7 +19,7 @@ import simpy
 from policies.metrics import request_frame, summarize
 from policies.registry import make_scheduler, scheduler_options
 from policies.request import Request, SamplingParams
-from policies.router import PrefixAffinityRouter, Router, make_router
+from policies.router import PrefixAffinityRouter, Router, counts_only, make_router
 from policies.scheduler import Scheduler
 from sim.cost_model import CostModel, RooflineCostModel
 from sim.engine import ArrivalFeed, Replica, arrival_process, engine_process
@@ -95,6 +95,11 @@ def _check_config(cfg: SimConfig) -> None:
                          f"got {cfg.gpu_memory_utilization}")
     _check_tp(cfg)
     _check_cache_memory(cfg)
+    if cfg.replicas > 1 or cfg.disaggregate or cfg.router_options:
+        try:
+            run_router(cfg)  # an unknown router, a class that is not one, or an unknown option
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"router (--router): {e}") from None
 
 
 def _check_tp(cfg: SimConfig) -> None:
@@ -285,7 +290,8 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
             executor = SimulatedExecutor(sched, costs[rcfg.hardware], seed=seed, beam_rank_decay=cfg.beam_rank_decay,
                                          beam_picks=picks)
             replicas.append(Replica(env, sched, executor, cfg.fast_forward, cfg.debug, on_progress=tick,
-                                    observer=observer, index=i, routed=router is not None))
+                                    observer=observer, index=i, routed=router is not None,
+                                    counts_only=router is not None and counts_only(router)))
         env.process(arrival_process(env, feed, replicas, router))
         for replica in replicas:
             env.process(engine_process(env, replica, feed))

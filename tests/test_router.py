@@ -356,3 +356,50 @@ def test_cli_replica_hardware(tmp_path, capsys):
     rc = cli_main(["simulate", "--num-requests", "5", "--rate", "5", "--replicas", "2", "--replica-hardware",
                    "a100-80gb", "h100-sxm", "h200", "--out", str(tmp_path / "x"), "--quiet"])
     assert rc == 2 and "--replica-hardware names 3 GPUs" in capsys.readouterr().err
+
+
+class EveryOther(RoundRobinRouter):
+    """Round robin over every `stride`-th replica (a plug-in router with an option)."""
+
+    name = "every-other"
+    reads_counts_only = True
+
+    def __init__(self, stride: int = 2) -> None:
+        super().__init__()
+        self.stride = stride
+
+    def route(self, request: Request, replicas) -> int:
+        return super().route(request, replicas[::self.stride]) * self.stride
+
+
+def test_a_router_by_import_path_runs_with_its_options(tmp_path):
+    tr = resolve_trace("sharegpt-like", num_requests=60, rate=40.0, seed=0)
+    cfg = SimConfig(replicas=4, router="tests.test_router:EveryOther", router_options={"stride": 2})
+    res = run_simulation(cfg, tr)
+    assert sorted(res.requests.replica.unique()) == [0, 2] and len(res.requests) == 60
+    assert (res.requests.status == "finished").all()
+    out = tmp_path / "run"
+    assert cli_main(["simulate", "--replicas", "3", "--router", "tests.test_router:EveryOther", "--router-arg",
+                     "stride=3", "--trace", "sharegpt-like", "--num-requests", "20", "--rate", "5",
+                     "--out", str(out), "--quiet"]) == 0
+    assert set(pd.read_csv(out / "requests.csv").replica) == {0}
+
+
+@pytest.mark.parametrize("spec,options,word", [
+    ("no_such_module:X", {}, "cannot import module 'no_such_module'"),
+    ("policies.router:Nope", {}, "has no attribute 'Nope'"),
+    ("policies.request:Request", {}, "is not a concrete Router"),
+    ("policies.router:Router", {}, "is not a concrete Router"),  # abstract
+    ("fastest", {}, "unknown router 'fastest'; known routers: round-robin"),
+    ("tests.test_router:EveryOther", {"strides": 2}, "unknown parameter 'strides' for router"),
+    ("least-loaded", {"max_imbalance": 2}, "unknown parameter 'max_imbalance'"),
+])
+def test_bad_router_specs_are_named_before_simulating(spec, options, word):
+    with pytest.raises(ValueError, match=word):
+        SimConfig(replicas=2, router=spec, router_options=options)
+
+
+def test_router_arg_needs_key_value(tmp_path, capsys):
+    assert cli_main(["simulate", "--replicas", "2", "--router-arg", "stride", "--num-requests", "5", "--rate", "1",
+                     "--out", str(tmp_path / "run")]) != 0
+    assert "--router-arg 'stride': expected key=value" in capsys.readouterr().err
