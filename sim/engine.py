@@ -152,9 +152,20 @@ def arrival_process(env: simpy.Environment, feed: ArrivalFeed, replicas: list[Re
             yield ArrivalTimeout(env, request.arrival - env.now)
         feed.next_index += 1
         i = router.route(request, schedulers) if router is not None else 0
+        if type(i) is not int:  # a user's router may answer anything
+            i = _replica_index(i, router, request, len(replicas))
         if not 0 <= i < len(replicas):
-            raise RuntimeError(f"router {router.name if router else '-'} picked replica {i} of {len(replicas)}")
+            raise RuntimeError(f"router {router.name if router else '-'} picked replica {i} of {len(replicas)} "
+                               f"(indices 0-{len(replicas) - 1}) for request {request.request_id}")
         replicas[i].deliver(request)
+
+
+def _replica_index(i: object, router: Router | None, request: Request, n: int) -> int:
+    """A router's answer as an index: an integer of any kind (numpy's too), not a bool or float."""
+    if isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)):
+        return int(i)
+    raise RuntimeError(f"router {router.name if router else '-'} answered {i!r} ({type(i).__name__}) for request "
+                       f"{request.request_id}: route() must return a replica index, an int in 0-{n - 1}")
 
 
 def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):

@@ -17,6 +17,7 @@ from policies.router import (
     PrefixAffinityRouter,
     RandomRouter,
     RoundRobinRouter,
+    Router,
     make_router,
     outstanding,
     prefix_keys,
@@ -403,3 +404,31 @@ def test_router_arg_needs_key_value(tmp_path, capsys):
     assert cli_main(["simulate", "--replicas", "2", "--router-arg", "stride", "--num-requests", "5", "--rate", "1",
                      "--out", str(tmp_path / "run")]) != 0
     assert "--router-arg 'stride': expected key=value" in capsys.readouterr().err
+
+
+class Answers(Router):
+    """Answers whatever it is given (a misbehaving plug-in)."""
+
+    name = "answers"
+
+    def __init__(self, answer=0) -> None:
+        self.answer = answer
+
+    def route(self, request: Request, replicas) -> int:
+        return self.answer
+
+
+@pytest.mark.parametrize("answer,word", [(5, "picked replica 5 of 2"), (-1, "picked replica -1 of 2"),
+                                         (1.0, "answered 1.0 \\(float\\)"), (None, "answered None"),
+                                         (True, "answered True \\(bool\\)")])
+def test_a_router_answering_no_replica_index_is_named(answer, word):
+    tr = resolve_trace("sharegpt-like", num_requests=5, rate=5.0, seed=0)
+    cfg = SimConfig(replicas=2, router="tests.test_router:Answers", router_options={"answer": answer})
+    with pytest.raises(RuntimeError, match=word):
+        run_simulation(cfg, tr)
+
+
+def test_a_router_may_answer_a_numpy_integer():
+    tr = resolve_trace("sharegpt-like", num_requests=5, rate=5.0, seed=0)
+    cfg = SimConfig(replicas=2, router="tests.test_router:Answers", router_options={"answer": np.int64(1)})
+    assert set(run_simulation(cfg, tr).requests.replica) == {1}
