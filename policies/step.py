@@ -133,7 +133,7 @@ class ReplicaStep:
         `next_arrival`: when the next request not yet delivered arrives (anywhere, behind a
         router). `queued(times)`: how many requests not yet delivered join this replica's waiting
         queue by each time (the log's waiting column; none when omitted). The window is applied
-        to the scheduler and logged before the caller's clock passes over it: nothing reads the
+        to the scheduler before the caller's clock passes over it: nothing reads the
         replica meanwhile but arrivals, which it ends before, which cannot be admitted in it, or
         which read only its outstanding count (`departing` keeps the window's finishes in it until
         the window ends). Its rows are logged by `complete_window`."""
