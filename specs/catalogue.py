@@ -61,7 +61,7 @@ def find_config(name_or_path: str, search_dirs: Sequence[str | Path] = ()) -> Pa
         return path
     if path.is_dir() and (path / "config.json").is_file():
         return path / "config.json"
-    given = name_or_path.strip().rstrip("/").rsplit("/", 1)[-1]
+    given = _last_part(name_or_path)
     for d in [*search_dirs, *_beside(name_or_path)]:
         for last in dict.fromkeys((given.lower(), given)):  # lower-cased first, then as given
             for candidate in (Path(d) / f"{last}.json", Path(d) / last / "config.json"):
@@ -79,6 +79,11 @@ _FP8_WORDS = {"fp8", "dynamic"}
 
 def _is_release_date(word: str) -> bool:
     return len(word) == 4 and word.isdigit() and 23 <= int(word[:2]) <= 29 and 1 <= int(word[2:]) <= 12
+
+
+def _last_part(name_or_path: str) -> str:
+    """The name's last component, as given ("meta-llama/Llama-2-7b-hf/": "Llama-2-7b-hf")."""
+    return name_or_path.strip().rstrip("/").rsplit("/", 1)[-1]
 
 
 def _words(name: str) -> list[str]:
@@ -140,7 +145,7 @@ def load_model(name_or_path: str, search_dirs: Sequence[str | Path] = ()) -> Mod
     key = catalogue_name(name_or_path)
     if key is not None:
         return MODELS[key]
-    given = name_or_path.strip().rstrip("/").rsplit("/", 1)[-1]
+    given = _last_part(name_or_path)
     variant = _variant_config(given, [*search_dirs, *_beside(name_or_path), CATALOGUE_DIR])
     if variant is not None:
         spec = read_config(variant)
@@ -160,8 +165,7 @@ def resolve_model_name(name_or_path: str, search_dirs: Sequence[str | Path] = ()
     """What a SimConfig's `model` takes for `name_or_path` so that `load_model` without the search
     folders finds the same spec: its config file's path (a variant's base config's, when the spec
     is that file's), its catalogue name, or else its own last component in its base config's folder
-    ("<dir>/Qwen3-14B-FP8", found beside). Raises
-    as `load_model` for an unknown model."""
+    ("<dir>/Qwen3-14B-FP8", found beside). Raises as `load_model` for an unknown model."""
     spec = load_model(name_or_path, search_dirs)
     path = find_config(name_or_path, search_dirs)
     if path is not None:
@@ -171,7 +175,7 @@ def resolve_model_name(name_or_path: str, search_dirs: Sequence[str | Path] = ()
         return key
     if read_config(spec.source) == spec:  # a variant with its base model's spec: that config's path
         return spec.source
-    given = name_or_path.strip().rstrip("/").rsplit("/", 1)[-1]
+    given = _last_part(name_or_path)
     return str(Path(spec.source).parent / given)
 
 
