@@ -940,8 +940,6 @@ def test_vllm_recompute_does_not_reject_a_request_that_was_running():
     assert not run.rejections() and sorted(run.finish_order) == [0, 1]
 
 
-
-
 def test_a_subclass_seq_demand_rule_is_what_admission_counts():
     """The paged scheduler counts plain groups inline for speed, but only while seq_demand is the
     base rule: a subclass that reserves two sequences a group gets its own rule applied."""
