@@ -200,7 +200,8 @@ def run(args: argparse.Namespace, study: CapacityStudy | None = None,
 def command(args: argparse.Namespace) -> int:
     study = prepare(args)
     print_header(args, study)
-    write_report(args, run(args, study, on_result=lambda r: print_answer(args, r), on_run=print_row))
+    cols = columns(args)
+    write_report(args, run(args, study, on_result=lambda r: print_answer(args, r), on_run=lambda r: print_row(r, cols)))
     return 0
 
 
@@ -212,7 +213,7 @@ def _slo(args: argparse.Namespace) -> str:
 def print_header(args: argparse.Namespace, study: CapacityStudy) -> None:
     print(f"capacity: {len(study.trace)} requests of {study.trace.name} on {study_title(args)}, "
           f"{args.attainment:.0%} of requests within {_slo(args)}")
-    print(COLUMNS.header() + (f" {'seed':>5}" if args.seeds > 1 else ""))
+    print(columns(args).header() + (f" {'seed':>5}" if args.seeds > 1 else ""))
 
 
 COLUMNS = Columns(("router", "router", "<16"), ("rate", "rate", ">6g"), ("replicas", "replicas", ">8"),
@@ -220,8 +221,13 @@ COLUMNS = Columns(("router", "router", "<16"), ("rate", "rate", ">6g"), ("replic
                   ("p90 TPOT", "tpot_p90", ">9.4f"), ("wall s", "wall_s", ">7.2f"))
 
 
-def print_row(r: dict) -> None:
-    print(COLUMNS.row(r) + seed_cell(r), flush=True)
+def columns(args: argparse.Namespace) -> Columns:
+    """The table's columns, the router column as wide as the longest router named."""
+    return COLUMNS.widened("router", args.routers)
+
+
+def print_row(r: dict, cols: Columns) -> None:
+    print(cols.row(r) + seed_cell(r), flush=True)
 
 
 def print_answer(args: argparse.Namespace, r: dict) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 ROWS: tuple[tuple[str, str, str], ...] = (
@@ -88,6 +89,20 @@ class Columns:
 
     def row(self, r: dict[str, Any]) -> str:
         return " ".join(f"{r[key]:{spec}}" for _, key, spec in self.columns)
+
+    def widened(self, key: str, values: Iterable[str]) -> Columns:
+        """These columns with the text column `key` as wide as the longest of `values` (the names
+        its rows will hold, e.g. a plug-in router's module path), so those rows stay aligned."""
+        longest = max((len(str(v)) for v in values), default=0)
+
+        def fit(title: str, k: str, spec: str) -> tuple[str, str, str]:
+            layout = _layout(spec)
+            align, width = layout[:1] if layout[:1] in "<>^" else "", layout.lstrip("<>^")
+            if k != key or longest <= int(width or 0):
+                return title, k, spec
+            return title, k, align + str(longest) + spec[len(layout):]
+
+        return Columns(*(fit(*c) for c in self.columns))
 
 
 def _layout(spec: str) -> str:

@@ -161,7 +161,8 @@ def run(args: argparse.Namespace, study: RoutingStudy | None = None,
 def command(args: argparse.Namespace) -> int:
     study = prepare(args)
     print_header(args, study)
-    write_report(args, run(args, study, on_row=print_row))
+    cols = columns(args)
+    write_report(args, run(args, study, on_row=lambda r: print_row(r, cols)))
     return 0
 
 
@@ -173,7 +174,7 @@ def _replicas_of(args: argparse.Namespace) -> str:
 def print_header(args: argparse.Namespace, study: RoutingStudy) -> None:
     print(f"routing: {len(study.trace)} requests of {study.trace.name}, {study.base.replicas} replicas of "
           f"{_replicas_of(args)}, prefix caching {'off' if args.no_prefix_caching else 'on'}")
-    print(COLUMNS.header() + (f" {'seed':>5}" if args.seeds > 1 else ""))
+    print(columns(args).header() + (f" {'seed':>5}" if args.seeds > 1 else ""))
 
 
 COLUMNS = Columns(("router", "router", "<16"), ("rate", "rate", ">6.2f"), ("req/s", "throughput", ">7.3f"),
@@ -182,8 +183,13 @@ COLUMNS = Columns(("router", "router", "<16"), ("rate", "rate", ">6.2f"), ("req/
                   ("wall s", "wall_s", ">7.2f"))
 
 
-def print_row(r: dict) -> None:
-    print(COLUMNS.row(r) + seed_cell(r), flush=True)
+def columns(args: argparse.Namespace) -> Columns:
+    """The table's columns, the router column as wide as the longest router named."""
+    return COLUMNS.widened("router", args.routers)
+
+
+def print_row(r: dict, cols: Columns) -> None:
+    print(cols.row(r) + seed_cell(r), flush=True)
 
 
 def write_report(args: argparse.Namespace, result: RoutingTables) -> None:

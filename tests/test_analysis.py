@@ -186,3 +186,19 @@ def test_columns_lay_out_header_and_rows_from_one_spec():
     assert cols.header() == f"{'policy':<12} {'rate':>6} {'blocks':>8} {'hit':>6}"
     row = cols.row({"policy": "vllm", "rate": 1.5, "n": 12345, "h": 0.25})
     assert row == "vllm           1.50   12,345  25.0%" and len(row) == len(cols.header())
+
+
+def test_columns_widen_to_the_longest_name_so_plug_in_routers_stay_aligned():
+    from analysis.report import Columns
+
+    cols = Columns(("router", "router", "<16"), ("rate", "rate", ">6.2f"))
+    long = "my_routers.module:ShortestQueue"
+    wide = cols.widened("router", ["least-loaded", long])
+    header = wide.header()
+    assert header.index("rate") == len(long) + 1 + 2  # "rate" right-aligned in its 6 characters
+    for name in ("least-loaded", long):
+        row = wide.row({"router": name, "rate": 2.0})
+        assert len(row) == len(header) and row.endswith("  2.00")
+    # short names keep the default width; other columns are untouched
+    assert cols.widened("router", ["vllm"]).header() == cols.header()
+    assert cols.widened("rate", ["x" * 9]).row({"router": "a", "rate": 1.0}).endswith("     1.00")
