@@ -12,6 +12,10 @@ way, without the single-replica runs (e.g. `--routed-sizes 100000 --replicas 16`
 
     python -m benchmarks.bench_sim [--sizes 10000 100000] [--rate 100] [--replicas 4] [--policies sjf]
         [--million] [--routed-sizes 100000]
+
+The first line printed is this interpreter's speed on a fixed pure-Python workload (`python_reference_s`):
+the same VM kind has run it 3-4x apart on different days, so wall times from different days compare
+only beside it. It is printed, never used to scale a figure.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 
 CASE = """
 import json, resource, time
@@ -40,6 +45,37 @@ print(json.dumps({{"wall": wall, "sim": s["duration_s"], "iters": s["num_iterati
 TARGET_WALL = {10_000: 3.0, 100_000: 30.0}
 
 
+def python_reference_s(repeats: int = 3) -> float:
+    """Best-of-`repeats` seconds for a fixed pure-Python workload shaped like the simulator's hot
+    loops (attribute updates over a small batch of objects, list appends, dict lookups)."""
+
+    class Seq:
+        __slots__ = ("computed", "output")
+
+        def __init__(self) -> None:
+            self.computed = self.output = 0
+
+    batch = [Seq() for _ in range(28)]
+    tables: dict[int, list[int]] = {i: [] for i in range(28)}
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for step in range(40_000):
+            for i, s in enumerate(batch):
+                s.computed += 1
+                s.output = s.computed + step
+                if s.computed % 16 == 0:
+                    tables[i].append(step)
+        best = min(best, time.perf_counter() - t0)
+        for t in tables.values():
+            t.clear()
+    return best
+
+
+def print_machine() -> None:
+    print(f"machine: pure-Python reference {python_reference_s():.3f} s (compare wall times across days beside it)")
+
+
 def run_case(n: int, rate: float, ff: bool = True, replicas: int = 1, policy: str = "vllm") -> dict:
     code = CASE.format(n=n, rate=rate, ff=ff, replicas=replicas, policy=policy)
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
@@ -58,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--routed-sizes", type=int, nargs="+", default=[],
                     help="only these sizes over --replicas replicas (least-loaded) at --rate x replicas")
     args = ap.parse_args(argv)
+    print_machine()
     if args.routed_sizes:
         routed(args.routed_sizes, args.rate, args.replicas)
         return
