@@ -72,6 +72,10 @@ TRACES = [
     ("prio2.csv", "prompt_len,output_len,priority\n5,3,1.5\n", "line 2: column 'priority': 1.5 is not an integer"),
     ("slo.csv", "prompt_len,output_len,slo_ttft\n5,3,\n5,3,-1\n", "line 3: column 'slo_ttft': -1, expected a finite"),
     ("tpot.csv", "prompt_len,output_len,slo_tpot\n5,3,x\n", "line 2: column 'slo_tpot': 'x'"),
+    # a column of only true/false parsed as booleans and replayed as 1 / 0 (was: rc 0, a 1-token prompt)
+    ("bool.csv", "prompt_len,output_len\nTrue,3\n", "line 2: column 'prompt_len': 'True' is not a number"),
+    ("priobool.csv", "prompt_len,output_len,priority\n5,3,False\n", "line 2: column 'priority': 'False'"),
+    ("slobool.csv", "prompt_len,output_len,slo_ttft\n5,3,true\n", "line 2: column 'slo_ttft': 'True'"),
 ]
 
 

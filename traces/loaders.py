@@ -86,12 +86,20 @@ def _numeric(frame: pd.DataFrame, column: str, where: _Where, expected: str) -> 
     missing = raw.isna()
     if missing.any():
         raise where.fail(raw.index[missing.argmax()], column, f"missing value (NaN), expected {expected}")
+    _refuse_booleans(raw, column, where, expected)
     values = pd.to_numeric(raw, errors="coerce")
     bad = values.isna()
     if bad.any():
         label = raw.index[bad.argmax()]
         raise where.fail(label, column, f"{raw[label]!r} is not a number, expected {expected}")
     return values.astype(np.float64)
+
+
+def _refuse_booleans(raw: pd.Series, column: str, where: _Where, expected: str) -> None:
+    """pandas reads a column of nothing but true/false as booleans, which to_numeric takes as 1/0:
+    refuse it at its first row rather than replay ``True`` as a one-token length."""
+    if raw.dtype == bool:
+        raise where.fail(raw.index[0], column, f"{str(raw.iloc[0])!r} is not a number, expected {expected}")
 
 
 def _lengths(frame: pd.DataFrame, column: str, where: _Where, minimum: int = 1) -> np.ndarray:
@@ -419,6 +427,7 @@ def _classes(frame: pd.DataFrame, where: _Where) -> dict[str, Any]:
         extra["priority"] = values.to_numpy(np.int64)
     for column in ("slo_ttft", "slo_tpot"):
         if column in frame:  # empty cells: the run's SLO
+            _refuse_booleans(frame[column], column, where, "a finite number of seconds > 0 (or empty)")
             values = pd.to_numeric(frame[column], errors="coerce")
             bad = (frame[column].notna() & values.isna()) | ~(values.isna() | ((values > 0) & np.isfinite(values)))
             if bad.any():
