@@ -526,6 +526,14 @@ def test_cli_generate_grouped_prefix(tmp_path):
     assert np.diff(trace.arrival) == pytest.approx(np.full(11, 0.5))  # constant arrivals
 
 
+def test_cli_generate_multi_client_without_rate(tmp_path, capsys):
+    # multi-client draws its own timestamps: was a TypeError formatting --rate None after writing
+    out = tmp_path / "mc.csv"
+    assert run_cli(["trace", "generate", "--kind", "multi-client", "--num-requests", "5", "--out", str(out)]) == 0
+    assert "with its own timestamps" in capsys.readouterr().out
+    assert load_trace(out).has_timestamps
+
+
 def test_package_imports_nothing_else():
     code = (
         "import sys, traces, traces.cli; "
