@@ -76,6 +76,8 @@ TRACES = [
     ("bool.csv", "prompt_len,output_len\nTrue,3\n", "line 2: column 'prompt_len': 'True' is not a number"),
     ("priobool.csv", "prompt_len,output_len,priority\n5,3,False\n", "line 2: column 'priority': 'False'"),
     ("slobool.csv", "prompt_len,output_len,slo_ttft\n5,3,true\n", "line 2: column 'slo_ttft': 'True'"),
+    # pandas renamed the second 'arrival' to 'arrival.1' and the first was used (was: rc 0)
+    ("twice.csv", "arrival,prompt_len,output_len,arrival\n0,5,3,1\n", "header: column(s) ['arrival'] appear more"),
 ]
 
 

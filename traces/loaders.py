@@ -150,11 +150,21 @@ def _read_csv(path: Path) -> pd.DataFrame:
         raise _not_utf8(path) from exc
     except (pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
         raise TraceFormatError(f"{path}: cannot parse as CSV: {exc}") from exc
+    _refuse_repeated_columns(path)
     frame.columns = [str(c).strip() for c in frame.columns]
     frame = frame.dropna(how="all")
     if frame.empty:
         raise TraceFormatError(f"{path}: no requests (header only, expected at least one data line)")
     return frame
+
+
+def _refuse_repeated_columns(path: Path) -> None:
+    """pandas renames a repeated header name (``arrival``, ``arrival.1``) and the loader then reads
+    only the first of the two, silently: refuse a header that names a column twice."""
+    header = [c for c in _csv_header(path) if c]
+    repeated = sorted({c for c in header if header.count(c) > 1})
+    if repeated:
+        raise TraceFormatError(f"{path}: header: column(s) {repeated} appear more than once, expected each once")
 
 
 def _read_parquet(path: Path) -> pd.DataFrame:
