@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from traces.trace import Trace, split_ints
+from traces.trace import MAX_ARRIVAL, Trace, split_ints
 
 KNOWN_FORMATS = ("azure", "length-csv", "splitwise", "mooncake", "burstgpt", "pagesim")
 
@@ -129,6 +129,11 @@ def _seconds(frame: pd.DataFrame, column: str, where: _Where, scale: float = 1.0
     if bad.any():
         label = values.index[bad.argmax()]
         raise where.fail(label, column, f"timestamp {float(values[label]):g}, expected a finite value >= 0")
+    late = values * scale > MAX_ARRIVAL
+    if late.any():
+        label = values.index[late.argmax()]
+        raise where.fail(label, column, f"timestamp {float(values[label]):g} is beyond 2**32 s (about 136 years), "
+                                        "expected seconds from the trace's start")
     return values.to_numpy(np.float64) * scale
 
 
@@ -237,15 +242,11 @@ def _build(path: Path, arrival: np.ndarray | None, prompt: np.ndarray, output: n
         for key in ("n", "beam_width", "priority", "slo_ttft", "slo_tpot"):
             if extra.get(key) is not None:
                 extra[key] = extra[key][order]
-    return Trace(
-        arrival=arrival,
-        prompt_len=prompt,
-        output_len=output,
-        name=path.stem,
-        source=str(path),
-        has_timestamps=has_ts,
-        **extra,
-    )
+    try:
+        return Trace(arrival=arrival, prompt_len=prompt, output_len=output, name=path.stem, source=str(path),
+                     has_timestamps=has_ts, **extra)
+    except ValueError as exc:  # cross-column invariants (hash and token id counts), an Azure span past 2**32 s
+        raise TraceFormatError(f"{path}: {exc}") from exc
 
 
 # ---------------------------------------------------------------- per-format loaders
@@ -349,6 +350,9 @@ def _mooncake_ms(obj: dict[str, Any], where: str) -> float:
     stamp = obj["timestamp"]
     if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or not math.isfinite(stamp) or stamp < 0:
         raise TraceFormatError(f"{where}: field 'timestamp' = {stamp!r}, expected milliseconds >= 0")
+    if stamp / 1000.0 > MAX_ARRIVAL:
+        raise TraceFormatError(f"{where}: field 'timestamp' = {stamp!r} ms is beyond 2**32 s (about 136 years), "
+                               "expected milliseconds from the trace's start")
     return float(stamp)
 
 
@@ -416,10 +420,7 @@ def _load_pagesim(path: Path) -> Trace:
             if bad.any():
                 raise where.fail(frame.index[bad.argmax()], column, "zero length without a reject_reason, expected "
                                                                     "a positive integer token count")
-    try:
-        return _build(path, arrival, prompt, output, **extra)
-    except ValueError as exc:  # cross-column invariants (hash counts, token id counts)
-        raise TraceFormatError(f"{path}: {exc}") from exc
+    return _build(path, arrival, prompt, output, **extra)
 
 
 def _classes(frame: pd.DataFrame, where: _Where) -> dict[str, Any]:
