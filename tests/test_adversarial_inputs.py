@@ -78,6 +78,8 @@ TRACES = [
     ("slobool.csv", "prompt_len,output_len,slo_ttft\n5,3,true\n", "line 2: column 'slo_ttft': 'True'"),
     # pandas renamed the second 'arrival' to 'arrival.1' and the first was used (was: rc 0)
     ("twice.csv", "arrival,prompt_len,output_len,arrival\n0,5,3,1\n", "header: column(s) ['arrival'] appear more"),
+    ("negid.csv", "prompt_len,output_len,prompt_token_ids\n2,3,1 -5\n", "line 2: column 'prompt_token_ids': "
+                                                                      "token id -5 is negative"),
     # float64 time at 1e300 s has no resolution left (was: rc 0, TTFT 0 and 1e12 req/s)
     ("late.csv", "arrival,prompt_len,output_len\n0,5,3\n1e300,5,3\n", "line 3: column 'arrival': timestamp 1e+300 "
                                                                      "is beyond 2**32 s"),

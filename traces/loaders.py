@@ -404,7 +404,7 @@ def _load_pagesim(path: Path) -> Trace:
     if "prefix_hashes" in frame:
         extra.update(_pagesim_hashes(frame, where))
     if "prompt_token_ids" in frame:
-        extra["prompt_token_ids"] = _int_lists(frame, "prompt_token_ids", where)
+        extra["prompt_token_ids"] = _token_ids(frame, where)
     extra.update(_classes(frame, where))
     # a row with a reject reason (a failed request kept from the source trace) may have zero tokens
     minimum = 1
@@ -459,6 +459,15 @@ def _int_lists(frame: pd.DataFrame, column: str, where: _Where) -> list[list[int
         except (TypeError, ValueError):
             raise where.fail(label, column, f"{value!r} is not space-separated integers") from None
     return out
+
+
+def _token_ids(frame: pd.DataFrame, where: _Where) -> list[list[int]]:
+    """The prompt_token_ids column; a negative id (no vocabulary has one) is refused at its line."""
+    rows = _int_lists(frame, "prompt_token_ids", where)
+    for label, row in zip(frame.index, rows):
+        if row and min(row) < 0:
+            raise where.fail(label, "prompt_token_ids", f"token id {min(row)} is negative, expected ids >= 0")
+    return rows
 
 
 def _pagesim_hashes(frame: pd.DataFrame, where: _Where) -> dict[str, Any]:

@@ -261,6 +261,8 @@ class Trace:
         for i, (row, plen) in enumerate(zip(ids, self.prompt_len)):
             if len(row) != plen:
                 raise ValueError(f"request {i}: {len(row)} prompt token ids, prompt_len is {plen}")
+            if row and min(row) < 0:
+                raise ValueError(f"request {i}: prompt token id {min(row)} is negative, expected ids >= 0")
 
     def __len__(self) -> int:
         return len(self.prompt_len)
