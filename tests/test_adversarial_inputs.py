@@ -104,6 +104,10 @@ def test_a_directory_as_trace_is_refused(tmp_path, capsys):
 def test_bom_and_crlf_load_like_plain_text(tmp_path):
     path = write(tmp_path / "bom.csv", "\ufeffprompt_len,output_len\r\n5,3\r\n6,2\r\n")
     assert list(load_trace(path).prompt_len) == [5, 6]
+    # was: "line 1: unreadable JSON (Unexpected UTF-8 BOM)" for the same file as JSON lines
+    path = write(tmp_path / "bom.jsonl", '\ufeff{"timestamp": 0, "input_length": 5, "output_length": 3}\r\n'
+                                         '{"timestamp": 9, "input_length": 6, "output_length": 2}\r\n')
+    assert list(load_trace(path).prompt_len) == [5, 6]
 
 
 def test_client_priority_and_slo_survive_a_save_and_load(tmp_path):

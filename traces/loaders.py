@@ -204,7 +204,7 @@ def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
     with path.open("rb") as handle:  # bytes, so that a non-UTF-8 line is reported by its number
         for lineno, raw in enumerate(handle, start=1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a BOM, as CSV files may have
             except UnicodeDecodeError as exc:
                 raise _bad_byte(path, lineno, raw, exc) from exc
             if not line.strip():
@@ -519,7 +519,7 @@ def _format_from_columns(columns: list[str]) -> str | None:
 
 
 def _jsonl_keys(path: Path) -> list[str]:
-    with path.open("r", encoding="utf-8", errors="replace") as handle:
+    with path.open("r", encoding="utf-8-sig", errors="replace") as handle:
         for lineno, line in enumerate(handle, start=1):
             if line.strip():
                 try:
