@@ -486,6 +486,9 @@ def test_resolve_trace(tmp_path):
         resolve_trace(str(tmp_path / "missing.csv"))
     with pytest.raises(ValueError, match="--rate"):
         resolve_trace("sharegpt-like", num_requests=5)
+    # was ignored: `--trace fixed --trace-format mooncake` ran the synthetic kind
+    with pytest.raises(ValueError, match="--trace-format mooncake: applies to trace files, not the synthetic"):
+        resolve_trace("fixed", num_requests=5, rate=1.0, format="mooncake")
 
 
 def run_cli(argv: list[str]) -> int:
