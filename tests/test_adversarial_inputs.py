@@ -278,6 +278,10 @@ def test_unreadable_measurement_files(tmp_path, capsys, text, says):
     (["--replicas", "2", "--replica-hardware", "a100-40gb", "h100-sxm", "l40s"], "names 3 GPUs"),
     (["--policy", "sjf", "--policy-arg", "predictor=bogus"], "unknown predictor 'bogus'"),
     (["--gpu-memory-utilization", "1e-9"], "does not fit on 1 x a100-40gb"),
+    # was ignored without --disaggregate
+    (["--transfer-bandwidth", "5"], "--transfer-bandwidth is the prefill -> decode KV link: it applies with"),
+    # was a TypeError traceback ("'>=' not supported between instances of 'str' and 'int'")
+    (["--policy", "sjf", "--policy-arg", "aging=abc"], "policy 'sjf': option aging='abc' must be float"),
 ])
 def test_impossible_options_name_the_flag(tmp_path, capsys, argv, says):
     line = clean_error(["simulate", *TINY_RUN, "--out", str(tmp_path / "o"), *argv], capsys)
