@@ -401,6 +401,12 @@ def _load_pagesim(path: Path) -> Trace:
     for column in ("n", "beam_width"):
         if column in frame:
             extra[column] = _lengths(frame, column, where)
+    if "n" in extra and "beam_width" in extra:  # else the request's own error, after loading, naming no line
+        both = (extra["n"] > 1) & (extra["beam_width"] > 1)
+        if both.any():
+            i = int(both.argmax())
+            raise where.fail(frame.index[i], "beam_width", f"{extra['beam_width'][i]} with n {extra['n'][i]}, "
+                                                           "expected parallel sampling (n > 1) or beam search, not both")
     if "prefix_hashes" in frame:
         extra.update(_pagesim_hashes(frame, where))
     if "prompt_token_ids" in frame:
