@@ -82,6 +82,11 @@ TRACES = [
                                                                       "token id -5 is negative"),
     # was "use either n > 1 (parallel sampling) or beam_width > 1, not both", naming no file or line
     ("both.csv", "prompt_len,output_len,n,beam_width\n5,3,1,4\n5,3,2,3\n", "line 3: column 'beam_width': 3 with n 2"),
+    # was "request 1: ..." by index after sorting by arrival: here line 2
+    ("ids.csv", "arrival,prompt_len,output_len,prompt_token_ids\n1,3,2,1 2\n0,2,2,1 2\n", "line 2: column "
+                                                                                         "'prompt_token_ids': 2 ids"),
+    ("hashes.csv", "arrival,prompt_len,output_len,prefix_hashes,hash_block_size\n1,10,2,1 2,16\n0,5,2,3,16\n",
+     "line 2: column 'prefix_hashes': 2 hashes for prompt_len 10"),
     # float64 time at 1e300 s has no resolution left (was: rc 0, TTFT 0 and 1e12 req/s)
     ("late.csv", "arrival,prompt_len,output_len\n0,5,3\n1e300,5,3\n", "line 3: column 'arrival': timestamp 1e+300 "
                                                                      "is beyond 2**32 s"),

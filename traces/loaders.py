@@ -426,7 +426,23 @@ def _load_pagesim(path: Path) -> Trace:
             if bad.any():
                 raise where.fail(frame.index[bad.argmax()], column, "zero length without a reject_reason, expected "
                                                                     "a positive integer token count")
+    _check_list_lengths(frame, where, prompt, extra)
     return _build(path, arrival, prompt, output, **extra)
+
+
+def _check_list_lengths(frame: pd.DataFrame, where: _Where, prompt: np.ndarray, extra: dict[str, Any]) -> None:
+    """Token ids and prefix hashes against each row's prompt_len, at the row's line (Trace checks
+    them too, but by request index, which sorting by arrival separates from the line)."""
+    ids, hashes = extra.get("prompt_token_ids"), extra.get("prefix_hashes")
+    for i, label in enumerate(frame.index):
+        plen = int(prompt[i])
+        if ids is not None and len(ids[i]) != plen:
+            raise where.fail(label, "prompt_token_ids", f"{len(ids[i])} ids for prompt_len {plen}, expected one per "
+                                                        "prompt token")
+        if hashes is not None and len(hashes[i]) > -(-plen // extra["hash_block_size"]):
+            block = extra["hash_block_size"]
+            raise where.fail(label, "prefix_hashes", f"{len(hashes[i])} hashes for prompt_len {plen}, expected at "
+                                                     f"most ceil({plen}/{block})")
 
 
 def _classes(frame: pd.DataFrame, where: _Where) -> dict[str, Any]:
