@@ -376,6 +376,13 @@ def test_calibrate_out_is_checked_before_fitting(tmp_path, capsys, out, says):
     assert "argument --out" in line and says in line
 
 
+@pytest.mark.parametrize("command", [["profile", "--from-run", "nowhere"], ["beams"]])
+def test_profile_and_beams_out_is_checked_before_the_run(tmp_path, capsys, command):
+    # was: profile's IsADirectoryError traceback after the whole grid was timed (beams: after the run)
+    line = clean_error([*command, "--out", str(tmp_path)], capsys)
+    assert "argument --out" in line and "is a directory; give a file name" in line
+
+
 def test_jobs_beyond_the_cpus_run_one_worker_per_cpu(monkeypatch, capsys):
     # was: --jobs 10000 forked one process per task, each holding a simulation
     import concurrent.futures
