@@ -529,6 +529,16 @@ def test_cli_generate_grouped_prefix(tmp_path):
     assert np.diff(trace.arrival) == pytest.approx(np.full(11, 0.5))  # constant arrivals
 
 
+def test_cli_info_of_a_trace_with_nothing_to_serve_is_valid_json(tmp_path, capsys):
+    # every row rejected: the length statistics were NaN, printed as JSON's invalid `NaN`
+    path = tmp_path / "BurstGPT_0.csv"
+    path.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n0,ChatGPT,0,0,0,x\n")
+    with pytest.warns(UserWarning, match="failed requests"):
+        assert run_cli(["trace", "info", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert info["rejected"] == 1 and info["prompt_mean"] is None
+
+
 def test_cli_generate_multi_client_without_rate(tmp_path, capsys):
     # multi-client draws its own timestamps: was a TypeError formatting --rate None after writing
     out = tmp_path / "mc.csv"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -115,7 +116,9 @@ def run_info(args: argparse.Namespace) -> int:
         trace = load_trace(args.file, format=args.trace_format)
     except (TraceFormatError, OSError) as exc:
         return _error(str(exc), 1)
-    info = {"source": trace.source, **trace.info()}
+    # no row to serve leaves the length statistics NaN, which is not JSON: shown as null and "-"
+    info = {k: None if isinstance(v, float) and math.isnan(v) else v
+            for k, v in {"source": trace.source, **trace.info()}.items()}
     print(json.dumps(info, indent=2) if args.json else format_info(info))
     return 0
 
