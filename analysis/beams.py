@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from analysis.cli_args import add_device_args, require_backend, sim_config
-from pagesim.argtypes import positive_int, seed
+from pagesim.argtypes import out_file, positive_int, seed
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bm.add_argument("--max-tokens", type=positive_int, default=58, help="tokens per beam (default 58, Alpaca's mean output)")
     bm.add_argument("--prompts-file", help="one prompt per line (default: 24 built-in short instructions)")
     bm.add_argument("--seed", type=seed, default=0)
-    bm.add_argument("--out", help="write the counts and fits here (.json)")
+    bm.add_argument("--out", type=out_file, help="write the counts and fits here (.json)")  # checked before the run
     bm.set_defaults(func=command)
 
 

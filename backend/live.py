@@ -230,6 +230,19 @@ def serve(scheduler: Scheduler, executor: LiveExecutor, requests: list[Request],
     return LiveRun(list(scheduler.done), replica.log, time.perf_counter() - t0, executor.beam_results)
 
 
+def replay_prompt_ids(request: Request, vocab_size: int, seed: int = 0) -> list[int]:
+    """The prompt a trace request replays: the trace's own token ids (checked against the model's
+    vocabulary: an id outside it would index past the embedding), else seeded synthetic ones."""
+    ids = request.prompt_token_ids
+    if ids is None:
+        return synthetic_prompt_ids(request, vocab_size, seed)
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"request {request.request_id}: prompt token id {bad} is outside the model's vocabulary "
+                         f"[0, {vocab_size})")
+    return list(ids)
+
+
 def synthetic_prompt_ids(request: Request, vocab_size: int, seed: int = 0) -> list[int]:
     """Token ids for a length-only trace request, seeded. Prompt blocks named by equal prefix
     hashes get equal tokens, so prefix caching finds the same sharing live as in simulation."""

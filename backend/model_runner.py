@@ -58,6 +58,9 @@ class ModelRunner:
                  block_size: int = 16, attention: str | None = None,
                  memory_budget: float | None = None, prepack: bool | None = None) -> None:
         self.config, self.device = config, torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():  # else torch's AssertionError, mid-load
+            raise ValueError(f"device {str(device)!r}: this torch ({torch.__version__}) sees no CUDA device; "
+                             "use --device cpu")
         self.dtype = dtype or default_dtype(self.device)
         self.block_size = block_size
         self.model = self._load(config, weights)

@@ -130,10 +130,9 @@ def profile_model(runner: ModelRunner, grid: ProfileGrid, seed: int = 0,
     others = [runner.with_cache(bs, max(p.blocks_needed(bs) for p in decodes))
               for bs in dict.fromkeys(grid.block_sizes) if bs != runner.block_size] if decodes else []
     for i, point in enumerate(points):
-        need = point.blocks_needed(runner.block_size)
-        if need > runner.num_gpu_blocks or point.swap_blocks > runner.kv_cache.num_cpu_blocks:
-            run.skipped.append(f"{point.label}: needs {need} device blocks and {point.swap_blocks} CPU blocks; "
-                               f"the cache has {runner.num_gpu_blocks} and {runner.kv_cache.num_cpu_blocks}")
+        why = _cannot_run(point, runner)
+        if why:
+            run.skipped.append(f"{point.label}: {why}")
             continue
         built = [(r, *_build(point, r, rng)) for r in [runner] + (others if point in decodes else [])]
         timed = _time_interleaved([(r, batch) for r, _, batch in built], sampler, grid.reps)
@@ -153,6 +152,19 @@ def profile_model(runner: ModelRunner, grid: ProfileGrid, seed: int = 0,
         if on_point is not None and served:
             on_point(total - 1, total, served[-1])
     return run
+
+
+def _cannot_run(point: ProfilePoint, runner: ModelRunner) -> str:
+    """Why the runner cannot time `point` ("" when it can): its cache is too small, or a sequence
+    is longer than the model's context (that was the runner's error, after minutes of profiling)."""
+    need = point.blocks_needed(runner.block_size)
+    if need > runner.num_gpu_blocks or point.swap_blocks > runner.kv_cache.num_cpu_blocks:
+        return (f"needs {need} device blocks and {point.swap_blocks} CPU blocks; the cache has "
+                f"{runner.num_gpu_blocks} and {runner.kv_cache.num_cpu_blocks}")
+    longest = max(n + s for n, s in point.seqs)
+    if longest > runner.config.max_position:
+        return f"a sequence of {longest} tokens exceeds the model's context of {runner.config.max_position}"
+    return ""
 
 
 def calibration_requests(grid: ProfileGrid, vocab_size: int, seed: int = 0) -> list:

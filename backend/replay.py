@@ -15,7 +15,7 @@ from typing import Any
 
 import pandas as pd
 
-from backend.live import LiveExecutor, load_model, serve, synthetic_prompt_ids
+from backend.live import LiveExecutor, load_model, replay_prompt_ids, serve
 from backend.model_runner import ModelRunner
 from policies.metrics import request_frame, summarize
 from policies.registry import is_paged, make_scheduler, scheduler_options
@@ -67,7 +67,9 @@ def serve_trace(options: LiveOptions, make_requests: Callable[[int], list[Reques
     sched.max_model_len = cfg.max_position
     requests = make_requests(cfg.max_position)
     for r in requests:
-        r.prompt_token_ids = synthetic_prompt_ids(r, cfg.vocab_size, options.seed)
+        # the trace's own ids, as simulated (they were replaced by synthetic ones, so live and
+        # simulated prefix caching saw different prompts)
+        r.prompt_token_ids = replay_prompt_ids(r, cfg.vocab_size, options.seed)
         r.hash_block_size = r.hash_block_size or options.block_size
     executor = LiveExecutor(sched, runner, [cfg.eos_token_id], seed=options.seed)  # warms the model up
     if progress:

@@ -113,6 +113,8 @@ def _resolve_specs(args: argparse.Namespace) -> None:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from sim.run import run_simulation
+    if args.transfer_bandwidth is not None and not args.disaggregate:  # else ignored without a word
+        raise ValueError("--transfer-bandwidth is the prefill -> decode KV link: it applies with --disaggregate only")
     cfg = sim_config(args)  # first: a bad setting fails before the trace is read
     trace = load_workload(args)
     result = run_simulation(cfg, trace, progress=not args.quiet)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from analysis.cli_args import add_device_args, require_backend
-from pagesim.argtypes import positive_int, seed
+from pagesim.argtypes import out_file, positive_int, seed
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,7 +37,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     prof.add_argument("--from-run", nargs="+", metavar="DIR",
                       help="fit to the iterations of earlier `pagesim live` runs instead of running a grid "
                            "(their measured step times, scheduling included)")
-    prof.add_argument("--out", required=True, help="profile file to write (.json); the fit plot goes beside it")
+    prof.add_argument("--out", required=True, type=out_file,  # checked now, not after minutes of profiling
+                      help="profile file to write (.json); the fit plot goes beside it")
     prof.add_argument("--quiet", action="store_true")
     prof.set_defaults(func=command)
 

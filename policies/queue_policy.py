@@ -148,8 +148,10 @@ class NoisyOraclePredictor(OraclePredictor):
     name = "noisy"
 
     def __init__(self, error: float = 0.5, seed: int = 0) -> None:
-        if not error >= 0:
-            raise ValueError(f"predictor error must be >= 0, got {error}")
+        if not (error >= 0 and math.isfinite(error)):  # inf made every prediction inf or 0
+            raise ValueError(f"predictor error must be a finite number >= 0, got {error}")
+        if seed < 0:  # numpy's own error did not say which seed
+            raise ValueError(f"predictor seed must be >= 0, got {seed}")
         self.error, self.seed = error, seed
 
     def predict(self, group: SequenceGroup) -> float:
@@ -210,8 +212,8 @@ class ShortestFirstPolicy(QueuePolicy):
 
     def __init__(self, predictor: str = "oracle", error: float = 0.5, aging: float = 0.0, seed: int = 0,
                  remaining: bool = False) -> None:
-        if not aging >= 0:
-            raise ValueError(f"aging must be >= 0 tokens per second, got {aging}")
+        if not (aging >= 0 and math.isfinite(aging)):  # inf keyed an arrival at 0 s as inf * 0 = NaN
+            raise ValueError(f"aging must be a finite number >= 0 tokens per second, got {aging}")
         self.predictor = make_predictor(predictor, error, seed)
         self.aging = aging
         self.remaining = remaining
@@ -259,8 +261,9 @@ class VtcPolicy(QueuePolicy):
     tracks_service = True
 
     def __init__(self, input_weight: float = 1.0, output_weight: float = 2.0) -> None:
-        if not (input_weight >= 0 and output_weight >= 0):
-            raise ValueError(f"vtc: weights must be >= 0, got {input_weight}, {output_weight}")
+        # an infinite weight made counters inf and a returning client's lift inf - inf = NaN
+        if not all(w >= 0 and math.isfinite(w) for w in (input_weight, output_weight)):
+            raise ValueError(f"vtc: weights must be finite numbers >= 0, got {input_weight}, {output_weight}")
         self.w_in, self.w_out = input_weight, output_weight
         self.tokens: dict[str, list[int]] = {}   # client -> [input tokens, output tokens] served
         self.lift: dict[str, float] = {}         # client -> counter added when it came back active

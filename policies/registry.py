@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from policies.contiguous_schedulers import OrcaScheduler, StaticScheduler
-from policies.plugins import load_plugin
+from policies.plugins import check_option_types, load_plugin
 from policies.queue_policy import BUILTIN, QueuePolicy
 from policies.scheduler import Scheduler
 from policies.vllm_scheduler import VllmScheduler
@@ -37,6 +37,7 @@ def _paged(policy_cls: type[QueuePolicy] | None, label: str) -> Callable[..., Sc
         policy = None
         if policy_cls is not None:
             _check_options(policy_cls, policy_options or {}, label)
+            check_option_types(policy_cls, policy_options or {}, f"policy {label}")
             policy = policy_cls(**(policy_options or {}))
         elif policy_options:
             raise ValueError(f"policy {label} takes no policy options; got {', '.join(policy_options)}")

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.plugins import load_plugin
+from policies.plugins import check_option_types, load_plugin
 from policies.request import Request
 from policies.scheduler import Scheduler
 
@@ -81,6 +81,8 @@ class RandomRouter(Router):
     reads_counts_only = True
 
     def __init__(self, seed: int = 0) -> None:
+        if seed < 0:  # numpy's own error did not say which seed
+            raise ValueError(f"random router: seed must be >= 0, got {seed}")
         self._rng = np.random.default_rng(seed)
 
     def route(self, request: Request, replicas: Sequence[Scheduler]) -> int:
@@ -258,4 +260,5 @@ def make_router(name: str, **kw: Any) -> Router:
             if k not in known:
                 raise ValueError(f"unknown parameter {k!r} for router {name!r}; "
                                  f"known: {', '.join(sorted(known)) or 'none'}")
+    check_option_types(factory, kw, f"router {name!r}")
     return factory(**kw)

@@ -72,6 +72,26 @@ TRACES = [
     ("prio2.csv", "prompt_len,output_len,priority\n5,3,1.5\n", "line 2: column 'priority': 1.5 is not an integer"),
     ("slo.csv", "prompt_len,output_len,slo_ttft\n5,3,\n5,3,-1\n", "line 3: column 'slo_ttft': -1, expected a finite"),
     ("tpot.csv", "prompt_len,output_len,slo_tpot\n5,3,x\n", "line 2: column 'slo_tpot': 'x'"),
+    # a column of only true/false parsed as booleans and replayed as 1 / 0 (was: rc 0, a 1-token prompt)
+    ("bool.csv", "prompt_len,output_len\nTrue,3\n", "line 2: column 'prompt_len': 'True' is not a number"),
+    ("priobool.csv", "prompt_len,output_len,priority\n5,3,False\n", "line 2: column 'priority': 'False'"),
+    ("slobool.csv", "prompt_len,output_len,slo_ttft\n5,3,true\n", "line 2: column 'slo_ttft': 'True'"),
+    # pandas renamed the second 'arrival' to 'arrival.1' and the first was used (was: rc 0)
+    ("twice.csv", "arrival,prompt_len,output_len,arrival\n0,5,3,1\n", "header: column(s) ['arrival'] appear more"),
+    ("negid.csv", "prompt_len,output_len,prompt_token_ids\n2,3,1 -5\n", "line 2: column 'prompt_token_ids': "
+                                                                      "token id -5 is negative"),
+    # was "use either n > 1 (parallel sampling) or beam_width > 1, not both", naming no file or line
+    ("both.csv", "prompt_len,output_len,n,beam_width\n5,3,1,4\n5,3,2,3\n", "line 3: column 'beam_width': 3 with n 2"),
+    # was "request 1: ..." by index after sorting by arrival: here line 2
+    ("ids.csv", "arrival,prompt_len,output_len,prompt_token_ids\n1,3,2,1 2\n0,2,2,1 2\n", "line 2: column "
+                                                                                         "'prompt_token_ids': 2 ids"),
+    ("hashes.csv", "arrival,prompt_len,output_len,prefix_hashes,hash_block_size\n1,10,2,1 2,16\n0,5,2,3,16\n",
+     "line 2: column 'prefix_hashes': 2 hashes for prompt_len 10"),
+    # float64 time at 1e300 s has no resolution left (was: rc 0, TTFT 0 and 1e12 req/s)
+    ("late.csv", "arrival,prompt_len,output_len\n0,5,3\n1e300,5,3\n", "line 3: column 'arrival': timestamp 1e+300 "
+                                                                     "is beyond 2**32 s"),
+    ("late.jsonl", '{"timestamp": 1e20, "input_length": 10, "output_length": 5}\n', "line 1: field 'timestamp' = "
+                                                                                     "1e+20 ms is beyond 2**32 s"),
 ]
 
 
@@ -90,6 +110,10 @@ def test_a_directory_as_trace_is_refused(tmp_path, capsys):
 
 def test_bom_and_crlf_load_like_plain_text(tmp_path):
     path = write(tmp_path / "bom.csv", "\ufeffprompt_len,output_len\r\n5,3\r\n6,2\r\n")
+    assert list(load_trace(path).prompt_len) == [5, 6]
+    # was: "line 1: unreadable JSON (Unexpected UTF-8 BOM)" for the same file as JSON lines
+    path = write(tmp_path / "bom.jsonl", '\ufeff{"timestamp": 0, "input_length": 5, "output_length": 3}\r\n'
+                                         '{"timestamp": 9, "input_length": 6, "output_length": 2}\r\n')
     assert list(load_trace(path).prompt_len) == [5, 6]
 
 
@@ -261,6 +285,10 @@ def test_unreadable_measurement_files(tmp_path, capsys, text, says):
     (["--replicas", "2", "--replica-hardware", "a100-40gb", "h100-sxm", "l40s"], "names 3 GPUs"),
     (["--policy", "sjf", "--policy-arg", "predictor=bogus"], "unknown predictor 'bogus'"),
     (["--gpu-memory-utilization", "1e-9"], "does not fit on 1 x a100-40gb"),
+    # was ignored without --disaggregate
+    (["--transfer-bandwidth", "5"], "--transfer-bandwidth is the prefill -> decode KV link: it applies with"),
+    # was a TypeError traceback ("'>=' not supported between instances of 'str' and 'int'")
+    (["--policy", "sjf", "--policy-arg", "aging=abc"], "policy 'sjf': option aging='abc' must be float"),
 ])
 def test_impossible_options_name_the_flag(tmp_path, capsys, argv, says):
     line = clean_error(["simulate", *TINY_RUN, "--out", str(tmp_path / "o"), *argv], capsys)
@@ -346,6 +374,13 @@ def test_calibrate_out_is_checked_before_fitting(tmp_path, capsys, out, says):
     line = clean_error(["calibrate", "--measurements", "nowhere.json", "--hardware", "h100-sxm",
                         "--out", out.format(tmp=tmp_path)], capsys)
     assert "argument --out" in line and says in line
+
+
+@pytest.mark.parametrize("command", [["profile", "--from-run", "nowhere"], ["beams"]])
+def test_profile_and_beams_out_is_checked_before_the_run(tmp_path, capsys, command):
+    # was: profile's IsADirectoryError traceback after the whole grid was timed (beams: after the run)
+    line = clean_error([*command, "--out", str(tmp_path)], capsys)
+    assert "argument --out" in line and "is a directory; give a file name" in line
 
 
 def test_jobs_beyond_the_cpus_run_one_worker_per_cpu(monkeypatch, capsys):

@@ -189,6 +189,11 @@ def test_a_tiny_rate_is_refused_by_the_library():
     trace = Trace(arrival=np.zeros(3), prompt_len=[1, 2, 3], output_len=[1, 1, 1], has_timestamps=False)
     with pytest.raises(ValueError, match="rate 1e-320 is too small"):
         apply_arrivals(trace, rate=1e-320)
+    # a rate whose gap is finite but whose arrivals leave float64 no resolution (was: TTFT 0 in the results)
+    with pytest.raises(ValueError, match="rate 1e-300 is too small for 3 requests: the last would arrive at"):
+        apply_arrivals(trace, rate=1e-300)
+    with pytest.raises(ValueError, match=r"arrival\[0\] = 1e\+300 s is beyond 2\*\*32 s"):
+        Trace(arrival=[1e300], prompt_len=[1], output_len=[1])
 
 
 # ---------------------------------------------------------------- the command line

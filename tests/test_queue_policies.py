@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 import pandas as pd
@@ -190,6 +191,26 @@ def test_unknown_policy_option_is_named():
         make_scheduler("sjf", 10, policy_options={"agin": 1})
     with pytest.raises(ValueError, match="takes no policy options"):
         make_scheduler("orca-max", 10, policy_options={"x": 1})
+
+
+@pytest.mark.parametrize("policy, options, says", [
+    # --policy-arg values are read as int, float, bool or text: a wrong kind was a TypeError deep in
+    # the constructor ("'>=' not supported between 'str' and 'int'"), or ran (remaining=7)
+    ("sjf", {"aging": "abc"}, "policy 'sjf': option aging='abc' must be float"),
+    ("sjf", {"remaining": 7}, "option remaining=7 must be bool"),
+    ("edf", {"slo_ttft": "x"}, "option slo_ttft='x' must be float"),
+    ("vtc", {"input_weight": True}, "option input_weight=True must be float"),
+    # infinities made NaN keys (aging * arrival 0, inf - inf lifts); a negative seed was numpy's
+    # "expected non-negative integer", naming nothing
+    ("sjf", {"aging": math.inf}, "aging must be a finite number >= 0"),
+    ("vtc", {"output_weight": math.inf}, "vtc: weights must be finite numbers >= 0"),
+    ("sjf", {"predictor": "noisy", "error": math.inf}, "predictor error must be a finite number >= 0"),
+    ("sjf", {"predictor": "noisy", "seed": -1}, "predictor seed must be >= 0, got -1"),
+])
+def test_bad_policy_option_values_are_named(policy, options, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        make_scheduler(policy, 10, policy_options=options)
+    assert make_scheduler("sjf", 10, policy_options={"aging": 2, "seed": np.int64(3)})  # an int for a float: fine
 
 
 def _clients_trace(n: int, rate: float, seed: int):

@@ -167,6 +167,14 @@ def test_make_router_errors_name_the_problem():
     with pytest.raises(ValueError, match="max_imbalance must be >= 0"):
         make_router("prefix-affinity", max_imbalance=-1)
     assert isinstance(make_router("least-loaded", seed=4), LeastLoadedRouter)  # seed only where taken
+    # --router-arg values of the wrong kind: was "'<' not supported between 'str' and 'int'", a float
+    # max_imbalance accepted, and numpy's "expected non-negative integer" for a negative seed
+    with pytest.raises(ValueError, match="router 'prefix-affinity': option max_imbalance='abc' must be int"):
+        make_router("prefix-affinity", max_imbalance="abc")
+    with pytest.raises(ValueError, match=r"option max_imbalance=2\.5 must be int"):
+        make_router("prefix-affinity", max_imbalance=2.5)
+    with pytest.raises(ValueError, match="random router: seed must be >= 0, got -1"):
+        make_router("random", seed=-1)
 
 
 # ---------------------------------------------------------------- the multi-replica simulation

@@ -486,6 +486,9 @@ def test_resolve_trace(tmp_path):
         resolve_trace(str(tmp_path / "missing.csv"))
     with pytest.raises(ValueError, match="--rate"):
         resolve_trace("sharegpt-like", num_requests=5)
+    # was ignored: `--trace fixed --trace-format mooncake` ran the synthetic kind
+    with pytest.raises(ValueError, match="--trace-format mooncake: applies to trace files, not the synthetic"):
+        resolve_trace("fixed", num_requests=5, rate=1.0, format="mooncake")
 
 
 def run_cli(argv: list[str]) -> int:
@@ -524,6 +527,24 @@ def test_cli_generate_grouped_prefix(tmp_path):
     assert trace.prompt_len.tolist() == [40] * 12 and trace.output_len.tolist() == [5] * 12
     assert trace.prefix_hashes[6:] == trace.prefix_hashes[:6]  # 2 x 3 prompts, cycled
     assert np.diff(trace.arrival) == pytest.approx(np.full(11, 0.5))  # constant arrivals
+
+
+def test_cli_info_of_a_trace_with_nothing_to_serve_is_valid_json(tmp_path, capsys):
+    # every row rejected: the length statistics were NaN, printed as JSON's invalid `NaN`
+    path = tmp_path / "BurstGPT_0.csv"
+    path.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n0,ChatGPT,0,0,0,x\n")
+    with pytest.warns(UserWarning, match="failed requests"):
+        assert run_cli(["trace", "info", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert info["rejected"] == 1 and info["prompt_mean"] is None
+
+
+def test_cli_generate_multi_client_without_rate(tmp_path, capsys):
+    # multi-client draws its own timestamps: was a TypeError formatting --rate None after writing
+    out = tmp_path / "mc.csv"
+    assert run_cli(["trace", "generate", "--kind", "multi-client", "--num-requests", "5", "--out", str(out)]) == 0
+    assert "with its own timestamps" in capsys.readouterr().out
+    assert load_trace(out).has_timestamps
 
 
 def test_package_imports_nothing_else():

@@ -39,6 +39,8 @@ def resolve_trace(
     Arrivals follow ``apply_arrivals``: a length-only workload needs ``rate``.
     """
     if spec in SYNTHETIC:
+        if format is not None:  # it was ignored: a user meaning a file of that name got the synthetic kind
+            raise ValueError(f"--trace-format {format}: applies to trace files, not the synthetic workload {spec!r}")
         n = DEFAULT_SYNTHETIC_REQUESTS if num_requests is None else num_requests
         trace = make_synthetic(spec, n, seed=seed)
     elif Path(spec).is_file():

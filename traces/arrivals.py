@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from traces.trace import Trace
+from traces.trace import MAX_ARRIVAL, Trace
 
 # Stream key that separates arrival randomness from length randomness drawn with the same seed
 # (synthetic generators use the bare seed): the two must be independent, not the same bit stream.
@@ -121,11 +121,15 @@ def apply_arrivals(
             raise ValueError(f"{label!r} has no timestamps: give --rate (requests/s) to generate arrivals")
         return trace
     if trace.has_timestamps:
-        if len(trace) < 2:
-            return trace.with_arrivals(np.zeros(len(trace)))
-        return trace.with_arrivals(rescale(trace.arrival, rate))
-    if burstiness is None:
-        return trace.with_arrivals(poisson(len(trace), rate, seed))
-    if burstiness == 0:
-        return trace.with_arrivals(constant(len(trace), rate))
-    return trace.with_arrivals(gamma(len(trace), rate, burstiness, seed))
+        arrival = rescale(trace.arrival, rate) if len(trace) >= 2 else np.zeros(len(trace))
+    elif burstiness is None:
+        arrival = poisson(len(trace), rate, seed)
+    elif burstiness == 0:
+        arrival = constant(len(trace), rate)
+    else:
+        arrival = gamma(len(trace), rate, burstiness, seed)
+    # refused here, naming the rate, rather than by the Trace's own check on its arrivals
+    if len(arrival) and not arrival[-1] <= MAX_ARRIVAL:
+        raise ValueError(f"rate {rate:g} is too small for {len(trace):,} requests: the last would arrive at "
+                         f"{arrival[-1]:.3g} s, beyond 2**32 s (about 136 years); give a higher --rate")
+    return trace.with_arrivals(arrival)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -97,9 +98,16 @@ def run_generate(args: argparse.Namespace) -> int:
         return _error(str(exc), 1)
     except MemoryError as exc:  # numpy says how much it could not allocate
         return _error(f"--num-requests {args.num_requests:,}: too large for this machine's memory ({exc})", 1)
-    timing = f"at {args.rate:g} req/s" if trace.has_timestamps else "without timestamps"
-    print(f"wrote {len(trace)} {args.kind} requests {timing} to {path}")
+    print(f"wrote {len(trace)} {args.kind} requests {_timing(args.rate, trace.has_timestamps)} to {path}")
     return 0
+
+
+def _timing(rate: float | None, has_timestamps: bool) -> str:
+    """How the written trace is timed; a kind may draw its own timestamps without --rate
+    (multi-client, at 1 req/s in total)."""
+    if not has_timestamps:
+        return "without timestamps"
+    return "with its own timestamps" if rate is None else f"at {rate:g} req/s"
 
 
 def run_info(args: argparse.Namespace) -> int:
@@ -108,7 +116,9 @@ def run_info(args: argparse.Namespace) -> int:
         trace = load_trace(args.file, format=args.trace_format)
     except (TraceFormatError, OSError) as exc:
         return _error(str(exc), 1)
-    info = {"source": trace.source, **trace.info()}
+    # no row to serve leaves the length statistics NaN, which is not JSON: shown as null and "-"
+    info = {k: None if isinstance(v, float) and math.isnan(v) else v
+            for k, v in {"source": trace.source, **trace.info()}.items()}
     print(json.dumps(info, indent=2) if args.json else format_info(info))
     return 0
 

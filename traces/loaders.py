@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from traces.trace import Trace, split_ints
+from traces.trace import MAX_ARRIVAL, Trace, split_ints
 
 KNOWN_FORMATS = ("azure", "length-csv", "splitwise", "mooncake", "burstgpt", "pagesim")
 
@@ -86,12 +86,20 @@ def _numeric(frame: pd.DataFrame, column: str, where: _Where, expected: str) -> 
     missing = raw.isna()
     if missing.any():
         raise where.fail(raw.index[missing.argmax()], column, f"missing value (NaN), expected {expected}")
+    _refuse_booleans(raw, column, where, expected)
     values = pd.to_numeric(raw, errors="coerce")
     bad = values.isna()
     if bad.any():
         label = raw.index[bad.argmax()]
         raise where.fail(label, column, f"{raw[label]!r} is not a number, expected {expected}")
     return values.astype(np.float64)
+
+
+def _refuse_booleans(raw: pd.Series, column: str, where: _Where, expected: str) -> None:
+    """pandas reads a column of nothing but true/false as booleans, which to_numeric takes as 1/0:
+    refuse it at its first row rather than replay ``True`` as a one-token length."""
+    if raw.dtype == bool:
+        raise where.fail(raw.index[0], column, f"{str(raw.iloc[0])!r} is not a number, expected {expected}")
 
 
 def _lengths(frame: pd.DataFrame, column: str, where: _Where, minimum: int = 1) -> np.ndarray:
@@ -121,6 +129,11 @@ def _seconds(frame: pd.DataFrame, column: str, where: _Where, scale: float = 1.0
     if bad.any():
         label = values.index[bad.argmax()]
         raise where.fail(label, column, f"timestamp {float(values[label]):g}, expected a finite value >= 0")
+    late = values * scale > MAX_ARRIVAL
+    if late.any():
+        label = values.index[late.argmax()]
+        raise where.fail(label, column, f"timestamp {float(values[label]):g} is beyond 2**32 s (about 136 years), "
+                                        "expected seconds from the trace's start")
     return values.to_numpy(np.float64) * scale
 
 
@@ -142,11 +155,21 @@ def _read_csv(path: Path) -> pd.DataFrame:
         raise _not_utf8(path) from exc
     except (pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
         raise TraceFormatError(f"{path}: cannot parse as CSV: {exc}") from exc
+    _refuse_repeated_columns(path)
     frame.columns = [str(c).strip() for c in frame.columns]
     frame = frame.dropna(how="all")
     if frame.empty:
         raise TraceFormatError(f"{path}: no requests (header only, expected at least one data line)")
     return frame
+
+
+def _refuse_repeated_columns(path: Path) -> None:
+    """pandas renames a repeated header name (``arrival``, ``arrival.1``) and the loader then reads
+    only the first of the two, silently: refuse a header that names a column twice."""
+    header = [c for c in _csv_header(path) if c]
+    repeated = sorted({c for c in header if header.count(c) > 1})
+    if repeated:
+        raise TraceFormatError(f"{path}: header: column(s) {repeated} appear more than once, expected each once")
 
 
 def _read_parquet(path: Path) -> pd.DataFrame:
@@ -181,7 +204,7 @@ def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
     with path.open("rb") as handle:  # bytes, so that a non-UTF-8 line is reported by its number
         for lineno, raw in enumerate(handle, start=1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a BOM, as CSV files may have
             except UnicodeDecodeError as exc:
                 raise _bad_byte(path, lineno, raw, exc) from exc
             if not line.strip():
@@ -219,15 +242,11 @@ def _build(path: Path, arrival: np.ndarray | None, prompt: np.ndarray, output: n
         for key in ("n", "beam_width", "priority", "slo_ttft", "slo_tpot"):
             if extra.get(key) is not None:
                 extra[key] = extra[key][order]
-    return Trace(
-        arrival=arrival,
-        prompt_len=prompt,
-        output_len=output,
-        name=path.stem,
-        source=str(path),
-        has_timestamps=has_ts,
-        **extra,
-    )
+    try:
+        return Trace(arrival=arrival, prompt_len=prompt, output_len=output, name=path.stem, source=str(path),
+                     has_timestamps=has_ts, **extra)
+    except ValueError as exc:  # cross-column invariants (hash and token id counts), an Azure span past 2**32 s
+        raise TraceFormatError(f"{path}: {exc}") from exc
 
 
 # ---------------------------------------------------------------- per-format loaders
@@ -331,6 +350,9 @@ def _mooncake_ms(obj: dict[str, Any], where: str) -> float:
     stamp = obj["timestamp"]
     if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or not math.isfinite(stamp) or stamp < 0:
         raise TraceFormatError(f"{where}: field 'timestamp' = {stamp!r}, expected milliseconds >= 0")
+    if stamp / 1000.0 > MAX_ARRIVAL:
+        raise TraceFormatError(f"{where}: field 'timestamp' = {stamp!r} ms is beyond 2**32 s (about 136 years), "
+                               "expected milliseconds from the trace's start")
     return float(stamp)
 
 
@@ -379,10 +401,16 @@ def _load_pagesim(path: Path) -> Trace:
     for column in ("n", "beam_width"):
         if column in frame:
             extra[column] = _lengths(frame, column, where)
+    if "n" in extra and "beam_width" in extra:  # else the request's own error, after loading, naming no line
+        both = (extra["n"] > 1) & (extra["beam_width"] > 1)
+        if both.any():
+            i = int(both.argmax())
+            raise where.fail(frame.index[i], "beam_width", f"{extra['beam_width'][i]} with n {extra['n'][i]}, "
+                                                           "expected parallel sampling (n > 1) or beam search, not both")
     if "prefix_hashes" in frame:
         extra.update(_pagesim_hashes(frame, where))
     if "prompt_token_ids" in frame:
-        extra["prompt_token_ids"] = _int_lists(frame, "prompt_token_ids", where)
+        extra["prompt_token_ids"] = _token_ids(frame, where)
     extra.update(_classes(frame, where))
     # a row with a reject reason (a failed request kept from the source trace) may have zero tokens
     minimum = 1
@@ -398,10 +426,23 @@ def _load_pagesim(path: Path) -> Trace:
             if bad.any():
                 raise where.fail(frame.index[bad.argmax()], column, "zero length without a reject_reason, expected "
                                                                     "a positive integer token count")
-    try:
-        return _build(path, arrival, prompt, output, **extra)
-    except ValueError as exc:  # cross-column invariants (hash counts, token id counts)
-        raise TraceFormatError(f"{path}: {exc}") from exc
+    _check_list_lengths(frame, where, prompt, extra)
+    return _build(path, arrival, prompt, output, **extra)
+
+
+def _check_list_lengths(frame: pd.DataFrame, where: _Where, prompt: np.ndarray, extra: dict[str, Any]) -> None:
+    """Token ids and prefix hashes against each row's prompt_len, at the row's line (Trace checks
+    them too, but by request index, which sorting by arrival separates from the line)."""
+    ids, hashes = extra.get("prompt_token_ids"), extra.get("prefix_hashes")
+    for i, label in enumerate(frame.index):
+        plen = int(prompt[i])
+        if ids is not None and len(ids[i]) != plen:
+            raise where.fail(label, "prompt_token_ids", f"{len(ids[i])} ids for prompt_len {plen}, expected one per "
+                                                        "prompt token")
+        if hashes is not None and len(hashes[i]) > -(-plen // extra["hash_block_size"]):
+            block = extra["hash_block_size"]
+            raise where.fail(label, "prefix_hashes", f"{len(hashes[i])} hashes for prompt_len {plen}, expected at "
+                                                     f"most ceil({plen}/{block})")
 
 
 def _classes(frame: pd.DataFrame, where: _Where) -> dict[str, Any]:
@@ -419,6 +460,7 @@ def _classes(frame: pd.DataFrame, where: _Where) -> dict[str, Any]:
         extra["priority"] = values.to_numpy(np.int64)
     for column in ("slo_ttft", "slo_tpot"):
         if column in frame:  # empty cells: the run's SLO
+            _refuse_booleans(frame[column], column, where, "a finite number of seconds > 0 (or empty)")
             values = pd.to_numeric(frame[column], errors="coerce")
             bad = (frame[column].notna() & values.isna()) | ~(values.isna() | ((values > 0) & np.isfinite(values)))
             if bad.any():
@@ -439,6 +481,15 @@ def _int_lists(frame: pd.DataFrame, column: str, where: _Where) -> list[list[int
         except (TypeError, ValueError):
             raise where.fail(label, column, f"{value!r} is not space-separated integers") from None
     return out
+
+
+def _token_ids(frame: pd.DataFrame, where: _Where) -> list[list[int]]:
+    """The prompt_token_ids column; a negative id (no vocabulary has one) is refused at its line."""
+    rows = _int_lists(frame, "prompt_token_ids", where)
+    for label, row in zip(frame.index, rows):
+        if row and min(row) < 0:
+            raise where.fail(label, "prompt_token_ids", f"token id {min(row)} is negative, expected ids >= 0")
+    return rows
 
 
 def _pagesim_hashes(frame: pd.DataFrame, where: _Where) -> dict[str, Any]:
@@ -490,7 +541,7 @@ def _format_from_columns(columns: list[str]) -> str | None:
 
 
 def _jsonl_keys(path: Path) -> list[str]:
-    with path.open("r", encoding="utf-8", errors="replace") as handle:
+    with path.open("r", encoding="utf-8-sig", errors="replace") as handle:
         for lineno, line in enumerate(handle, start=1):
             if line.strip():
                 try:

@@ -52,6 +52,12 @@ FRAME_COLUMNS = (
 )
 
 
+# The latest arrival a trace may hold, in seconds (2**32, about 136 years): beyond it float64 resolves
+# time more coarsely than a microsecond, so a request's latencies round to nothing against its
+# arrival (an arrival of 1e300 s "finished" with TTFT 0 and a throughput of 1e12 req/s).
+MAX_ARRIVAL = 2.0**32
+
+
 def _int_array(values: Any, name: str, length: int | None = None) -> np.ndarray:
     """Return ``values`` as an int64 array, refusing fractional or non-finite entries."""
     arr = np.asarray(values)
@@ -199,6 +205,10 @@ class Trace:
             raise ValueError("arrival must be finite")
         if len(arr) and arr.min() < 0:
             raise ValueError("arrival must be >= 0")
+        if len(arr) and arr.max() > MAX_ARRIVAL:
+            i = int(np.argmax(arr))
+            raise ValueError(f"arrival[{i}] = {arr[i]:g} s is beyond 2**32 s (about 136 years), where float64 "
+                             "time no longer resolves a microsecond")
         if np.any(np.diff(arr) < 0):
             raise ValueError("arrival must be sorted (non-decreasing)")
         if not self.has_timestamps and np.any(arr != 0):
@@ -251,6 +261,8 @@ class Trace:
         for i, (row, plen) in enumerate(zip(ids, self.prompt_len)):
             if len(row) != plen:
                 raise ValueError(f"request {i}: {len(row)} prompt token ids, prompt_len is {plen}")
+            if row and min(row) < 0:
+                raise ValueError(f"request {i}: prompt token id {min(row)} is negative, expected ids >= 0")
 
     def __len__(self) -> int:
         return len(self.prompt_len)

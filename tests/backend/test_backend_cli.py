@@ -48,6 +48,18 @@ def test_generate_rejects_empty_and_too_long_prompts(smollm2_path, capsys):
     assert "context" in capsys.readouterr().err
 
 
+def test_cuda_without_a_cuda_device_is_a_value_error():
+    import torch
+
+    from backend.model_runner import ModelRunner
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    # was: torch's "Torch not compiled with CUDA enabled" AssertionError, a traceback from `pagesim live
+    # --device cuda` mid-load; a ValueError is the commands' one-line error
+    with pytest.raises(ValueError, match=r"device 'cuda': this torch .* sees no CUDA device; use --device cpu"):
+        ModelRunner(None, {}, "cuda")
+
+
 def test_live_replays_a_trace_and_writes_the_sim_tables(smollm2_path, tmp_path):
     out = tmp_path / "live"
     code = cli_main(["live", "--trace", "fixed", "--num-requests", "3", "--rate", "20", "--no-realtime",

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend.live import LiveExecutor, serve, synthetic_prompt_ids
+from backend.live import LiveExecutor, replay_prompt_ids, serve, synthetic_prompt_ids
 from backend.model_runner import ModelRunner
 from policies import Request, SamplingParams, make_scheduler
 
@@ -108,3 +108,11 @@ def test_synthetic_prompt_ids_follow_prefix_hashes():
     b = Request(1, 0.0, 40, prefix_hashes=(11, 12, 99), hash_block_size=16)
     ia, ib = synthetic_prompt_ids(a, 1000), synthetic_prompt_ids(b, 1000)
     assert len(ia) == 40 and ia[:32] == ib[:32] and ia[32:] != ib[32:]
+
+
+def test_a_trace_with_token_ids_replays_its_own_ids_within_the_vocabulary():
+    # was: live replay replaced a trace's own ids with synthetic ones (and so never saw a bad one)
+    assert replay_prompt_ids(Request(0, 0.0, 3, prompt_token_ids=[5, 6, 7]), 1000) == [5, 6, 7]
+    assert len(replay_prompt_ids(Request(1, 0.0, 3), 1000)) == 3  # length only: synthetic
+    with pytest.raises(ValueError, match=r"request 2: prompt token id 1000 is outside the model's vocabulary"):
+        replay_prompt_ids(Request(2, 0.0, 2, prompt_token_ids=[1, 1000]), 1000)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pandas as pd
@@ -43,6 +44,15 @@ def test_measured_compositions_are_the_scheduler_rule():
         assert len(m["times_s"]) == 2 and m["time_s"] > 0 and min(m["times_s"]) <= m["time_s"] <= max(m["times_s"])
 
 
+def test_points_longer_than_the_context_are_skipped_with_why():
+    # was: "sequence of 1024 tokens exceeds max_position 512" from the runner, after the points before it
+    grid = dataclasses.replace(ProfileGrid.quick(), decode_batches=(1,), decode_contexts=(600,), prefill_lengths=(),
+                               mixed_decodes=(), swap_blocks=(), copy_blocks=(), max_kv_tokens=1024, serve_requests=0)
+    run = profile_model(_runner(), grid)
+    assert run.measurements == []
+    assert run.skipped == ["decode b=1 ctx=600: a sequence of 600 tokens exceeds the model's context of 512"]
+
+
 def test_served_iterations_account_for_every_token_of_the_calibration_workload():
     grid = ProfileGrid.quick()
     served = [m for m in profile_model(_runner(), grid).measurements if m.get("source") == "served"]
@@ -57,7 +67,6 @@ def test_served_iterations_account_for_every_token_of_the_calibration_workload()
 
 
 def test_decode_points_are_timed_again_at_each_extra_block_size():
-    import dataclasses
     grid = dataclasses.replace(ProfileGrid.quick(), block_sizes=(4, 16, 32), serve_requests=0)
     runner = _runner()
     run = profile_model(runner, grid)
