@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _resolve_specs(args)
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # bad input, or a file that cannot be read or written
         print(f"pagesim {args.command}: error: {exc}", file=sys.stderr)  # as argparse words its errors
         return 2
 

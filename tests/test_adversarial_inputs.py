@@ -105,7 +105,19 @@ def test_bad_trace_file_names_the_file_and_line(tmp_path, capsys, name, content,
 
 def test_a_directory_as_trace_is_refused(tmp_path, capsys):
     line = clean_error(["simulate", "--trace", str(tmp_path), *TINY_RUN, "--out", str(tmp_path / "o")], capsys)
-    assert f"trace '{tmp_path}' is neither a synthetic workload" in line
+    assert f"trace '{tmp_path}' is neither a synthetic workload" in line and "it is a directory" in line
+
+
+def test_an_os_error_mid_command_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    # any OSError, not only a missing file (a full disk, a permission refused), was a traceback
+    import sim.run
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sim.run, "run_simulation", full_disk)
+    line = clean_error(["simulate", "--trace", "fixed", *TINY_RUN, "--out", str(tmp_path / "o")], capsys)
+    assert line == "pagesim simulate: error: [Errno 28] No space left on device"
 
 
 def test_bom_and_crlf_load_like_plain_text(tmp_path):

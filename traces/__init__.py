@@ -48,8 +48,9 @@ def resolve_trace(
         if num_requests is not None:
             trace = trace.head(num_requests)
     else:
+        what = "is a directory, not a trace file" if Path(spec).is_dir() else "does not exist"
         raise ValueError(
             f"trace {spec!r} is neither a synthetic workload ({', '.join(SYNTHETIC)}) "
-            "nor an existing file: the file does not exist"
+            f"nor an existing file: it {what}"
         )
     return apply_arrivals(trace, rate=rate, burstiness=burstiness, seed=seed)
