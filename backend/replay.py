@@ -63,7 +63,7 @@ def serve_trace(options: LiveOptions, make_requests: Callable[[int], list[Reques
     if not is_paged(options.policy):
         kw["alloc_unit"] = options.block_size  # contiguous chunks must map onto the cache's blocks
     sched = make_scheduler(options.policy, runner.num_gpu_blocks, options.block_size,
-                           policy_options=options.policy_options, **kw)
+                           policy_options=options.policy_options, slo_ttft=options.slo_ttft, **kw)
     sched.max_model_len = cfg.max_position
     requests = make_requests(cfg.max_position)
     for r in requests:

@@ -109,7 +109,8 @@ def _build_engine(args: argparse.Namespace):
     if not is_paged(args.policy):
         kw["alloc_unit"] = args.block_size  # contiguous chunks must map onto the cache's blocks
     options = parse_policy_args(getattr(args, "policy_args", None))
-    sched = make_scheduler(args.policy, runner.num_gpu_blocks, args.block_size, policy_options=options, **kw)
+    sched = make_scheduler(args.policy, runner.num_gpu_blocks, args.block_size, policy_options=options,
+                           slo_ttft=args.slo_ttft, **kw)
     sched.max_model_len = cfg.max_position
     executor = LiveExecutor(sched, runner, [cfg.eos_token_id], seed=args.seed)  # warms the model up
     # the longest request served: the model's context, or what the KV cache holds if less (so that

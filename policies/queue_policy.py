@@ -377,9 +377,10 @@ class ClientQueues:
 
 class EdfPolicy(QueuePolicy):
     """SLO-aware earliest deadline first: the deadline is arrival + the request's TTFT SLO (its own
-    `slo_ttft`, else `slo_ttft` here). Admission rejects a request whose deadline can no longer be
-    met: when now + its uncached prompt tokens / `prefill_tokens_per_s` is past the deadline (the
-    default rate, infinite, rejects once the deadline has passed while it waited)."""
+    `slo_ttft`, else `slo_ttft` here, which make_scheduler sets to the run's `--slo-ttft` unless
+    given). Admission rejects a request whose deadline can no longer be met: when now + its
+    uncached prompt tokens / `prefill_tokens_per_s` is past the deadline (the default rate,
+    infinite, rejects once the deadline has passed while it waited)."""
 
     name = "edf"
     arrival_order = False

@@ -139,15 +139,28 @@ def is_paged(name: str) -> bool:
     return name not in ("orca-max", "orca-pow2", "orca-oracle", "static")
 
 
-def make_scheduler(name: str, num_blocks: int, block_size: int = 16, **kw: Any) -> Scheduler:
+def make_scheduler(name: str, num_blocks: int, block_size: int = 16, slo_ttft: float | None = None,
+                   **kw: Any) -> Scheduler:
     """Create a policy by name (see resolve_policy) over a KV cache of `num_blocks` blocks of
-    `block_size` tokens; `policy_options` in kw go to the policy class."""
+    `block_size` tokens; `policy_options` in kw go to the policy class. `slo_ttft`: the run's TTFT
+    SLO (`--slo-ttft`), which a policy class taking a `slo_ttft` option of its own (edf) schedules
+    by when that option is not given, so that it aims at the deadline the run is judged by."""
     factory = resolve_policy(name)
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    options = kw.get("policy_options") or {}
+    if slo_ttft is not None and "slo_ttft" not in options and _takes_slo_ttft(name):
+        kw["policy_options"] = {**options, "slo_ttft": slo_ttft}
     return factory(num_blocks, block_size, **kw)
+
+
+def _takes_slo_ttft(name: str) -> bool:
+    """Whether the queue policy `name` resolves to has a `slo_ttft` option."""
+    cls = BUILTIN.get(name) if name in POLICIES else load_plugin(name, "pagesim.policies", "policy", POLICIES)
+    return (inspect.isclass(cls) and issubclass(cls, QueuePolicy)
+            and "slo_ttft" in inspect.signature(cls).parameters)
 
 
 def parse_policy_args(items: list[str] | None, flag: str = "--policy-arg") -> dict[str, Any]:

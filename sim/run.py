@@ -327,7 +327,8 @@ def replica_scheduler(cfg: SimConfig, gpu_blocks: int, cpu_blocks: int, max_mode
     caching = cfg.prefix_caching if prefix_caching is None else prefix_caching
     kw = scheduler_options(cfg.policy, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.preemption,
                            cfg.chunked_prefill, caching, cpu_blocks)
-    sched = make_scheduler(cfg.policy, gpu_blocks, cfg.block_size, policy_options=cfg.policy_options, **kw)
+    sched = make_scheduler(cfg.policy, gpu_blocks, cfg.block_size, policy_options=cfg.policy_options,
+                           slo_ttft=cfg.slo_ttft, **kw)
     sched.max_model_len = max_model_len
     return sched
 

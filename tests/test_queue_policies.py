@@ -146,6 +146,28 @@ def test_edf_rejects_requests_whose_deadline_passed_and_says_why():
     assert edf.wake_time([g], 0.0) == pytest.approx(0.5)
 
 
+
+class DeadlineFirst(EdfPolicy):
+    """A plug-in with its own `slo_ttft` option (it gets the run's SLO as edf does)."""
+
+
+def test_edf_aims_at_the_runs_slo_unless_given_its_own(monkeypatch):
+    # was: edf kept its 1 s default under --slo-ttft 0.05, so the SLO it was judged by never shaped it
+    assert make_scheduler("edf", 100, 16, slo_ttft=0.05).policy.slo_ttft == 0.05
+    assert make_scheduler("edf", 100, 16).policy.slo_ttft == 1.0
+    given = make_scheduler("edf", 100, 16, slo_ttft=0.05, policy_options={"slo_ttft": 2.0})
+    assert given.policy.slo_ttft == 2.0  # an explicit option wins
+    assert make_scheduler("sjf", 100, 16, slo_ttft=0.05).policy.name == "sjf"  # no such option: not passed
+    monkeypatch.setattr(__import__(__name__), "DeadlineFirst", DeadlineFirst, raising=False)
+    assert make_scheduler(f"{__name__}:DeadlineFirst", 100, 16, slo_ttft=0.3).policy.slo_ttft == 0.3
+    # end to end: a burst that cannot all start within 20 ms is partly refused under --slo-ttft 0.02
+    trace = resolve_trace("fixed", num_requests=8, rate=1000.0, seed=0)
+    trace = dataclasses.replace(trace, output_len=np.minimum(trace.output_len, 8))
+    tight = run_simulation(SimConfig(policy="edf", slo_ttft=0.02, max_num_seqs=4), trace)
+    loose = run_simulation(SimConfig(policy="edf", max_num_seqs=4), trace)
+    assert (tight.requests.status == "rejected").any() and (loose.requests.status == "finished").all()
+    assert tight.requests.reject_reason[tight.requests.status == "rejected"].str.contains("deadline").all()
+
 class TokenBucket(QueuePolicy):
     """A user's admission policy written only against the public API: at most `rate` admissions per
     second, deferring the rest (what the README's example does)."""
