@@ -1,7 +1,7 @@
 """Differential fuzzing: skip-ahead (repeat plans) against stepping one iteration at a time.
 
 Hypothesis draws whole SimConfigs over the space users reach (every registered policy, routers and
-1-4 replicas, prefix caching, chunked prefill with budgets near prompt sizes, tiny caches that force
+1-4 or 16 replicas, prefix caching, chunked prefill with budgets near prompt sizes, tiny caches that force
 preemption, recompute / swap with a small CPU space, block sizes, n > 1 and beam search, the
 roofline, calibrated and profiled cost models) and traces from the synthetic generators with
 Poisson, bursty, constant and simultaneous arrivals. Both runs must give identical request and
@@ -124,7 +124,7 @@ def cases(draw: st.DrawFn) -> tuple[SimConfig, Trace]:
         width = draw(st.sampled_from([None, None, 2, 3]))
         if width is not None:
             kw[draw(st.sampled_from(["n", "beam_width"]))] = width
-    replicas = draw(st.sampled_from([1, 1, 2, 3, 4]))
+    replicas = draw(st.sampled_from([1, 1, 2, 3, 4, 16]))  # 16: many windows running across arrivals
     if replicas > 1:
         kw["replicas"] = replicas
         kw["router"] = draw(st.sampled_from(ROUTERS))
