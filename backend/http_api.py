@@ -266,7 +266,8 @@ class OpenAIServer:
                            code="unsupported_media_type")
         try:
             body = json.loads(await _body(request, self.options.max_body_bytes))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        # ValueError covers both decode errors and an integer past Python's 4300-digit limit
+        except (ValueError, RecursionError) as e:
             raise ApiError(f"malformed JSON in the request body: {e}", code="invalid_json") from None
         try:  # a lone surrogate escape ("\ud800") parses, then breaks the tokenizer or the answer's encoding
             json.dumps(body, ensure_ascii=False).encode()

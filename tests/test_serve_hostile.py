@@ -142,6 +142,9 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
     ("/v1/chat/completions", json.dumps({**CHAT, "messages": [{"role": "user", "content": "@"}]}).replace("@", "\\udc00"),
      400, None),
     ("/v1/completions", '{"model": "\\ud800", "prompt": "Hi"}', 400, None),
+    # an integer past Python's 4300-digit str -> int limit: json.loads raises a plain ValueError (was a 500)
+    ("/v1/completions", json.dumps(C).replace('"max_tokens": 2', '"max_tokens": ' + "9" * 5000), 400, None),
+    ("/v1/completions", json.dumps({**C, "prompt": [7]}).replace("[7]", "[" + "9" * 5000 + "]"), 400, None),
 ])
 def test_bad_requests_are_400_naming_the_field(server, path, body, status, param):
     r = _post(server, path, body)
