@@ -161,10 +161,13 @@ def _message(m: object, i: int) -> dict:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise ApiError(f"messages[{i}] must be an object with a 'role' and a 'content'", param="messages")
     content = m.get("content")
-    if isinstance(content, list):  # content parts: only text ones
-        if any(not isinstance(c, dict) or c.get("type") != "text" for c in content):
-            raise ApiError(f"messages[{i}].content: only text parts are supported", param="messages")
-        content = "".join(str(c.get("text", "")) for c in content)
+    if isinstance(content, list):  # content parts: only text ones, each with its text (str() made
+        # a missing or null text "" or "None" in the prompt)
+        if any(not isinstance(c, dict) or c.get("type") != "text" or not isinstance(c.get("text"), str)
+               for c in content):
+            raise ApiError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': <string>}}) "
+                           "are supported", param="messages")
+        content = "".join(c["text"] for c in content)
     if not isinstance(content, str):
         raise ApiError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
     return {"role": m["role"], "content": content}

@@ -173,6 +173,16 @@ def test_bad_completion_fields_name_the_field(body, param):
     assert e.value.status == 400 and e.value.param == param
 
 
+@pytest.mark.parametrize("part", [{"type": "text"}, {"type": "text", "text": None}, {"type": "text", "text": 5}])
+def test_chat_text_part_without_a_string_text_is_refused(part):
+    """Was str()-ed into the prompt: a missing text became "", a null one the word "None"."""
+    from backend.openai_protocol import ApiError, parse_chat
+
+    with pytest.raises(ApiError) as e:
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": [part]}]}, "m", CharTokenizer())
+    assert e.value.status == 400 and e.value.param == "messages" and "messages[0].content" in str(e.value)
+
+
 def test_chat_template_and_params():
     from backend.openai_protocol import parse_chat, parse_completion
 
