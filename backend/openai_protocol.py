@@ -208,8 +208,10 @@ def _params(body: dict, max_key: str, default_max: int | None) -> GenerationPara
                              or not all(isinstance(s, str) and s for s in stop)):
         raise ApiError(f"'stop' must be a non-empty string or a list of at most {MAX_STOP} of them", param="stop")
     opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise ApiError("'stream_options' must be an object", param="stream_options")
+    if not isinstance(opts, dict) or any(opts.get(k) is not None and not isinstance(opts[k], bool)
+                                         for k in ("include_usage", "continuous_usage_stats")):
+        raise ApiError("'stream_options' must be an object whose include_usage and continuous_usage_stats "
+                       "are true or false", param="stream_options")
     for k, key in (("stream", "stream"), ("ignore_eos", "ignore_eos")):
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise ApiError(f"'{key}' must be true or false", param=k)

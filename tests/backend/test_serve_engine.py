@@ -164,6 +164,7 @@ def test_text_deltas_hold_back_a_possible_stop_string():
     ({"model": "m", "prompt": "x", "top_p": 0}, "top_p"), ({"model": "m", "prompt": "x", "stop": [""]}, "stop"),
     ({"model": "m", "prompt": "x", "logprobs": 2}, "logprobs"), ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
     ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
+    ({"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
 ])
 def test_bad_completion_fields_name_the_field(body, param):
     from backend.openai_protocol import ApiError, parse_completion
