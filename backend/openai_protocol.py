@@ -75,6 +75,9 @@ class ParsedRequest:
 def parse_completion(body: object, model: str, tokenizer) -> ParsedRequest:
     body = _object(body)
     _check_fields(body, _COMPLETION, model)
+    if body.get("logprobs") is not None:  # here 0 (or false) still asks for the sampled tokens' logprobs
+        raise ApiError("'logprobs' is not supported by this server (only null)", param="logprobs",
+                       code="unsupported_parameter")
     prompt = body.get("prompt")
     if prompt is None:
         raise ApiError("'prompt' is required", param="prompt")

@@ -165,6 +165,8 @@ def test_text_deltas_hold_back_a_possible_stop_string():
     ({"model": "m", "prompt": "x", "logprobs": 2}, "logprobs"), ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
     ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
     ({"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
+    # a completion's logprobs 0 asks for the sampled tokens' logprobs (OpenAI, vLLM): not a neutral value
+    ({"model": "m", "prompt": "x", "logprobs": 0}, "logprobs"), ({"model": "m", "prompt": "x", "logprobs": False}, "logprobs"),
 ])
 def test_bad_completion_fields_name_the_field(body, param):
     from backend.openai_protocol import ApiError, parse_completion
