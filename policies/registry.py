@@ -42,6 +42,7 @@ def _paged(policy_cls: type[QueuePolicy] | None, label: str) -> Callable[..., Sc
         elif policy_options:
             raise ValueError(f"policy {label} takes no policy options; got {', '.join(policy_options)}")
         return VllmScheduler(num_gpu_blocks=num_blocks, block_size=block_size, policy=policy, **kw)
+    make.policy_class = policy_cls  # what make_scheduler asks about its options (see _takes_slo_ttft)
     return make
 
 
@@ -151,16 +152,16 @@ def make_scheduler(name: str, num_blocks: int, block_size: int = 16, slo_ttft: f
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     options = kw.get("policy_options") or {}
-    if slo_ttft is not None and "slo_ttft" not in options and _takes_slo_ttft(name):
+    if slo_ttft is not None and "slo_ttft" not in options and _takes_slo_ttft(factory):
         kw["policy_options"] = {**options, "slo_ttft": slo_ttft}
     return factory(num_blocks, block_size, **kw)
 
 
-def _takes_slo_ttft(name: str) -> bool:
-    """Whether the queue policy `name` resolves to has a `slo_ttft` option."""
-    cls = BUILTIN.get(name) if name in POLICIES else load_plugin(name, "pagesim.policies", "policy", POLICIES)
-    return (inspect.isclass(cls) and issubclass(cls, QueuePolicy)
-            and "slo_ttft" in inspect.signature(cls).parameters)
+def _takes_slo_ttft(factory: Callable[..., Scheduler]) -> bool:
+    """Whether the factory's queue policy class (a paged policy's; none for the others) has a
+    `slo_ttft` option."""
+    cls = getattr(factory, "policy_class", None)
+    return cls is not None and "slo_ttft" in inspect.signature(cls).parameters
 
 
 def parse_policy_args(items: list[str] | None, flag: str = "--policy-arg") -> dict[str, Any]:
