@@ -199,8 +199,8 @@ def run(args: argparse.Namespace, study: CapacityStudy | None = None,
 
 def command(args: argparse.Namespace) -> int:
     study = prepare(args)
-    print_header(args, study)
     cols = columns(args)
+    print_header(args, study, cols)
     write_report(args, run(args, study, on_result=lambda r: print_answer(args, r), on_run=lambda r: print_row(r, cols)))
     return 0
 
@@ -210,10 +210,10 @@ def _slo(args: argparse.Namespace) -> str:
                                     args.slo_tpot and f"TPOT <= {args.slo_tpot:g} s") if s)
 
 
-def print_header(args: argparse.Namespace, study: CapacityStudy) -> None:
+def print_header(args: argparse.Namespace, study: CapacityStudy, cols: Columns) -> None:
     print(f"capacity: {len(study.trace)} requests of {study.trace.name} on {study_title(args)}, "
           f"{args.attainment:.0%} of requests within {_slo(args)}")
-    print(columns(args).header() + (f" {'seed':>5}" if args.seeds > 1 else ""))
+    print(cols.header() + (f" {'seed':>5}" if args.seeds > 1 else ""))
 
 
 COLUMNS = Columns(("router", "router", "<16"), ("rate", "rate", ">6g"), ("replicas", "replicas", ">8"),

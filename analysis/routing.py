@@ -160,8 +160,8 @@ def run(args: argparse.Namespace, study: RoutingStudy | None = None,
 
 def command(args: argparse.Namespace) -> int:
     study = prepare(args)
-    print_header(args, study)
     cols = columns(args)
+    print_header(args, study, cols)
     write_report(args, run(args, study, on_row=lambda r: print_row(r, cols)))
     return 0
 
@@ -171,10 +171,10 @@ def _replicas_of(args: argparse.Namespace) -> str:
     return f"{args.model} on {' + '.join(hw)}" if hw else study_title(args)
 
 
-def print_header(args: argparse.Namespace, study: RoutingStudy) -> None:
+def print_header(args: argparse.Namespace, study: RoutingStudy, cols: Columns) -> None:
     print(f"routing: {len(study.trace)} requests of {study.trace.name}, {study.base.replicas} replicas of "
           f"{_replicas_of(args)}, prefix caching {'off' if args.no_prefix_caching else 'on'}")
-    print(columns(args).header() + (f" {'seed':>5}" if args.seeds > 1 else ""))
+    print(cols.header() + (f" {'seed':>5}" if args.seeds > 1 else ""))
 
 
 COLUMNS = Columns(("router", "router", "<16"), ("rate", "rate", ">6.2f"), ("req/s", "throughput", ">7.3f"),
