@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import accumulate
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,6 +25,21 @@ from policies.request import Request, SeqStatus, Sequence, SequenceGroup
 from policies.scheduler import Scheduler
 
 PREEMPTION_MODES = ("recompute", "swap")
+
+# what `_admission` answers for the waiting group considered first
+ADMITTED, DEFERRED, BLOCKED, OVER_BUDGET, REJECTED = "admitted", "deferred", "blocked", "over budget", "rejected"
+
+
+class Admission(NamedTuple):
+    """`_admission`'s answer: the verdict, the running sequences it counted (None: not needed),
+    and by verdict the first chunk (ADMITTED), the prefix-cache hit (ADMITTED, OVER_BUDGET) or
+    the reason (REJECTED)."""
+
+    verdict: str
+    demand: int | None
+    chunk: int = 0
+    cached: int = 0
+    reason: str = ""
 
 
 class VllmScheduler(Scheduler):
@@ -293,38 +309,55 @@ class VllmScheduler(Scheduler):
         return self.chunked_prefill or seq.num_tokens - seq.num_computed > self.max_num_batched_tokens
 
     def _schedule_waiting(self, plan: StepPlan, budget: list[int], now: float) -> None:
-        bm = self.bm
         demand = None  # summed over the batch only when a group could be admitted
-        policy = self.policy
         while self.waiting and budget[0] > 0:
             group = self.waiting[0]
-            req = group.request
-            width = req.sampling.width
-            reason = self._never_fits(group)
-            if reason is None:
-                decision = ADMIT if self._admits_all else policy.admit(group, now)
-                if decision == DEFER:
-                    return
-                if decision != ADMIT:
-                    reason = decision
-            if reason is not None:
+            answer = self._admission(group, budget[0], demand, now)
+            demand = answer.demand
+            if answer.verdict == REJECTED:
                 self.waiting.popleft()
-                self._reject(group, reason, plan, now)
+                self._reject(group, answer.reason, plan, now)
                 continue
-            # never NEVER here: _never_fits checks the same bound
-            if not bm.fits_now(group, budget[0] if self._chunkable(group.seqs[0]) else None):
+            if answer.verdict != ADMITTED:
                 return
-            if demand is None:
-                demand = self._demand()
-            if demand + width > self.max_num_seqs:
-                return
-            if not self._admit(group, plan, budget):
-                return
-            demand += width
+            self._admit(group, plan, answer.chunk, answer.cached)
+            budget[0] -= answer.chunk
+            demand += group.request.sampling.width
             self.waiting.popleft()
             if group.first_scheduled is None:
                 group.first_scheduled = now
-                policy.on_admitted(group, now)
+                self.policy.on_admitted(group, now)
+
+    def _admission(self, group: SequenceGroup, left: int, demand: int | None, now: float) -> Admission:
+        """The one admission rule, for the waiting group considered first, with `left` tokens of the
+        iteration's budget and `demand` sequences running (None: count them when needed). Stepping
+        acts on it (`_schedule_waiting`) and windows ask it of the iteration they would skip
+        (`_stays_blocked`). Pure: no block is touched and no prefix lookup counted.
+
+        REJECTED: it can never run here, or the policy rejects it; DEFERRED: the policy holds it
+        back (nothing behind it is admitted); BLOCKED: free blocks or seats refuse it now;
+        OVER_BUDGET: its first chunk, less the `cached` tokens the prefix cache holds, does not fit
+        the token budget; ADMITTED: its first chunk (`chunk` tokens after `cached`) runs now."""
+        reason = self._never_fits(group)
+        if reason is None and not self._admits_all:
+            decision = self.policy.admit(group, now)
+            if decision == DEFER:
+                return Admission(DEFERRED, demand)
+            if decision != ADMIT:
+                reason = decision
+        if reason is not None:
+            return Admission(REJECTED, demand, reason=reason)
+        (seq,) = group.seqs  # waiting groups always hold one sequence (see _preempt)
+        # never NEVER here: _never_fits checks the same bound
+        if not self.bm.fits_now(group, left if self._chunkable(seq) else None):
+            return Admission(BLOCKED, demand)
+        if demand is None:
+            demand = self._demand()
+        if demand + group.request.sampling.width > self.max_num_seqs:
+            return Admission(BLOCKED, demand)
+        cached = self.bm.prefix_hit_tokens(seq)
+        n = self._first_chunk(seq, cached, left)
+        return Admission(ADMITTED if n else OVER_BUDGET, demand, n, cached)
 
     def _first_chunk(self, seq: Sequence, cached: int, budget: int) -> int:
         """The first chunk of a waiting sequence whose first `cached` tokens the prefix cache holds:
@@ -334,16 +367,11 @@ class VllmScheduler(Scheduler):
             return n
         return budget if self.chunked_prefill or n > self.max_num_batched_tokens else 0
 
-    def _admit(self, group: SequenceGroup, plan: StepPlan, budget: list[int]) -> bool:
-        """Allocate the (single) waiting sequence's table and schedule its first chunk; False, with
-        nothing changed (no block touched, no prefix lookup counted), if the token budget cannot
-        take it this iteration. The chunk is sized from a pure prefix lookup before allocating."""
+    def _admit(self, group: SequenceGroup, plan: StepPlan, n: int, cached: int) -> None:
+        """Allocate the (single) waiting sequence's table, `cached` tokens of it found in the
+        prefix cache, and schedule its first chunk of `n` tokens (as `_admission` sized it)."""
         bm = self.bm
-        (seq,) = group.seqs  # waiting groups always hold one sequence (see _preempt)
-        cached = bm.prefix_hit_tokens(seq)
-        n = self._first_chunk(seq, cached, budget[0])
-        if n == 0:
-            return False
+        (seq,) = group.seqs
         if bm.allocate(seq) != cached:
             raise AssertionError(f"group {group.group_id}: the prefix lookup changed during admission")
         seq.num_computed = cached
@@ -354,8 +382,6 @@ class VllmScheduler(Scheduler):
         plan.copies.extend(copies)
         self._insert_running(group)
         self._emit(plan, seq, n)
-        budget[0] -= n
-        return True
 
     # ---------------------------------------------------------------- skipping ahead
     def plan_repeat(self, now: float) -> RepeatPlan | None:
@@ -414,32 +440,19 @@ class VllmScheduler(Scheduler):
         return plan
 
     def _stays_blocked(self, head: SequenceGroup, num_running: int, now: float) -> bool:
-        """True if the waiting group `head`, considered first, is refused now for a reason that
-        persists while running sequences only grow (free blocks only shrink, counts and budgets
-        stay), or deferred by the policy (until its wake_time, where the window ends)."""
+        """True if the waiting group `head`, considered first in a plain decode iteration of
+        `num_running` single sequences, is refused by `_admission` for a reason that persists
+        while those sequences only grow (free blocks only shrink, counts and budgets stay), or
+        deferred by the policy (until its wake_time, where the window ends)."""
         if len(head.seqs) != 1 or head.rejected is not None:
             return False
-        req = head.request
-        width = req.sampling.width
-        if self._never_fits(head):
-            return False  # would be rejected
-        if not self._admits_all:
-            decision = self.policy.admit(head, now)
-            if decision != ADMIT:
-                return decision == DEFER
-        left = self.max_num_batched_tokens - num_running
-        chunkable = self._chunkable(head.seqs[0])
-        # never NEVER: checked above
-        if not self.bm.fits_now(head, left if chunkable else None) or num_running + width > self.max_num_seqs:
-            return True
-        # refused by the budget, as _admit would: the prompt less its prefix-cache hit must not fit.
-        # Decodes can only evict that hit (the need grows); unless the growth could make a
-        # sequence too long for one iteration, and so chunkable, the refusal persists
-        seq = head.seqs[0]
-        cached = self.bm.prefix_hit_tokens(seq)
-        if cached and not self.chunked_prefill and seq.num_tokens > self.max_num_batched_tokens:
-            return False
-        return self._first_chunk(seq, cached, left) == 0
+        answer = self._admission(head, self.max_num_batched_tokens - num_running, num_running, now)
+        if answer.verdict != OVER_BUDGET:
+            return answer.verdict in (BLOCKED, DEFERRED)
+        # the prompt less its prefix-cache hit does not fit: decodes can only evict that hit (the
+        # need grows); unless the growth could make a sequence too long for one iteration, and so
+        # chunkable, the refusal persists
+        return not answer.cached or self.chunked_prefill or head.seqs[0].num_tokens <= self.max_num_batched_tokens
 
     def apply_repeat(self, plan: RepeatPlan, end: float,
                      price: Callable[[StepComposition], float]) -> RepeatResult:
