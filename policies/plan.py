@@ -179,6 +179,30 @@ class RepeatPlan:
 
 
 @dataclass(slots=True, eq=False)
+class DecodeStepPlan:
+    """A scheduler's offer to apply its next iteration at once, without a plan per sequence: the
+    running batch, `seqs` (single sequences, in batch order), decodes one token each with blocks
+    enough for all (nothing is preempted or swapped), while waiting groups are admitted or rejected
+    by the scheduler's own admission rule, as stepping would. The executor says how many tokens
+    each of `seqs` samples before it finishes (`remaining`, as for a RepeatPlan) before the
+    scheduler applies it. Valid until the scheduler next changes."""
+
+    seqs: list[Sequence]
+    remaining: list[int] | None = None
+
+
+@dataclass(slots=True, eq=False)
+class DecodeStepResult:
+    """What applying a DecodeStepPlan did: the iteration's composition and the executor's result
+    for it (its duration; outcomes of the sequences it sampled and could not assume continued),
+    and the groups that finished at its end."""
+
+    comp: StepComposition
+    result: StepResult
+    finished: list
+
+
+@dataclass(slots=True, eq=False)
 class RepeatResult:
     """What applying a RepeatPlan did. Per repeated iteration (arrays or lists of `steps` entries,
     or one value for all): the running groups and KV memory by category after it (a finish shows

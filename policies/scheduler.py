@@ -17,10 +17,20 @@ import bisect
 import itertools
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from policies.memory import MemoryBreakdown
-from policies.plan import RepeatPlan, RepeatResult, SeqOutcome, StepComposition, StepPlan, StepResult
+from policies.plan import (
+    DecodeStepPlan,
+    DecodeStepResult,
+    RepeatPlan,
+    RepeatResult,
+    ScheduledSeq,
+    SeqOutcome,
+    StepComposition,
+    StepPlan,
+    StepResult,
+)
 from policies.queue_policy import QueuePolicy
 from policies.request import Request, SeqStatus, Sequence, SequenceGroup
 
@@ -242,6 +252,17 @@ class Scheduler(ABC):
         iteration after them, whose duration `price` gives once its preemptions are known."""
         raise AssertionError(f"scheduler {self.name} offered no RepeatPlan to apply")
 
+    def plan_decode_step(self) -> DecodeStepPlan | None:
+        """Offer the next iteration to be applied at once (see DecodeStepPlan), or None when it
+        must be scheduled normally. The base offers none."""
+        return None
+
+    def apply_decode_step(self, plan: DecodeStepPlan, now: float,
+                          execute: Callable[[StepPlan, StepComposition], StepResult]) -> DecodeStepResult:
+        """Apply the offered iteration, begun at `now`, at once: what schedule(), `execute` and
+        on_step_done() at its end would do."""
+        raise AssertionError(f"scheduler {self.name} offered no DecodeStepPlan to apply")
+
     @abstractmethod
     def schedule(self, now: float) -> StepPlan:
         """Decide the next iteration."""
@@ -265,9 +286,13 @@ class Scheduler(ABC):
         Pruned sequences (keep=False, no children) are dropped before any fork, so that their
         memory serves this step's forks (the contiguous baselines' spare chunks); a dropped parent
         with children continues as its first child (no copy)."""
-        seqs = self.seqs
         if self.policy.tracks_service:
-            self._account_service(plan)
+            self._account_service(plan.seqs)
+        return self._apply_outcomes(plan, result, now)
+
+    def _apply_outcomes(self, plan: StepPlan, result: StepResult, now: float) -> list[SequenceGroup]:
+        """`on_step_done` after the policy was told what each group was served."""
+        seqs = self.seqs
         outcomes = result.outcomes
         others_continue = result.others_continue
         sampled: list[Sequence] = []       # parallel lists, not tuples: fewer objects for the GC
@@ -339,10 +364,10 @@ class Scheduler(ABC):
                 finished.append(group)
         return finished
 
-    def _account_service(self, plan: StepPlan) -> None:
+    def _account_service(self, scheduled: Iterable[ScheduledSeq]) -> None:
         """Tell the policy what each group was served in this step: prompt tokens, then the rest."""
         seqs, served = self.seqs, self.policy.on_served
-        for ss in plan.seqs:
+        for ss in scheduled:
             seq = seqs[ss.seq_id]
             prefill = max(0, min(ss.start + ss.num_new_tokens, seq.prompt_len) - ss.start)
             served(seq.group, prefill, ss.num_new_tokens - prefill)

@@ -147,6 +147,15 @@ class ReplicaStep:
             # which is nearer than one recent iteration: most likely no window, so step without
             # asking (stepping gives the same result, so a guess costs only time)
             return None
+        window = self._window(now, next_arrival, queued, reads_state)
+        if window is None and (not reads_state or next_arrival == math.inf):
+            window = self._decode_step(now, queued)
+        return window
+
+    def _window(self, now: float, next_arrival: float, queued: Callable[[np.ndarray], np.ndarray] | None,
+                reads_state: bool) -> Window | None:
+        """begin_window's plain decodes (and the preempting iteration after them), or None."""
+        sched = self.scheduler
         plan = sched.plan_repeat(now)
         if plan is None:
             return None
@@ -198,6 +207,29 @@ class ReplicaStep:
             # new lists: the rows above hold the plain decodes' own
             window.ends, window.durations = [*ends, end_x], [*durations, duration]
         sched.departing = len(sched.done) - done0  # all at the window's last end
+        return window
+
+    def _decode_step(self, now: float, queued: Callable[[np.ndarray], np.ndarray] | None) -> Window | None:
+        """The next iteration applied at once as a one-iteration window, when the scheduler offers
+        it (a batch of plain decodes that preempts nothing, admitting and rejecting as stepping
+        would), or None. Its decisions are taken at `now`, as stepping takes them; arrivals during
+        it cannot change them, and may read only the replica's outstanding count, which changes at
+        its end (`departing`: its finishes), unless none is left to arrive."""
+        sched = self.scheduler
+        plan = sched.plan_decode_step()
+        if plan is None:
+            return None
+        executor: RepeatExecutor = self.executor  # type: ignore[assignment]
+        plan.remaining = executor.remaining(plan)
+        res = sched.apply_decode_step(plan, now, executor.execute)
+        duration = res.result.duration
+        end = now + duration
+        waiting = len(sched.waiting) + (int(queued(np.array([end]))[0]) if queued is not None else 0)
+        window = Window(now, [end], [duration], False)
+        window.exhaustion_row = [now, duration, res.comp, 0, waiting, len(sched.running), sched.memory(),
+                                 sched.prefix_hits]
+        sched.departing = len(res.finished)
+        self._recent_duration = duration
         return window
 
     def complete_window(self, window: Window, joined: Sequence[float] = ()) -> None:

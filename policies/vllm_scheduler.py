@@ -12,6 +12,7 @@ nothing new is admitted while any group is swapped out).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -19,7 +20,16 @@ import numpy as np
 
 from policies.block_manager import PagedBlockManager
 from policies.memory import MemoryBreakdown
-from policies.plan import RepeatPlan, RepeatResult, ScheduledSeq, StepComposition, StepPlan
+from policies.plan import (
+    DecodeStepPlan,
+    DecodeStepResult,
+    RepeatPlan,
+    RepeatResult,
+    ScheduledSeq,
+    StepComposition,
+    StepPlan,
+    StepResult,
+)
 from policies.queue_policy import ADMIT, DEFER, QueuePolicy
 from policies.request import Request, SeqStatus, Sequence, SequenceGroup
 from policies.scheduler import Scheduler
@@ -64,6 +74,7 @@ class VllmScheduler(Scheduler):
         self.bm = PagedBlockManager(num_gpu_blocks, block_size, num_cpu_blocks, watermark, prefix_caching)
         # the last plan_repeat's plan, its steps and exhausts as offered (until applied or stale)
         self._offer: tuple[RepeatPlan, int, bool] | None = None
+        self._decode_offer: DecodeStepPlan | None = None  # the last plan_decode_step's offer
         # what a preempting iteration in a window leaves for the next plan_repeat: (by_phase,
         # remaining, context tokens) of the survivors, so that it need not walk the batch again
         self._carry: tuple[list[list[Sequence]], list[int], int] | None = None
@@ -137,7 +148,8 @@ class VllmScheduler(Scheduler):
         return self.bm.inject_prefix(request)
 
     def abort(self, group_id: int, now: float, reason: str = "aborted") -> SequenceGroup | None:
-        self._offer = self._carry = None  # the batch a plan or carry describes may lose a group
+        # the batch a plan or carry describes may lose a group
+        self._offer = self._carry = self._decode_offer = None
         return super().abort(group_id, now, reason)
 
     def block_usage(self) -> tuple[int, int]:
@@ -149,7 +161,7 @@ class VllmScheduler(Scheduler):
     # ---------------------------------------------------------------- scheduling
     def schedule(self, now: float) -> StepPlan:
         self.settle()
-        self._offer = self._carry = None  # the running set is about to change
+        self._offer = self._carry = self._decode_offer = None  # the running set is about to change
         plan = StepPlan(block_size=self.block_size)
         budget = [self.max_num_batched_tokens]
         preempted = self._schedule_running(plan, budget)
@@ -394,7 +406,7 @@ class VllmScheduler(Scheduler):
         When something waiting could be admitted, only an iteration that runs out of blocks at
         once (it admits nothing) is offered.
         """
-        self._offer = None
+        self._offer = self._decode_offer = None
         carry, self._carry = self._carry, None
         if carry is None:
             self.settle()  # the walk below reads the sequences
@@ -453,6 +465,88 @@ class VllmScheduler(Scheduler):
         # need grows); unless the growth could make a sequence too long for one iteration, and so
         # chunkable, the refusal persists
         return not answer.cached or self.chunked_prefill or head.seqs[0].num_tokens <= self.max_num_batched_tokens
+
+    def plan_decode_step(self) -> DecodeStepPlan | None:
+        """Offer the next iteration to be applied at once (see DecodeStepPlan) when every running
+        group is a single sequence decoding one token, the budget holds them all, nothing is
+        swapped out, the free blocks cover every block the batch opens or copies (so nothing is
+        preempted) and no prefix cache registers the blocks they fill; else None (step it)."""
+        self._offer = self._carry = None
+        self.settle()  # the walk below reads the sequences
+        running = self.running
+        if (not running or self.swapped or len(running) > self.max_num_batched_tokens
+                or self.bm.enable_prefix_caching):
+            return None
+        bs = self.block_size
+        blocks, tables = self.bm.pool.blocks, self.bm.tables
+        seqs = []
+        opening = 0  # blocks the batch takes: a full last block, or a shared one to copy
+        for g in running:
+            if len(g.seqs) != 1:
+                return None
+            s = g.seqs[0]
+            c = s.num_computed
+            if s.prompt_len + s.output_len - c != 1 or not s.output_len:
+                return None
+            if not c % bs or blocks[tables[s.seq_id][-1]].ref_count > 1:
+                opening += 1
+            seqs.append(s)
+        if opening > self.bm.num_free_blocks:
+            return None
+        plan = DecodeStepPlan(seqs)
+        self._decode_offer = plan
+        return plan
+
+    def apply_decode_step(self, plan: DecodeStepPlan, now: float,
+                          execute: Callable[[StepPlan, StepComposition], StepResult]) -> DecodeStepResult:
+        """Apply the offered iteration as schedule(), the executor and on_step_done() would, the
+        groups finishing at its end (now + its duration): the batch's tokens first (blocks in batch
+        order), then the waiting queue by `_schedule_waiting`. Only the sequences that finish and
+        the admitted ones get a ScheduledSeq (in plan order: `execute(plan, composition)` prices
+        the whole iteration and returns their outcomes); the others move on by one token here."""
+        offer, self._decode_offer = self._decode_offer, None
+        if plan is not offer or plan.remaining is None or len(plan.remaining) != len(plan.seqs):
+            raise AssertionError("apply_decode_step needs the scheduler's current DecodeStepPlan with its remaining counts")
+        bm = self.bm
+        bs = self.block_size
+        blocks, tables, bm_slots = bm.pool.blocks, bm.tables, bm.slots
+        step = StepPlan(block_size=bs)
+        continuing = []
+        context = 0  # of the continuing sequences, with the new token
+        for s, r in zip(plan.seqs, plan.remaining):
+            sid = s.seq_id
+            table = tables[sid]
+            start = s.num_computed
+            cur = bm_slots[sid]
+            if cur % bs and cur < start + 1 <= len(table) * bs and blocks[table[-1]].ref_count == 1:
+                bm.extend_own_block(sid, start + 1, cur, table)
+            else:
+                step.copies.extend(bm.append_slots(s, 1))  # plan_decode_step counted its block
+            if r == 1:  # its last token: stepped through on_step_done with the executor's outcome
+                step.seqs.append(ScheduledSeq(sid, s.group.group_id, start, 1, table, True))
+            else:
+                continuing.append(s)
+                context += start + 1
+        num_finishing = len(step.seqs)
+        self._schedule_waiting(step, [self.max_num_batched_tokens - len(plan.seqs)], now)
+        part = step.composition()
+        comp = replace(part, num_decode_seqs=part.num_decode_seqs + len(continuing),
+                       decode_context_tokens=part.decode_context_tokens + context)
+        result = execute(step, comp)
+        end = now + result.duration
+        if self.policy.tracks_service:  # in plan order: the batch, then the admitted
+            served = self.policy.on_served
+            for s in plan.seqs:
+                served(s.group, 0, 1)
+            self._account_service(step.seqs[num_finishing:])
+        for s in continuing:  # on_step_done's plain continuation
+            s.num_computed += 1
+            s.output_len += 1
+            s.cum_logprob = 0.0
+            if s.token_ids is not None:
+                s.token_ids.append(-1)
+        finished = self._apply_outcomes(step, result, end)
+        return DecodeStepResult(comp, result, finished)
 
     def apply_repeat(self, plan: RepeatPlan, end: float,
                      price: Callable[[StepComposition], float]) -> RepeatResult:

@@ -23,10 +23,13 @@ from traces import resolve_trace
 
 
 class NoWindows(VllmScheduler):
-    """The paged scheduler with the base's answer: no RepeatPlan, ever."""
+    """The paged scheduler with the base's answers: no RepeatPlan or DecodeStepPlan, ever."""
 
     def plan_repeat(self, now: float):
         return Scheduler.plan_repeat(self, now)
+
+    def plan_decode_step(self):
+        return Scheduler.plan_decode_step(self)
 
 
 class ReservingFcfs(OrcaScheduler):
@@ -130,6 +133,14 @@ def test_apply_repeat_refuses_a_plan_widened_or_not_offered():
         sched.apply_repeat(plan, now, ex.price)
     with pytest.raises(AssertionError, match="offered no RepeatPlan"):
         Scheduler.apply_repeat(sched, plan, now, ex.price)
+    step = sched.plan_decode_step()
+    with pytest.raises(AssertionError, match="with its remaining counts"):  # the executor's answer is missing
+        sched.apply_decode_step(step, now, ex.execute)
+    step = sched.plan_decode_step()
+    step.remaining = ex.remaining(step)
+    sched.schedule(now)  # the offer is stale once the scheduler changes
+    with pytest.raises(AssertionError, match="current DecodeStepPlan"):
+        sched.apply_decode_step(step, now, ex.execute)
 
 
 @pytest.mark.parametrize("router", ["least-loaded", "cache-aware"])
@@ -159,3 +170,35 @@ def test_state_reading_policies_run_through_block_exhaustion_once_every_request_
     b = run_simulation(dataclasses.replace(cfg, fast_forward=False), tr)
     pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
     pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
+
+
+def _state(sched: VllmScheduler) -> list:
+    """Everything an iteration changes that the tables do not show: each group's sequences and
+    their block tables, the free queue, the token states."""
+    bm = sched.bm
+    groups = [(g.group_id, g.first_scheduled, g.first_token_time, g.finish_time,
+               [(s.num_computed, s.output_len, bm.tables.get(s.seq_id), bm.slots.get(s.seq_id)) for s in g.seqs])
+              for q in (sched.running, sched.waiting, sched.done) for g in q]
+    return [groups, bm.pool.free, bm.pool.used_filled]
+
+
+@pytest.mark.parametrize("finishing", [False, True])
+def test_an_admitting_iteration_is_applied_as_one_window_as_stepping_applies_it(finishing):
+    # a request waits that the next iteration admits: no window of plain decodes, but that one
+    # iteration (the batch's decodes, the admission, with `finishing` the first group's last token)
+    # is applied at once, as begin, execute and complete would step it
+    out = 2 if finishing else 40
+    (a, _, rs_a, now), (b, _, rs_b, _) = _decoding(out=out), _decoding(out=out)
+    for sched in (a, b):
+        sched.add_request(Request(10, now, 30, SamplingParams(max_tokens=5, ignore_eos=True), 5))
+    window = rs_a.begin_window(now)
+    assert window is not None and len(window.ends) == 1 and not window.exhaustion
+    assert a.running[-1].group_id == 10 and a.running[-1].first_scheduled == now
+    assert a.departing == finishing  # the finish counts as outstanding until the clock is there
+    rs_a.complete_window(window)
+    step = rs_b.begin(now)
+    rs_b.complete(step, now + step.result.duration)
+    assert window.ends == [now + step.result.duration] and (rs_a.windows, rs_b.windows) == (1, 0)
+    assert [g.group_id for g in a.done] == ([0] if finishing else [])
+    assert _state(a) == _state(b)
+    pd.testing.assert_frame_equal(rs_a.log.frame(), rs_b.log.frame(), check_exact=True)
