@@ -23,6 +23,12 @@ this replica's state (`routed`: a router picks a replica by more than its outsta
 the policy queues by state), any arrival. A router that reads only counts (`counts_only`) sees
 the count the replica had at the arrival's time: it changes in a window only at its last end,
 where its finishes are, and `Scheduler.departing` holds them until the caller's clock gets there.
+When no such window is certain, the next iteration itself may be applied at once as a
+one-iteration window (the scheduler's DecodeStepPlan: a batch of plain decodes with the blocks it
+opens, so nothing is preempted, while the scheduler's own admission rule admits and rejects from
+the queue): its decisions are taken at its start, as stepping takes them, and only its finishing
+and admitted sequences get a plan of their own; arrivals during it may read only the outstanding
+count (its finishes are `departing` until its end), unless none is left to arrive.
 The result is the same, bit for bit, as stepping the window's iterations one by one.
 """
 

@@ -429,27 +429,39 @@ class VllmScheduler(Scheduler):
         if carry is not None:
             by_phase, rem, context = carry
         else:
-            bs = self.block_size
-            by_phase = [[] for _ in range(bs)]
-            context = 0
-            add = seqs.append
-            for g in running:
-                if len(g.seqs) != 1:
-                    return None
-                s = g.seqs[0]
-                c = s.num_computed
-                # exactly one token to compute, and it is not a prompt's last (that samples the first)
-                if s.prompt_len + s.output_len - c != 1 or not s.output_len:
-                    return None
-                by_phase[-c % bs].append(s)
-                add(s)
-                context += c
+            walked = self._plain_decoders()
+            if walked is None:
+                return None
+            seqs, by_phase, context = walked
         h = _block_horizon([len(p) for p in by_phase], len(running), free)
         if not head_blocked and h > 0:
             return None
         plan = RepeatPlan(len(running), context, h, not self._custom_victim, seqs, rem, by_phase)
         self._offer = (plan, h, plan.exhausts)
         return plan
+
+    def _plain_decoders(self) -> tuple[list[Sequence], list[list[Sequence]], int] | None:
+        """The running batch, when every group is a single sequence with exactly one token to
+        compute that is not a prompt's last (that samples the first): its sequences in batch order,
+        the same by block phase (phase r opens a block in r + 1, r + 1 + bs, ... decode steps; such
+        a sequence owns its partly filled last block) and their computed tokens' sum; else None.
+        Reads the sequences' own counters: settled."""
+        bs = self.block_size
+        by_phase: list[list[Sequence]] = [[] for _ in range(bs)]
+        seqs: list[Sequence] = []
+        add = seqs.append
+        context = 0
+        for g in self.running:
+            if len(g.seqs) != 1:
+                return None
+            s = g.seqs[0]
+            c = s.num_computed
+            if s.prompt_len + s.output_len - c != 1 or not s.output_len:
+                return None
+            by_phase[-c % bs].append(s)
+            add(s)
+            context += c
+        return seqs, by_phase, context
 
     def _stays_blocked(self, head: SequenceGroup, num_running: int, now: float) -> bool:
         """True if the waiting group `head`, considered first in a plain decode iteration of
@@ -469,30 +481,19 @@ class VllmScheduler(Scheduler):
     def plan_decode_step(self) -> DecodeStepPlan | None:
         """Offer the next iteration to be applied at once (see DecodeStepPlan) when every running
         group is a single sequence decoding one token, the budget holds them all, nothing is
-        swapped out, the free blocks cover every block the batch opens or copies (so nothing is
-        preempted) and no prefix cache registers the blocks they fill; else None (step it)."""
+        swapped out, the free blocks cover every block the batch opens (so nothing is preempted)
+        and no prefix cache registers the blocks they fill; else None (step it)."""
         self._offer = self._carry = None
         self.settle()  # the walk below reads the sequences
         running = self.running
         if (not running or self.swapped or len(running) > self.max_num_batched_tokens
                 or self.bm.enable_prefix_caching):
             return None
-        bs = self.block_size
-        blocks, tables = self.bm.pool.blocks, self.bm.tables
-        seqs = []
-        opening = 0  # blocks the batch takes: a full last block, or a shared one to copy
-        for g in running:
-            if len(g.seqs) != 1:
-                return None
-            s = g.seqs[0]
-            c = s.num_computed
-            if s.prompt_len + s.output_len - c != 1 or not s.output_len:
-                return None
-            if not c % bs or blocks[tables[s.seq_id][-1]].ref_count > 1:
-                opening += 1
-            seqs.append(s)
-        if opening > self.bm.num_free_blocks:
+        walked = self._plain_decoders()
+        # phase 0: a full last block, a new one to open (nothing preempts when all are there)
+        if walked is None or len(walked[1][0]) > self.bm.num_free_blocks:
             return None
+        seqs = walked[0]
         plan = DecodeStepPlan(seqs)
         self._decode_offer = plan
         return plan
@@ -520,8 +521,8 @@ class VllmScheduler(Scheduler):
             cur = bm_slots[sid]
             if cur % bs and cur < start + 1 <= len(table) * bs and blocks[table[-1]].ref_count == 1:
                 bm.extend_own_block(sid, start + 1, cur, table)
-            else:
-                step.copies.extend(bm.append_slots(s, 1))  # plan_decode_step counted its block
+            elif bm.append_slots(s, 1) != []:  # a new block of its own: plan_decode_step counted it
+                raise AssertionError(f"sequence {sid}: no free block, or a shared one copied, in a decode step")
             if r == 1:  # its last token: stepped through on_step_done with the executor's outcome
                 step.seqs.append(ScheduledSeq(sid, s.group.group_id, start, 1, table, True))
             else:
