@@ -24,11 +24,9 @@ ITERATION_COLUMNS = (
 
 
 class IterationLog:
-    """Per-iteration records, one growing array per column (the layout the frame wants). Rows take
-    their row numbers at once and wait until a batch of them is written, so millions of rows stay
-    cheap: single rows as tuples, a window's rows (`add_many`) as its one record of columns (a
-    list per column, or one value for all its rows), expanded when written; columns missing from
-    `add_many` are 0."""
+    """Per-iteration records, one growing array per column (the layout the frame wants). Single
+    rows take their row number at once and wait as tuples until a batch of them is written, so
+    millions of rows stay cheap; columns missing from `add_many` stay 0."""
 
     _FLOAT_COLUMNS = ("start", "duration")
     _BATCH = 1024  # single rows written at a time
@@ -38,9 +36,6 @@ class IterationLog:
                       for c in ITERATION_COLUMNS}
         self._pending: list[tuple] = []        # single rows not yet written
         self._pending_at: list[int] = []       # and their row numbers
-        # windows not yet written: (first row, rows, columns), and how many rows they hold
-        self._windows: list[tuple[int, int, dict]] = []
-        self._window_rows = 0
         self.rows = 0
 
     def add(self, start: float, duration: float, c: StepComposition, num_preempted: int,
@@ -74,35 +69,13 @@ class IterationLog:
             for c, values in zip(ITERATION_COLUMNS, zip(*self._pending)):
                 self._cols[c][at] = values
             self._pending, self._pending_at = [], []
-        if self._windows:
-            self._flush_windows()
 
-    def _flush_windows(self) -> None:
-        """Write the pending windows' rows: per column, one assignment for all of them (a window
-        holds a few rows, where numpy's per-call cost would dominate)."""
-        at: list[int] = []
-        values: dict[str, list] = {c: [] for c in ITERATION_COLUMNS}
-        for pos, k, columns in self._windows:
-            at.extend(range(pos, pos + k))
-            for c, out in values.items():
-                v = columns.get(c, 0)
-                if isinstance(v, (list, np.ndarray)):
-                    out.extend(v)
-                else:
-                    out.extend([v] * k)
-        index = np.array(at)
-        for c, out in values.items():
-            self._cols[c][index] = out
-        self._windows, self._window_rows = [], 0
-
-    def add_many(self, columns: dict[str, list | np.ndarray | int | float]) -> None:
-        """A window's rows: `columns` by name, each a list (or array) of one value per row, or one
-        value for all; `start` must be a list. Kept as given until written (not copied)."""
+    def add_many(self, columns: dict[str, np.ndarray]) -> None:
         k = len(columns["start"])
-        self._windows.append((self._reserve(k), k, columns))
-        self._window_rows += k
-        if self._window_rows >= self._BATCH:
-            self._flush_windows()
+        pos = self._reserve(k)
+        cols = self._cols
+        for c, values in columns.items():
+            cols[c][pos:pos + k] = values
 
     def frame(self) -> pd.DataFrame:
         self._flush()
