@@ -96,8 +96,11 @@ class StepPlan:
     def is_empty(self) -> bool:
         return not self.seqs and not self.swap_in and not self.swap_out
 
-    def composition(self) -> StepComposition:
-        pf_seqs = pf_tok = pf_pairs = pf_ctx = dec = dec_ctx = 0
+    def composition(self, more_decodes: int = 0, more_decode_context: int = 0) -> StepComposition:
+        """The numbers to price the plan by; plus `more_decodes` decoding sequences not listed in
+        it, whose contexts (with the new token) sum to `more_decode_context`."""
+        pf_seqs = pf_tok = pf_pairs = pf_ctx = 0
+        dec, dec_ctx = more_decodes, more_decode_context
         for s in self.seqs:
             n = s.num_new_tokens
             if n == 1 and s.start > 0:

@@ -155,7 +155,7 @@ class ReplicaStep:
             return None
         window = self._window(now, next_arrival, queued, reads_state)
         if window is None and (not reads_state or next_arrival == math.inf):
-            window = self._decode_step(now, queued)
+            window = self._decode_step(now, next_arrival, queued)
         return window
 
     def _window(self, now: float, next_arrival: float, queued: Callable[[np.ndarray], np.ndarray] | None,
@@ -215,7 +215,8 @@ class ReplicaStep:
         sched.departing = len(sched.done) - done0  # all at the window's last end
         return window
 
-    def _decode_step(self, now: float, queued: Callable[[np.ndarray], np.ndarray] | None) -> Window | None:
+    def _decode_step(self, now: float, next_arrival: float,
+                     queued: Callable[[np.ndarray], np.ndarray] | None) -> Window | None:
         """The next iteration applied at once as a one-iteration window, when the scheduler offers
         it (a batch of plain decodes that preempts nothing, admitting and rejecting as stepping
         would), or None. Its decisions are taken at `now`, as stepping takes them; arrivals during
@@ -230,7 +231,9 @@ class ReplicaStep:
         res = sched.apply_decode_step(plan, now, executor.execute)
         duration = res.result.duration
         end = now + duration
-        waiting = len(sched.waiting) + (int(queued(np.array([end]))[0]) if queued is not None else 0)
+        waiting = len(sched.waiting)
+        if queued is not None and next_arrival <= end:  # else none arrives by its end
+            waiting += int(queued(np.array([end]))[0])
         window = Window(now, [end], [duration], False)
         window.exhaustion_row = [now, duration, res.comp, 0, waiting, len(sched.running), sched.memory(),
                                  sched.prefix_hits]

@@ -12,7 +12,6 @@ nothing new is admitted while any group is swapped out).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -530,9 +529,7 @@ class VllmScheduler(Scheduler):
                 context += start + 1
         num_finishing = len(step.seqs)
         self._schedule_waiting(step, [self.max_num_batched_tokens - len(plan.seqs)], now)
-        part = step.composition()
-        comp = replace(part, num_decode_seqs=part.num_decode_seqs + len(continuing),
-                       decode_context_tokens=part.decode_context_tokens + context)
+        comp = step.composition(len(continuing), context)
         result = execute(step, comp)
         end = now + result.duration
         if self.policy.tracks_service:  # in plan order: the batch, then the admitted
