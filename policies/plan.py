@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from policies.request import Sequence
+    from policies.request import Sequence, SequenceGroup
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ class DecodeStepResult:
 
     comp: StepComposition
     result: StepResult
-    finished: list
+    finished: list[SequenceGroup]
 
 
 @dataclass(slots=True, eq=False)
