@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 class BeamsStudy:
     """The loaded model and the tokenized prompts; `longest` is the longest prompt plus --max-tokens."""
 
-    model: Any  # backend.live.LoadedModel
+    model: Any  # backend.live_executor.LoadedModel
     prompts: list[list[int]]
     longest: int
 

@@ -224,9 +224,9 @@ def router_options(args: argparse.Namespace) -> dict:
 
 
 def check_workload_size(spec: str, num_requests: int | None) -> None:
-    """Refuse a synthetic workload too large to simulate before generating it (sim.limits); a trace
-    file's requests are counted when they become requests (sim.run.requests_from_trace)."""
-    from sim.limits import REQUEST_BYTES, check_fits
+    """Refuse a synthetic workload too large to simulate before generating it (policies.limits); a trace
+    file's requests are counted when they become requests (policies.trace_requests)."""
+    from policies.limits import REQUEST_BYTES, check_fits
     if spec in SYNTHETIC and num_requests:
         check_fits(f"--num-requests {num_requests:,}", [(num_requests, REQUEST_BYTES)])
 
@@ -262,24 +262,29 @@ def study_title(args: argparse.Namespace) -> str:
 
 
 def require_backend():
-    """backend.live, or a one-line error saying how to install the backend extra (torch is imported
-    here, when a live command runs, never when the command line is parsed)."""
+    """backend.live_executor, or a one-line error saying how to install the backend extra (torch is
+    imported here, when a live command runs, never when the command line is parsed)."""
     try:
         import torch  # noqa: F401
     except ImportError as exc:
         raise ValueError("live execution needs the backend extra: pip install -e '.[backend]' "
                          "(or `make setup`)") from exc
-    from backend import live
-    return live
+    from backend import live_executor
+    return live_executor
+
+
+def replica_config(args: argparse.Namespace, **overrides: Any):
+    """The ReplicaConfig (policies.replica_config) of a live command's arguments: each field the
+    command has an argument of the same name for takes its value, policy_options come from
+    --policy-arg; `overrides` last. Building it checks the values."""
+    from policies.replica_config import ReplicaConfig
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ReplicaConfig) if hasattr(args, f.name)}
+    values["policy_options"] = policy_options(args)
+    return ReplicaConfig(**{**values, **overrides})
 
 
 def live_options(args: argparse.Namespace):
     """The live replay options (backend.replay.LiveOptions) of `pagesim live`'s arguments."""
     from backend.replay import LiveOptions
-    return LiveOptions(model=args.model, device=args.device, attention=args.attention,
-                       num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks,
-                       block_size=args.block_size, policy=args.policy, policy_options=policy_options(args),
-                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       preemption=args.preemption, chunked_prefill=args.chunked_prefill,
-                       prefix_caching=args.prefix_caching, seed=args.seed, slo_ttft=args.slo_ttft,
-                       slo_tpot=args.slo_tpot)
+    return LiveOptions(model=args.model, device=args.device, attention=args.attention, replica=replica_config(args),
+                       seed=args.seed)

@@ -291,7 +291,6 @@ def _serve(trace, cfg, live, out: Path, decision, reps: int, progress: bool, con
     from analysis.reprofile import check_and_reprofile
     from backend.profiler import drift as machine_drift
     from backend.replay import serve_trace
-    from sim.run import requests_from_trace
 
     state = {"decision": decision}
 
@@ -305,8 +304,8 @@ def _serve(trace, cfg, live, out: Path, decision, reps: int, progress: bool, con
     def check(runner):
         return machine_drift(runner, state["decision"].profile["measurements"])
 
-    req_df, it_df, summary = serve_trace(live, lambda max_len: requests_from_trace(trace, max_len, cfg.n, cfg.beam_width),
-                                         realtime=True, check=check, prepare=prepare, progress=progress)
+    req_df, it_df, summary = serve_trace(live, trace, cfg.n, cfg.beam_width, realtime=True, check=check,
+                                         prepare=prepare, progress=progress)
     summary.update(trace=trace.name, config=config or {}, reprofile=state["decision"].record())
     write_run(out / "live", req_df, it_df, summary)
     return req_df, {"before": summary["check_before"], "after": summary["check_after"]}, state["decision"]

@@ -33,7 +33,7 @@ from backend.openai_protocol import (
     usage,
 )
 from backend.serve_metrics import ServeMetrics
-from backend.server import AsyncEngine, EngineRequest, RequestOutput
+from backend.async_engine import AsyncEngine, EngineRequest, RequestOutput
 from policies.request import Request, SamplingParams
 
 

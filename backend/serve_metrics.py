@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from backend.server import EngineObserver
+from backend.async_engine import EngineObserver
 from policies.request import SequenceGroup
 from policies.scheduler import Scheduler
 

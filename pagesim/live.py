@@ -1,5 +1,5 @@
 """`pagesim live`: a trace replayed on a real model under a policy (wiring; the serve loop is
-backend.live.serve, driven by backend.replay.serve_trace). torch is imported when the command runs."""
+backend.replay.serve, driven by backend.replay.serve_trace). torch is imported when the command runs."""
 
 from __future__ import annotations
 
@@ -36,11 +36,9 @@ def run(args: argparse.Namespace):
     trace = load_workload(args)  # a bad workload fails before torch loads
     require_backend()
     from backend.replay import serve_trace
-    from sim.run import requests_from_trace
 
-    req_df, it_df, summary = serve_trace(
-        live_options(args), lambda max_len: requests_from_trace(trace, max_len, args.n, args.beam_width),
-        realtime=not args.no_realtime, progress=not args.quiet)
+    req_df, it_df, summary = serve_trace(live_options(args), trace, args.n, args.beam_width,
+                                         realtime=not args.no_realtime, progress=not args.quiet)
     summary.update(trace=trace.name, config={k: v for k, v in vars(args).items() if k != "func"})
     return req_df, it_df, summary
 

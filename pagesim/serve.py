@@ -1,7 +1,7 @@
 """`pagesim serve`: an OpenAI-compatible HTTP server over the live engine (wiring only).
 
-The model, runner, scheduler (any policy `pagesim live` runs, with the same options) and executor
-are built as `pagesim live` builds them; backend.server.AsyncEngine steps them in a thread and
+The model, runner and replica (any policy `pagesim live` runs, with the same options) are built as
+`pagesim live` builds them; backend.async_engine.AsyncEngine steps the replica in a thread and
 backend.http_api answers HTTP on uvicorn's event loop. On SIGTERM / SIGINT the server stops taking
 requests, drains or aborts those in flight (--on-shutdown), and writes requests.csv,
 iterations.parquet and summary.json to --out, as `pagesim live` does.
@@ -93,31 +93,24 @@ def _server(config, on_signal):
 
 
 def _build_engine(args: argparse.Namespace):
-    from backend.live import LiveExecutor, load_model
+    from analysis.cli_args import replica_config
+    from backend.async_engine import AsyncEngine
+    from backend.live_executor import build_live_replica, load_model
     from backend.model_runner import ModelRunner
-    from backend.server import AsyncEngine
-    from policies.registry import is_paged, make_scheduler, parse_policy_args, scheduler_options
 
+    config = replica_config(args)  # first: a bad option fails before the model loads
     model = load_model(args.model, seed=args.seed)
     if model.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer; serve needs one (use smollm2-135m)")
     cfg = model.config
-    runner = ModelRunner(cfg, model.weights, args.device, attention=args.attention, num_gpu_blocks=args.num_gpu_blocks,
-                         num_cpu_blocks=args.num_cpu_blocks, block_size=args.block_size)
-    kw = scheduler_options(args.policy, args.max_num_seqs, args.max_num_batched_tokens, args.preemption,
-                           args.chunked_prefill, args.prefix_caching, args.num_cpu_blocks)
-    if not is_paged(args.policy):
-        kw["alloc_unit"] = args.block_size  # contiguous chunks must map onto the cache's blocks
-    options = parse_policy_args(getattr(args, "policy_args", None))
-    sched = make_scheduler(args.policy, runner.num_gpu_blocks, args.block_size, policy_options=options,
-                           slo_ttft=args.slo_ttft, **kw)
-    sched.max_model_len = cfg.max_position
-    executor = LiveExecutor(sched, runner, [cfg.eos_token_id], seed=args.seed)  # warms the model up
+    runner = ModelRunner(cfg, model.weights, args.device, attention=args.attention, num_gpu_blocks=config.num_gpu_blocks,
+                         num_cpu_blocks=config.num_cpu_blocks, block_size=config.block_size)
+    replica = build_live_replica(config, runner, [cfg.eos_token_id], seed=args.seed)  # warms the model up
     # the longest request served: the model's context, or what the KV cache holds if less (so that
     # a chat request without max_tokens, given what the context leaves, still fits the cache)
-    usable = sched.capacity_tokens or runner.num_gpu_blocks * args.block_size
+    usable = replica.scheduler.capacity_tokens or runner.num_gpu_blocks * config.block_size
     max_len = min(cfg.max_position, usable)
-    return AsyncEngine(sched, executor, model.tokenizer, debug=args.debug), model.tokenizer, max_len
+    return AsyncEngine(replica, model.tokenizer, debug=args.debug), model.tokenizer, max_len
 
 
 def _write_tables(args: argparse.Namespace, engine) -> int:

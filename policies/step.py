@@ -8,7 +8,7 @@
     ...time passes over window.ends...
     replica.complete_window(window)
 
-The SimPy engine (sim/engine.py) and the live engines (backend/live.py, backend/server.py) wrap
+The SimPy engine (sim/engine.py) and the live engines (backend/replay.py, backend/async_engine.py) wrap
 this same object; only how time passes differs. The executor is anything with
 `execute(plan, composition) -> StepResult`; windows also need `remaining`, `price_repeat` and
 `price` (see RepeatExecutor), which the simulated executor has.

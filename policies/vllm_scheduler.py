@@ -33,8 +33,8 @@ class VllmScheduler(Scheduler):
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
                  preemption: str = "recompute", chunked_prefill: bool = False,
                  prefix_caching: bool = False, watermark: float = 0.01,
-                 policy: QueuePolicy | None = None) -> None:
-        super().__init__(max_num_seqs, max_num_batched_tokens, block_size, policy=policy)
+                 policy: QueuePolicy | None = None, max_model_len: int | None = None) -> None:
+        super().__init__(max_num_seqs, max_num_batched_tokens, block_size, max_model_len, policy=policy)
         if policy is not None:
             self.name = policy.name
         # the running tail is the victim unless the policy picks its own
@@ -152,7 +152,7 @@ class VllmScheduler(Scheduler):
     def _emit(self, plan: StepPlan, seq: Sequence, n: int) -> None:
         # the plan carries the block manager's own table lists: valid until the next schedule()
         plan.seqs.append(ScheduledSeq(seq.seq_id, seq.group.group_id, seq.num_computed, n,
-                                      self.bm.tables[seq.seq_id], seq.num_computed + n == seq.num_tokens))
+                                      self.bm.tables[seq.seq_id], seq.num_computed + n == seq.num_tokens, seq))
 
     def _schedule_running(self, plan: StepPlan, budget: list[int]) -> bool:
         """Give running groups their tokens, preempting from the tail when blocks run out."""
@@ -197,7 +197,7 @@ class VllmScheduler(Scheduler):
                     if copies:
                         plan.copies.extend(copies)
                 left -= n
-                emit(ScheduledSeq(sid, group.group_id, start, n, table, end == known))
+                emit(ScheduledSeq(sid, group.group_id, start, n, table, end == known, seq))
                 continue
             chunks = [self._chunk(s, left) for s in seqs]
             if sum(chunks) > left or 0 in chunks:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-import sim.limits
+import policies.limits
 from pagesim.cli import main
 from traces import load_trace, resolve_trace
 
@@ -351,7 +351,7 @@ def test_requests_that_cannot_run_are_rejected_rows_not_crashes(tmp_path, capsys
 
 def test_replicas_beyond_memory_are_refused_with_the_estimate(tmp_path, capsys, monkeypatch):
     # was: --replicas 100000 with caches derived from the hardware went unchecked; the OOM killer ended it
-    monkeypatch.setattr(sim.limits, "available_memory", lambda: 64 * 2**30)
+    monkeypatch.setattr(policies.limits, "available_memory", lambda: 64 * 2**30)
     line = clean_error(["simulate", *TINY_RUN, "--replicas", "100000", "--out", str(tmp_path / "o")], capsys)
     assert "GPU blocks (derived)" in line and "on each of 100,000 replicas (--replicas)" in line
     assert "but 64.0 GiB is available" in line

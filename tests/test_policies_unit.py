@@ -837,8 +837,8 @@ def test_children_born_finished_end_at_once_and_free_their_blocks():
 
 
 def test_plan_composition():
-    plan = StepPlan(seqs=[ScheduledSeq(0, 0, 0, 10, [], True), ScheduledSeq(1, 1, 4, 4, [], False),
-                          ScheduledSeq(2, 2, 20, 1, [], True)], copies=[(1, 2)], swap_in=[(0, 3)])
+    plan = StepPlan(seqs=[ScheduledSeq(0, 0, 0, 10, [], True, None), ScheduledSeq(1, 1, 4, 4, [], False, None),
+                          ScheduledSeq(2, 2, 20, 1, [], True, None)], copies=[(1, 2)], swap_in=[(0, 3)])
     c = plan.composition()
     assert (c.num_prefill_seqs, c.prefill_tokens, c.prefill_context_tokens) == (2, 14, 4)
     assert c.prefill_attn_pairs == 55 + (4 * 4 + 10)

@@ -82,7 +82,7 @@ def test_a_queue_policy_gets_windows_without_a_fast_path():
 def _decoding(n: int = 4, out: int = 40) -> tuple[VllmScheduler, SimulatedExecutor, ReplicaStep, float]:
     """A paged scheduler whose n requests have prefilled (stepped by hand, no clock but `now`)."""
     sched = VllmScheduler(num_gpu_blocks=200)
-    ex = SimulatedExecutor(sched, ConstantCostModel(prefill_per_token=0.001, decode_per_seq=0.01, base=0.1))
+    ex = SimulatedExecutor(ConstantCostModel(prefill_per_token=0.001, decode_per_seq=0.01, base=0.1))
     for i in range(n):
         sched.add_request(Request(i, 0.0, 20 + i, SamplingParams(max_tokens=out + i, ignore_eos=True), out + i))
     rs = ReplicaStep(sched, ex)

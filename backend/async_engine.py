@@ -1,4 +1,5 @@
-"""The live engine behind a server (no HTTP here): `AsyncEngine` runs the DESIGN.md step loop
+"""The live engine behind a server (no HTTP here: that is backend.http_api): `AsyncEngine` steps a
+replica (backend.live_executor.build_live_replica) through the DESIGN.md step loop
 
     plan = scheduler.schedule(now); result = executor.execute(plan); scheduler.on_step_done(...)
 
@@ -10,7 +11,7 @@ that sampled gets one `RequestOutput` with its new tokens, delivered by its own 
 `loop.call_soon_threadsafe`). Every request ends with exactly one output whose `finished` is set:
 done, rejected by the scheduler, or aborted.
 
-Per-request timestamps and per-iteration rows are recorded as `backend.live.serve` records them, so
+Per-request timestamps and per-iteration rows are recorded as `backend.replay.serve` records them, so
 `tables()` gives the same requests / iterations tables as `pagesim live`.
 """
 
@@ -25,11 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pandas as pd
-import torch
 
-from backend.live import LiveExecutor
+from backend.live_executor import LiveExecutor
 from policies.metrics import request_frame
-from policies.request import Request, SequenceGroup
+from policies.request import Request, Sequence, SequenceGroup
 from policies.scheduler import Scheduler
 from policies.step import ReplicaStep
 
@@ -85,15 +85,18 @@ class _Live:
 
 
 class AsyncEngine:
-    """Owns a scheduler and a live executor and steps them in a thread; see the module docstring.
+    """Owns a live replica (a scheduler and a LiveExecutor) and steps it in a thread; see the
+    module docstring. It tells the executor about a request only through `register` / `release`.
     Invariant: every request submitted is, once the engine has stopped, in `scheduler.done`."""
 
-    def __init__(self, scheduler: Scheduler, executor: LiveExecutor, tokenizer=None,
-                 observer: EngineObserver | None = None, debug: bool = False) -> None:
-        self.scheduler, self.executor, self.tokenizer = scheduler, executor, tokenizer
+    def __init__(self, replica: ReplicaStep, tokenizer=None, observer: EngineObserver | None = None,
+                 debug: bool = False) -> None:
+        self.replica = replica
+        self.scheduler: Scheduler = replica.scheduler
+        self.executor: LiveExecutor = replica.executor
+        self.tokenizer = tokenizer
         self.observer = observer or EngineObserver()
         self.debug = debug  # check the block pool after every step
-        self.replica = ReplicaStep(scheduler, executor)
         self.log = self.replica.log
         self.error: str | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -104,7 +107,6 @@ class AsyncEngine:
         self._t0 = time.perf_counter()
         self._stopping: bool | None = None  # None: serving; True: drain then stop; False: abort all and stop
         self._thread = threading.Thread(target=self._run, name="pagesim-engine", daemon=True)
-        executor.stop_check = self._stop_check
 
     # ---------------------------------------------------------------- caller side (any thread)
     def clock(self) -> float:
@@ -195,15 +197,14 @@ class AsyncEngine:
 
     def _add(self, req: EngineRequest) -> None:
         r = req.request
-        if req.seed is not None:
-            try:  # a seed torch refuses (outside int64) fails this request alone, not the engine
-                gen = torch.Generator(device=self.executor.runner.device).manual_seed(req.seed)
-            except (ValueError, RuntimeError, OverflowError) as e:
-                with self._count_lock:
-                    self._outstanding -= 1
-                req.sink(RequestOutput(r.request_id, {}, finished=True, error=f"invalid seed {req.seed}: {e}"))
-                return
-            self.executor.generators[r.request_id] = gen
+        stop = (lambda seq, token: self._hits_stop(req.stop, seq, token)) if req.stop and self.tokenizer else None
+        try:  # a seed torch refuses (outside int64) fails this request alone, not the engine
+            self.executor.register(r.request_id, req.seed, stop)
+        except ValueError as e:
+            with self._count_lock:
+                self._outstanding -= 1
+            req.sink(RequestOutput(r.request_id, {}, finished=True, error=str(e)))
+            return
         live = self._live[r.request_id] = _Live(req, [0] * r.sampling.n)
         group = self.scheduler.add_request(r)
         if group.rejected is not None:  # refused on arrival
@@ -214,7 +215,6 @@ class AsyncEngine:
         group = self.scheduler.abort(request_id, self.clock(), reason)
         if group is None or live is None:
             return
-        self.executor.beams.pop(request_id, None)
         self._end(group, live, error=reason, aborted=True)
         if self.debug:
             self._check_pool()
@@ -285,7 +285,7 @@ class AsyncEngine:
         if self._live.pop(gid, None) is not None:
             with self._count_lock:
                 self._outstanding -= 1
-        self.executor.generators.pop(gid, None)
+        self.executor.release(gid)
         for s in group.seqs + group.finished_seqs:
             s.token_ids = None
         group.request.prompt_token_ids = None
@@ -308,14 +308,12 @@ class AsyncEngine:
             self.scheduler.assert_drained()
 
     # ---------------------------------------------------------------- stop strings
-    def _stop_check(self, seq, token: int) -> bool:
-        live = self._live.get(seq.group.group_id)
-        if live is None or not live.req.stop or self.tokenizer is None:
-            return False
-        longest = max(len(s) for s in live.req.stop)
+    def _hits_stop(self, stop: tuple[str, ...], seq: Sequence, token: int) -> bool:
+        """Whether `token` completes one of the request's stop strings in its sequence's text."""
+        longest = max(len(s) for s in stop)
         # every token is at least one byte and a character at most four, so the text of the last
         # 4 * longest + 1 tokens holds any stop string that ends in this token
         tail = seq.token_ids[max(seq.prompt_len, len(seq.token_ids) - 4 * longest):] + [token]
         text = self.tokenizer.decode(tail)
-        return any(s in text for s in live.req.stop)
+        return any(s in text for s in stop)
 
