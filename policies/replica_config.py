@@ -2,7 +2,7 @@
 
 A replica is a scheduler (a policy over a KV cache) stepped with an executor (policies/step.py
 `ReplicaStep`): the simulator wraps it in a SimPy process (sim.engine.Replica), the live engines in
-a wall-clock loop (backend.live_executor.serve, backend.async_engine.AsyncEngine). Every layer that
+a wall-clock loop (backend.replay.serve, backend.async_engine.AsyncEngine). Every layer that
 makes replicas describes them with a `ReplicaConfig` and builds them with `build_replica`, so an
 option of the scheduler is added here once (a field, and where `build_scheduler` passes it) and
 reaches the simulation, the live replay and the server alike.
