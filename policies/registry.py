@@ -115,6 +115,9 @@ def resolve_policy(name: str) -> Callable[..., Scheduler]:
             max_model_len = options.pop("max_model_len", None)
             if _takes(target, "max_model_len"):
                 options["max_model_len"] = max_model_len
+            # a run's option at its default that the constructor has no parameter for is not its concern
+            options = {k: v for k, v in options.items()
+                       if _takes(target, k) or k not in PAGED_ONLY_DEFAULTS or v != PAGED_ONLY_DEFAULTS[k]}
             _check_options(target, options, repr(name), {"num_gpu_blocks", "block_size"})
             sched = target(num_gpu_blocks=num_blocks, block_size=block_size, **options)
             if max_model_len is not None and "max_model_len" not in options:  # the base Scheduler's field
