@@ -23,6 +23,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from backend.async_engine import AsyncEngine, EngineRequest, RequestOutput
 from backend.openai_protocol import (
     ApiError,
     ParsedRequest,
@@ -33,7 +34,6 @@ from backend.openai_protocol import (
     usage,
 )
 from backend.serve_metrics import ServeMetrics
-from backend.async_engine import AsyncEngine, EngineRequest, RequestOutput
 from policies.request import Request, SamplingParams
 
 
