@@ -6,7 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from analysis.cli_args import (
+from analysis.report import replica_table, summary_table
+from pagesim import generate, live, profiling
+from pagesim.argtypes import fraction, non_negative_int, out_dir, positive_int, rate
+from pagesim.cli_args import (
     add_output_args,
     add_policy_args,
     add_replica_args,
@@ -15,11 +18,24 @@ from analysis.cli_args import (
     load_workload,
     sim_config,
 )
-from analysis.report import replica_table, summary_table
-from pagesim.argtypes import fraction, non_negative_int, out_dir, positive_int, rate
-from policies.metrics import write_run
+from pagesim.commands import (
+    beams,
+    block_size,
+    calibrate,
+    capacity,
+    disagg,
+    fidelity,
+    policies,
+    preemption,
+    routing,
+    sharing,
+    sweep,
+    validate,
+)
+from pagesim.commands.trace import add_trace_parser
+from pagesim.report_writer import write_run
+from pagesim.serve import add_serve_parser
 from sim.specs import HARDWARE, MODELS
-from traces.cli import add_trace_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,28 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=out_dir, default="runs/demo")
     demo.set_defaults(func=cmd_demo)
 
-    # every other command's parser and run function live with what it runs, each module adding its
-    # own; registered in the order `pagesim --help` lists them. analysis sits on sim: imported late
-    from analysis import (
-        beams,
-        block_size,
-        calibrate,
-        capacity,
-        disagg,
-        fidelity,
-        policy_study,
-        preemption,
-        routing,
-        sharing,
-        sweep,
-        validate,
-    )
-    from pagesim import generate, live, profiling
-    from pagesim.serve import add_serve_parser
+    # every other command's parser and run function live in its own module (pagesim/commands/, and
+    # pagesim/{live,profiling,generate,serve}.py), each adding its own; registered in the order
+    # `pagesim --help` lists them
     for add_parser in (live.add_parser, profiling.add_parser, validate.add_parser, generate.add_parser,
                        add_serve_parser, sweep.add_parser, sharing.add_parser, routing.add_parser, capacity.add_parser,
                        disagg.add_parser, block_size.add_parser, preemption.add_parser, beams.add_parser,
-                       fidelity.add_parser, add_trace_parser, calibrate.add_parser, policy_study.add_parser):
+                       fidelity.add_parser, add_trace_parser, calibrate.add_parser, policies.add_parser):
         add_parser(sub)
     for p in sub.choices.values():  # every command that takes --model can look up HF ids
         if "--model" in p._option_string_actions:

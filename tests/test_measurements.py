@@ -20,7 +20,7 @@ from analysis.measurements import (
     stage_config,
     stage_workload,
 )
-from policies.metrics import write_run
+from pagesim.report_writer import write_run
 from sim.cost_model import ConstantCostModel
 from sim.run import SimConfig, run_simulation
 from specs import get_model

@@ -25,7 +25,7 @@ from traces import (
     resolve_trace,
 )
 from traces.arrivals import gamma, poisson, rescale
-from traces.cli import add_trace_parser
+from pagesim.commands.trace import add_trace_parser
 from traces.loaders import detect_format
 from traces.synthetic import LengthModel, fit_mu, grouped_prefix, shared_prefix
 from traces.trace import prefix_reuse
