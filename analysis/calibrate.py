@@ -26,15 +26,24 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from analysis.measurements import (
+    Experiment,
+    Stage,
+    StageResult,
+    client_overhead,
+    simulate_stage,
+    stage_config,
+    stage_result,
+    stage_workload,
+)
+from analysis.operator_fit import fit_operators
 from sim.calibrated import CalibratedCostModel, CalibrationParams
+from sim.run import run_simulation
 from sim.specs import get_hardware, get_model
-
-if TYPE_CHECKING:  # the simulation stack loads when a calibration runs, not when the CLI parses
-    from analysis.measurements import Experiment, Stage, StageResult
 
 ENGINE_PARAMS = ("iteration_overhead_s", "per_seq_s", "attn_mem_eff", "prefill_attn_eff", "client_ttft_s",
                  "client_output_lag_steps", "gemm_m_half", "allreduce_latency_s")
@@ -92,7 +101,6 @@ def simulate_ref(ref: StageRef, params: CalibrationParams, hardware: str, seed: 
     (whose prompts meet a cold prefix cache) is left out of the latencies: a measured stage of
     minutes repeats each prompt tens of times, so its figures are those of a warm cache, which a
     short cold window would misstate (its TTFT most of all)."""
-    from analysis.measurements import simulate_stage, stage_config
     exp, stage = ref.exp, ref.stage
     cfg = stage_config(exp, stage, hardware)
     model = CalibratedCostModel(get_model(cfg.model), get_hardware(cfg.hardware), params, tp=cfg.tp)
@@ -106,8 +114,6 @@ def simulate_ref(ref: StageRef, params: CalibrationParams, hardware: str, seed: 
 def _simulate_warm(ref: StageRef, cfg: Any, model: CalibratedCostModel, seed: int, duration_s: float,
                    skip: int) -> StageResult:
     """simulate_stage over `duration_s`, latencies over the requests after the first `skip`."""
-    from analysis.measurements import client_overhead, stage_result, stage_workload
-    from sim.run import run_simulation
     t0 = time.perf_counter()
     trace = stage_workload(ref.exp, ref.stage, seed, duration_s)
     res = run_simulation(replace(cfg, seed=seed), trace, model)
@@ -219,7 +225,6 @@ def fit_client(results: Sequence[StageResult], params: CalibrationParams,
     simulated), and the log errors there: (params with them set, residuals)."""
     from scipy.optimize import least_squares
 
-    from analysis.measurements import client_overhead
 
     def with_client(u: np.ndarray) -> CalibrationParams:
         return replace(params, **{n: float(v) for n, v in zip(names, np.exp(x0 + u), strict=True)})
@@ -249,7 +254,6 @@ def operator_params(directory: str | Path | None, hardware: str) -> tuple[Calibr
     """Step 1: the operator terms fitted to kernel times (the defaults when no directory is given)."""
     if directory is None:
         return CalibrationParams(), {"note": "no operator profiles: operator terms are the priors"}
-    from analysis.operator_fit import fit_operators
     hw = get_hardware(hardware)
     gpu = hw.name.split("-")[0]
     params, report = fit_operators(directory, hw, gpu)

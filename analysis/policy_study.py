@@ -30,8 +30,8 @@ from policies.metrics import per_client
 from policies.registry import resolve_policy
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals, load_trace
-from traces.synthetic import SYNTHETIC, make_synthetic
 from traces.trace import Trace
+from traces.workloads import SYNTHETIC, make_synthetic
 
 METRICS = {  # column -> axis label, for the figure
     "throughput": "finished requests/s",

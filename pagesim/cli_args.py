@@ -34,7 +34,7 @@ from sim.limits import REQUEST_BYTES, check_fits
 from sim.run import SimConfig
 from traces import resolve_trace
 from traces.loaders import KNOWN_FORMATS
-from traces.synthetic import SYNTHETIC
+from traces.workloads import SYNTHETIC
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:

@@ -303,7 +303,7 @@ def test_trace_generate_refuses_a_negative_seed_and_reports_memory_in_one_line(t
     def too_big(*args, **kwargs):
         raise MemoryError("Unable to allocate 745. GiB for an array with shape (100000000000,)")
 
-    monkeypatch.setattr("traces.cli.make_synthetic", too_big)
+    monkeypatch.setattr("pagesim.commands.trace.make_synthetic", too_big)
     assert main(["trace", "generate", "--kind", "fixed", "--num-requests", "100000000000", "--out", out]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --num-requests 100,000,000,000: too large for this machine's memory") and "745" in err

@@ -10,11 +10,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from analysis.measurement_files import load_measurements
 from analysis.measurements import (
     ClientOverhead,
     engine_defaults,
     lagged_times,
-    load_measurements,
     predicted_metrics,
     simulate_stage,
     stage_config,

@@ -24,7 +24,7 @@ from analysis.calibrate import (
     simulate_all,
     split_stages,
 )
-from analysis.measurements import load_measurements
+from analysis.measurement_files import load_measurements
 from pagesim.argtypes import non_negative_float, out_file, positive_float, positive_int, seed
 from sim.calibrated import Calibration, save_calibration
 from sim.specs import get_hardware

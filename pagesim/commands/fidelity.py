@@ -18,7 +18,7 @@ from analysis.fidelity import (
     results_table,
     unfit_experiments,
 )
-from analysis.measurements import load_measurements
+from analysis.measurement_files import load_measurements
 from pagesim.argtypes import out_dir, positive_float, positive_int, seed
 from pagesim.cli_args import add_executor_args
 

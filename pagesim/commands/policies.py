@@ -13,7 +13,7 @@ from pagesim.cli_args import add_executor_args, workers
 from pagesim.report_writer import write_report
 from policies.registry import parse_policy_args
 from sim.run import SimConfig
-from traces.synthetic import SYNTHETIC
+from traces.workloads import SYNTHETIC
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

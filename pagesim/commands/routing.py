@@ -21,8 +21,8 @@ from pagesim.cli_args import (
 from pagesim.report_writer import write_report
 from policies.router import MATCH_ROUTERS, ROUTERS
 from traces import apply_arrivals
-from traces.synthetic import make_synthetic
 from traces.trace import Trace
+from traces.workloads import make_synthetic
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
