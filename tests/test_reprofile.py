@@ -108,7 +108,7 @@ def test_validate_records_the_re_profile_and_compares_both_profiles(tmp_path, wo
     out = tmp_path / "val"
     live = _fake_live(tmp_path, trace, cfg, 1.8)
 
-    def fake_serve(trace, cfg, live_opts, out, decision, reps, progress, config):
+    def fake_serve(trace, cfg, live_opts, out, decision, reps, progress, config, write_run):
         d = decide(decision.given, decision.profile, 1.8, decision.threshold, _refit(1.8), out / "profile.json",
                    save=save_profile)
         print(d.message())
