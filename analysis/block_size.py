@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from analysis.parallel import Workers, run_tasks
+from analysis.parallel import run_tasks
+from analysis.plots import save_figure
+from analysis.rate_study import RateStudy
 from analysis.report import Report
 from sim.run import SimConfig, build_cost_model, num_blocks_for, run_simulation
 from traces import apply_arrivals
@@ -108,27 +110,18 @@ def block_size_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> P
     ax2.set_title(f"at {first.rate.iloc[0]:g} req/s")
     ax2.grid(alpha=0.3)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
 # ---- the study `pagesim block-size` runs ----
 
-@dataclass
-class BlockSizeStudy:
-    """A block-size study's configuration: the trace, the configuration every run starts from
-    (each run sets its own block size and the cache's blocks), the block sizes and rates, the KV
-    capacity in tokens (None: what the hardware leaves), where the runs go, and the cost model's title."""
+@dataclass(kw_only=True)
+class BlockSizeStudy(RateStudy):
+    """A block-size study's configuration (each run sets its own block size and the cache's
+    blocks): the block sizes, and the KV capacity in tokens (None: what the hardware leaves)."""
 
-    trace: Trace
-    base: SimConfig
     block_sizes: list[int]
-    rates: list[float]
     kv_tokens: int | None = None
-    workers: Workers = field(default_factory=Workers)
-    title: str = ""
 
 
 @dataclass

@@ -41,6 +41,7 @@ from analysis.measurements import (
     stage_workload,
 )
 from analysis.operator_fit import fit_operators
+from analysis.plots import save_figure
 from sim.calibrated import CalibratedCostModel, CalibrationParams
 from sim.run import run_simulation
 from sim.specs import get_hardware, get_model
@@ -314,10 +315,7 @@ def calibration_plot(in_sample: Sequence[StageResult], left_out: dict | None, pa
     axes[0].set_ylabel("predicted (s)", fontsize=8)
     axes[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path, dpi=110)
 
 
 def _scatter(ax: Any, pts: list, marker: str, label: str) -> None:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from analysis.parallel import Workers, run_tasks
+from analysis.parallel import run_tasks
+from analysis.plots import save_figure
+from analysis.rate_study import RateStudy
 from analysis.report import Report
 from analysis.seeds import add_seed_summary, rate_line, seeded, seeds_note
 from sim.run import SimConfig, run_simulation
@@ -120,31 +122,19 @@ def capacity_plot(answers: pd.DataFrame, path: str | Path, title: str = "") -> P
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title(title, fontsize=9, wrap=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
 # ---- the study `pagesim capacity` runs ----
 
-@dataclass
-class CapacityStudy:
-    """A capacity search's configuration: the workload (one trace, or one per seed), its first
-    trace, the configuration (with the SLOs) every search starts from, the routers and rates, the
-    share of requests that must meet the SLOs, the most replicas tried, where the runs go, and the
-    cost model's title, and the SLOs in words ("TTFT <= 1 s and TPOT <= 0.1 s")."""
+@dataclass(kw_only=True)
+class CapacityStudy(RateStudy):
+    """A capacity search's configuration (the SLOs in its base): the routers, the share of requests
+    that must meet the SLOs, the most replicas tried, and the SLOs in words ("TTFT <= 1 s")."""
 
-    workload: Trace | list[Trace]
-    trace: Trace
-    base: SimConfig
     routers: list[str]
-    rates: list[float]
     attainment: float = 0.9
     max_replicas: int = 64
-    workers: Workers = field(default_factory=Workers)
-    title: str = ""
-    seeds: int = 1
     slo: str = ""
 
 

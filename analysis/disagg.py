@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from analysis.parallel import Workers, run_tasks
+from analysis.parallel import run_tasks
 from analysis.plots import rate_panels
+from analysis.rate_study import RateStudy
 from analysis.report import Report
 from analysis.sweep import headline
 from sim.run import SimConfig, run_simulation
@@ -63,19 +64,13 @@ def disagg_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
 
 # ---- the study `pagesim disagg` runs ----
 
-@dataclass
-class DisaggStudy:
-    """A disaggregation study's configuration: the GPUs of every setup, the splits (None: every
-    split), the trace, the configuration every run starts from, the rates, where the runs go, and the
-    cost model's title. `names` are the setups' names (checking the splits)."""
+@dataclass(kw_only=True)
+class DisaggStudy(RateStudy):
+    """A disaggregation study's configuration: the GPUs of every setup and the splits (None: every
+    split). `names` are the setups' names (checking the splits)."""
 
     gpus: int
     splits: list[tuple[int, int]] | None
-    trace: Trace
-    base: SimConfig
-    rates: list[float]
-    workers: Workers = field(default_factory=Workers)
-    title: str = ""
 
     @property
     def names(self) -> list[str]:

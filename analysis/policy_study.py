@@ -25,6 +25,7 @@ import pandas as pd
 import seaborn as sns
 
 from analysis.parallel import Workers, run_tasks
+from analysis.plots import save_figure
 from analysis.report import Report
 from policies.metrics import per_client
 from policies.registry import resolve_policy
@@ -130,10 +131,7 @@ def policy_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
         if metric == "mean_normalized_latency":
             ax.set_yscale("log")
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path, dpi=110)
 
 
 # ---- the study `pagesim policies` runs ----

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from analysis.plots import save_figure
 from analysis.report import Report
 from policies.plan import StepComposition
 from sim.cost_model import RooflineCostModel
@@ -108,10 +109,7 @@ def preemption_plot(micro: pd.DataFrame, e2e: pd.DataFrame | None, path: str | P
         ax.legend()
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
 # ---- the study `pagesim preemption` runs ----

@@ -121,9 +121,10 @@ def _layout(spec: str) -> str:
 
 @dataclass(frozen=True)
 class Wrote:
-    """A report's "wrote <folder>/<first>, <second>, ..." line: the folder is the writer's to name."""
+    """A report's "<before>wrote <folder>/<first>, <second>, ..." line: the folder is the writer's to name."""
 
     names: tuple[str, ...]
+    before: str = ""
 
 
 @dataclass
@@ -144,18 +145,19 @@ class Report:
         """A figure drawn by `draw(path)`."""
         self.files[name] = draw
 
-    def json(self, name: str, data: Any) -> None:
-        """An object written as indented JSON."""
-        self.files[name] = lambda path: Path(path).write_text(json_text(data))
+    def json(self, name: str, data: Any, default: Callable[[Any], Any] | None = None) -> None:
+        """An object written as indented JSON (`default` converts what json cannot write)."""
+        self.files[name] = lambda path: Path(path).write_text(json_text(data, default))
 
     def say(self, *lines: str) -> None:
         self.lines.extend(lines)
 
-    def wrote(self, *names: str) -> None:
-        """The line naming the files written (some of them: a study names what a reader looks for)."""
-        self.lines.append(Wrote(names))
+    def wrote(self, *names: str, before: str = "") -> None:
+        """The line naming the files written (some of them: a study names what a reader looks for),
+        after `before` on the same line."""
+        self.lines.append(Wrote(names, before))
 
 
-def json_text(data: Any) -> str:
+def json_text(data: Any, default: Callable[[Any], Any] | None = None) -> str:
     """A report's JSON file: indented one space, ending in a newline."""
-    return json.dumps(data, indent=1) + "\n"
+    return json.dumps(data, indent=1, default=default) + "\n"

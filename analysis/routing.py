@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from analysis.parallel import Workers, run_tasks
+from analysis.parallel import run_tasks
 from analysis.plots import rate_panels
+from analysis.rate_study import RateStudy
 from analysis.report import Report
 from analysis.seeds import add_seed_summary, seeded, seeds_note
 from analysis.sweep import headline
@@ -72,21 +73,14 @@ def routing_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path
 
 # ---- the study `pagesim routing` runs ----
 
-@dataclass
-class RoutingStudy:
-    """A router study's configuration: the workload (one trace, or one per seed), its first trace,
-    the configuration every run starts from, the routers and rates, the matching routers' options,
-    where the runs go, and what the replicas are (for the figure's title)."""
+@dataclass(kw_only=True)
+class RoutingStudy(RateStudy):
+    """A router study's configuration: the routers, the matching routers' options, and what the
+    replicas are (for the figure's title)."""
 
-    workload: Trace | list[Trace]
-    trace: Trace
-    base: SimConfig
     routers: list[str]
-    rates: list[float]
     router_options: dict
-    workers: Workers = field(default_factory=Workers)
     replicas_of: str = ""
-    seeds: int = 1
 
 
 @dataclass

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pandas as pd
 
-from analysis.parallel import Workers, run_tasks
+from analysis.parallel import run_tasks
+from analysis.rate_study import RateStudy
 from analysis.report import Report
 from policies.scheduler import Scheduler
 from sim.run import SimConfig, run_simulation
@@ -83,17 +84,13 @@ def _sharing_run(timed: Trace, cfg: SimConfig, decoding: str, width: int, rate: 
 
 # ---- the study `pagesim sharing` runs ----
 
-@dataclass
-class SharingStudy:
-    """A sharing study's configuration: the widths ("n" or "beam", k), the beam rule's q per beam
-    width, the trace, the configuration every run starts from, the rates, and where the runs go."""
+@dataclass(kw_only=True)
+class SharingStudy(RateStudy):
+    """A sharing study's configuration: the widths ("n" or "beam", k) and the beam rule's q per
+    beam width."""
 
     widths: list[tuple[str, int]]
     decay: dict[int, float]
-    trace: Trace
-    base: SimConfig
-    rates: list[float]
-    workers: Workers = field(default_factory=Workers)
 
 
 @dataclass

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pandas as pd
 
-from analysis.parallel import Workers, run_tasks
+from analysis.parallel import run_tasks
 from analysis.plots import latency_vs_rate, memory_breakdown
+from analysis.rate_study import RateStudy
 from analysis.report import Report
 from analysis.seeds import add_seed_summary, seeded, seeds_note
 from policies.registry import PAGED_ONLY_DEFAULTS
@@ -81,21 +82,12 @@ def max_sustainable_rate(table: pd.DataFrame, latency_limit: float) -> dict[str,
 
 # ---- the study `pagesim sweep` runs ----
 
-@dataclass
-class SweepStudy:
-    """A sweep's configuration: the workload (one trace, or one per seed), its first trace, the
-    configuration every run starts from, the policies and rates, the latency limit of the
-    max-sustainable-rate line, where the runs go, and the cost model's title for the figures."""
+@dataclass(kw_only=True)
+class SweepStudy(RateStudy):
+    """A sweep's configuration: the policies, and the latency limit of the max-sustainable-rate line."""
 
-    workload: Trace | list[Trace]
-    trace: Trace
-    base: SimConfig
     policies: list[str]
-    rates: list[float]
     latency_limit: float = 1.0
-    workers: Workers = field(default_factory=Workers)
-    title: str = ""
-    seeds: int = 1
 
 
 @dataclass

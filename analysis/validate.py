@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from analysis.plots import save_figure
 from policies.metrics import ITERATION_COLUMNS, summarize
 
 LATENCY_METRICS = ("ttft", "tpot", "e2e_latency", "normalized_latency")
@@ -156,10 +157,7 @@ def validation_plot(live_requests: pd.DataFrame, sim_requests: pd.DataFrame, pat
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="lower right")
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
 def per_request_errors(live_requests: pd.DataFrame, sim_requests: pd.DataFrame) -> pd.DataFrame:

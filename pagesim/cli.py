@@ -7,17 +7,8 @@ import sys
 from collections.abc import Sequence
 
 from analysis.report import replica_table, summary_table
-from pagesim import generate, live, profiling
+from pagesim import cli_args, generate, live, profiling
 from pagesim.argtypes import fraction, non_negative_int, out_dir, positive_int, rate
-from pagesim.cli_args import (
-    add_output_args,
-    add_policy_args,
-    add_replica_args,
-    add_workload_args,
-    check_workload_size,
-    load_workload,
-    sim_config,
-)
 from pagesim.commands import (
     beams,
     block_size,
@@ -48,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="simulate a trace under a policy (SimPy, cost model)",
                          description="Simulate serving a trace; writes requests.csv, iterations.parquet "
                                      "and summary.json to --out.")
-    add_workload_args(sim)
-    add_policy_args(sim)
+    cli_args.add_workload_args(sim)
+    cli_args.add_policy_args(sim)
     h = sim.add_argument_group("model and hardware")
     h.add_argument("--model", default="opt-13b", help=f"model: {', '.join(MODELS)}, a HF config.json, a folder with "
                                                      "one, or a HF id found in --models-dir (default opt-13b)")
@@ -65,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(implies --cost-model profiled)")
     h.add_argument("--calibration", help="price iterations with the calibrated roofline: a calibration file from "
                                          "`pagesim calibrate`, or a shipped one's name (vllm-v1-h100)")
-    add_replica_args(sim)
-    o = add_output_args(sim)
+    cli_args.add_replica_args(sim)
+    o = cli_args.add_output_args(sim)
     o.add_argument("--no-skip-ahead", action="store_true", help="step every iteration (slower, same results)")
     o.add_argument("--debug", action="store_true", help="check block and request conservation every iteration")
     sim.set_defaults(func=cmd_simulate)
@@ -116,8 +107,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from sim.run import run_simulation
     if args.transfer_bandwidth is not None and not args.disaggregate:  # else ignored without a word
         raise ValueError("--transfer-bandwidth is the prefill -> decode KV link: it applies with --disaggregate only")
-    cfg = sim_config(args)  # first: a bad setting fails before the trace is read
-    trace = load_workload(args)
+    cfg = cli_args.sim_config(args)  # first: a bad setting fails before the trace is read
+    trace = cli_args.load_workload(args)
     result = run_simulation(cfg, trace, progress=not args.quiet)
     out = write_run(args.out, result.requests, result.iterations, result.summary)
     print(summary_table({cfg.policy: result.summary}))
@@ -136,13 +127,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from sim.run import run_simulation
     from traces import resolve_trace
-    check_workload_size("sharegpt-like", args.num_requests)
+    cli_args.check_workload_size("sharegpt-like", args.num_requests)
     trace = resolve_trace("sharegpt-like", num_requests=args.num_requests, rate=args.rate, seed=0)
     print(f"pagesim demo: {len(trace)} sharegpt-like requests (synthetic, fitted to the vLLM paper's "
           f"ShareGPT statistics), Poisson at {args.rate} req/s, OPT-13B on one A100-40GB\n")
     summaries = {}
     for policy in ("vllm", "orca-oracle"):
-        result = run_simulation(sim_config(args, policy=policy), trace, progress=True)  # the defaults otherwise
+        result = run_simulation(cli_args.sim_config(args, policy=policy), trace, progress=True)  # the defaults otherwise
         write_run(f"{args.out}/{policy}", result.requests, result.iterations, result.summary)
         summaries[policy] = result.summary
     print(summary_table(summaries))

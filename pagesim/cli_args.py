@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from analysis.parallel import EXECUTORS, Workers
@@ -34,6 +35,7 @@ from sim.limits import REQUEST_BYTES, check_fits
 from sim.run import SimConfig
 from traces import resolve_trace
 from traces.loaders import KNOWN_FORMATS
+from traces.trace import Trace
 from traces.workloads import SYNTHETIC
 
 
@@ -70,11 +72,7 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 
 def policy_name(text: str) -> str:
     """A policy argument that resolves (registry name, module:Class, entry point), checked up front."""
-    try:
-        resolve_policy(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return _resolving(resolve_policy, text)
 
 
 def policy_options(args: argparse.Namespace) -> dict:
@@ -85,8 +83,13 @@ def policy_options(args: argparse.Namespace) -> dict:
 def router_name(text: str) -> str:
     """A --router value: a registry name, package.module:Class, or a 'pagesim.routers' entry point
     that resolves to a Router class (checked at parse time, before any simulation)."""
+    return _resolving(resolve_router, text)
+
+
+def _resolving(resolve: Callable[[str], object], text: str) -> str:
+    """`text` when `resolve(text)` accepts it, else its ValueError as argparse's one-line error."""
     try:
-        resolve_router(text)
+        resolve(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
@@ -243,14 +246,14 @@ def check_workload_size(spec: str, num_requests: int | None) -> None:
         check_fits(f"--num-requests {num_requests:,}", [(num_requests, REQUEST_BYTES)])
 
 
-def load_workload(args: argparse.Namespace):
+def load_workload(args: argparse.Namespace) -> Trace:
     """The trace of the workload arguments (add_workload_args), with its arrivals."""
     check_workload_size(args.trace, args.num_requests)
     return resolve_trace(args.trace, num_requests=args.num_requests, rate=args.rate,
                          burstiness=args.burstiness, seed=args.seed, format=args.trace_format)
 
 
-def study_trace(args: argparse.Namespace, seed: int | None = None):
+def study_trace(args: argparse.Namespace, seed: int | None = None) -> Trace:
     """The trace of a study's arguments (add_study_args), drawn with `seed` (default --seed)."""
     check_workload_size(args.trace, args.num_requests)
     # the lengths are drawn once; each rate re-draws (or rescales) the arrivals
@@ -258,11 +261,10 @@ def study_trace(args: argparse.Namespace, seed: int | None = None):
                          seed=args.seed if seed is None else seed, rate=args.rates[0])
 
 
-def study_workloads(args: argparse.Namespace, draw=None):
-    """(the study's workload: one trace, or one per seed with --seeds > 1; the first trace).
-    `draw(seed)` makes one (default: study_trace)."""
-    workload = seed_workloads(draw or (lambda s: study_trace(args, s)), args.seed, getattr(args, "seeds", 1))
-    return workload, workload[0] if isinstance(workload, list) else workload
+def study_workloads(args: argparse.Namespace, draw: Callable[[int], Trace] | None = None) -> Trace | list[Trace]:
+    """The study's workload: one trace, or one per seed with --seeds > 1. `draw(seed)` makes one
+    (default: study_trace)."""
+    return seed_workloads(draw or (lambda s: study_trace(args, s)), args.seed, getattr(args, "seeds", 1))
 
 
 def study_title(args: argparse.Namespace) -> str:

@@ -4,12 +4,29 @@ and writes a run's three files (requests.csv, iterations.parquet, summary.json).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from analysis.report import Report, Wrote, json_text
+from analysis.report import Columns, Report, Wrote, json_text
+from analysis.seeds import seed_cell
+
+
+class RowPrinter:
+    """A study's table printed as it runs: the header once, then a row as each run finishes (with a
+    seed column when the study repeats over seeds)."""
+
+    def __init__(self, columns: Columns, seeds: int = 1) -> None:
+        self.columns = columns
+        self.seeds = seeds
+
+    def header(self) -> None:
+        print(self.columns.header() + (f" {'seed':>5}" if self.seeds > 1 else ""))
+
+    def __call__(self, row: dict) -> None:
+        print(self.columns.row(row) + seed_cell(row), flush=True)
 
 
 def write_report(report: Report, out: str | Path | None) -> None:
@@ -24,7 +41,16 @@ def write_report(report: Report, out: str | Path | None) -> None:
         if not isinstance(line, Wrote):
             print(line)
         elif folder is not None:
-            print(f"wrote {folder}/{', '.join(line.names)}")
+            print(f"{line.before}wrote {folder}/{', '.join(line.names)}")
+
+
+def print_study(title: str, rows: RowPrinter, run: Callable[[RowPrinter], Report], out: str | Path | None) -> int:
+    """A simulated study's command: its title, its table row by row as `run(rows)` goes, then the
+    report `run` returns written to `out`."""
+    print(title)
+    rows.header()
+    write_report(run(rows), out)
+    return 0
 
 
 def write_json(path: str | Path, data: object) -> None:

@@ -11,19 +11,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from analysis.calibrate import (
-    ENGINE_PARAMS,
-    FIT_METRICS,
-    calibration_plot,
-    engine_description,
-    error_table,
-    fit_engine,
-    leave_one_out,
-    operator_params,
-    sha256,
-    simulate_all,
-    split_stages,
-)
+from analysis import calibrate as calibration
 from analysis.measurement_files import load_measurements
 from pagesim.argtypes import non_negative_float, out_file, positive_float, positive_int, seed
 from sim.calibrated import Calibration, save_calibration
@@ -67,33 +55,37 @@ def command(args: argparse.Namespace) -> int:
     default_ops = Path("../shared/calibration/vidur-operators")
     if operators is None and default_ops.is_dir():
         operators = str(default_ops)
-    start, op_report = operator_params(operators, hardware)
+    start, op_report = calibration.operator_params(operators, hardware)
     print(f"operator terms from {operators or 'priors'}: " + ", ".join(
         f"{k} {v:.3g}" for k, v in op_report.items() if isinstance(v, float)))
-    fit_refs, over_refs = split_stages(experiments, args.leave_one_out)
+    fit_refs, over_refs = calibration.split_stages(experiments, args.leave_one_out)
     print(f"{len(fit_refs)} stages to fit, {len(over_refs)} overloaded to check")
     eval_s = args.eval_duration or None
     pool = ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
     try:
-        params = fit_engine(fit_refs, start, hardware, ENGINE_PARAMS, args.seed, args.max_duration, args.max_evals, pool)
-        print("fitted: " + ", ".join(f"{n} {getattr(params, n):.4g}" for n in ENGINE_PARAMS))
-        in_sample = simulate_all(fit_refs, params, hardware, args.seed, eval_s, pool)
-        overloaded = simulate_all(over_refs, params, hardware, args.seed, eval_s, pool)
-        loo = None if args.no_leave_one_out else leave_one_out(
-            fit_refs, start, hardware, ENGINE_PARAMS, args.seed, args.max_duration, eval_s, args.max_evals, pool, print)
+        params = calibration.fit_engine(fit_refs, start, hardware, calibration.ENGINE_PARAMS, args.seed,
+                                        args.max_duration, args.max_evals, pool)
+        print("fitted: " + ", ".join(f"{n} {getattr(params, n):.4g}" for n in calibration.ENGINE_PARAMS))
+        in_sample = calibration.simulate_all(fit_refs, params, hardware, args.seed, eval_s, pool)
+        overloaded = calibration.simulate_all(over_refs, params, hardware, args.seed, eval_s, pool)
+        loo = None if args.no_leave_one_out else calibration.leave_one_out(
+            fit_refs, start, hardware, calibration.ENGINE_PARAMS, args.seed, args.max_duration, eval_s,
+            args.max_evals, pool, print)
     finally:
         if pool is not None:
             pool.shutdown()
-    ins = error_table(in_sample)
+    ins = calibration.error_table(in_sample)
     checks = [{"stage": f"{r.experiment}#{r.stage}", "rate": r.rate, "measured_ttft_mean": r.measured.get("ttft_mean"),
                "predicted_ttft_mean": r.predicted.get("ttft_mean"), "predicted_throughput": r.predicted_throughput,
                "predicted_overloaded": r.predicted_overloaded}
               for r in overloaded]
     meta = {
-        "engine": engine_description(experiments),
-        "sources": [{"path": str(p), "sha256": sha256(p)} for p in [*args.measurements, *op_report.get("files", [])]],
+        "engine": calibration.engine_description(experiments),
+        "sources": [{"path": str(p), "sha256": calibration.sha256(p)}
+                    for p in [*args.measurements, *op_report.get("files", [])]],
         "operators": {k: v for k, v in op_report.items() if k != "files"},
-        "fit": {"engine_params": list(ENGINE_PARAMS), "metrics": list(FIT_METRICS), "seed": args.seed,
+        "fit": {"engine_params": list(calibration.ENGINE_PARAMS), "metrics": list(calibration.FIT_METRICS),
+                "seed": args.seed,
                 "fit_duration_s": args.max_duration, "eval_duration_s": eval_s, "in_sample": ins,
                 "overloaded_checks": checks, "leave_one_out": loo, "leave_one_out_by": args.leave_one_out},
         "command": "pagesim " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] else "pagesim calibrate",
@@ -101,7 +93,7 @@ def command(args: argparse.Namespace) -> int:
     }
     cal = Calibration(params, hardware, args.name or Path(args.out).stem, meta)
     path = save_calibration(cal, args.out)
-    plot = calibration_plot(in_sample, (loo or {}).get("groups"), Path(path).with_suffix(".png"), cal.name)
+    plot = calibration.calibration_plot(in_sample, (loo or {}).get("groups"), Path(path).with_suffix(".png"), cal.name)
     _print_errors("in sample", ins["median_abs_error"])
     if loo:
         _print_errors(f"leave one {args.leave_one_out} out", loo["median_abs_error"])

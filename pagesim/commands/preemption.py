@@ -1,34 +1,28 @@
-"""`pagesim preemption`: recompute or swap, per block size and end to end (analysis.preemption)."""
+"""The vLLM paper's Figure 19: swap vs recompute time per block size from the roofline model, then one trace
+simulated with each preemption mode at each block size. Writes preemption_micro.csv, preemption_e2e.csv and
+preemption.png to --out.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from analysis.preemption import (
-    BLOCK_SIZES,
-    PreemptionStudy,
-    end_to_end,
-    micro_report,
-    preemption_report,
-    run_microbenchmark,
-)
+from analysis import preemption
 from analysis.report import Columns
 from pagesim.argtypes import non_negative_int, out_dir, positive_int, rate, seed
 from pagesim.cli_args import check_workload_size, sim_config
-from pagesim.report_writer import write_report
+from pagesim.report_writer import RowPrinter, write_report
 from traces import resolve_trace
 from traces.loaders import KNOWN_FORMATS
 
+HELP = "recompute or swap: cost per block size, and end to end (simulated)"
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    pre = sub.add_parser("preemption", help="recompute or swap: cost per block size, and end to end (simulated)",
-                         description="The vLLM paper's Figure 19: swap vs recompute time per block size from the "
-                                     "roofline model, then one trace simulated with each preemption mode at each "
-                                     "block size. Writes preemption_micro.csv, preemption_e2e.csv and "
-                                     "preemption.png to --out.")
+    pre = sub.add_parser("preemption", help=HELP, description=__doc__)
     pre.add_argument("--model", default="opt-13b")
     pre.add_argument("--hardware", default="a100-40gb")
-    pre.add_argument("--block-sizes", type=positive_int, nargs="+", default=list(BLOCK_SIZES))
+    pre.add_argument("--block-sizes", type=positive_int, nargs="+", default=list(preemption.BLOCK_SIZES))
     pre.add_argument("--tokens", type=positive_int, default=1024, help="tokens swapped or recomputed (default 1024)")
     pre.add_argument("--trace", default="sharegpt-like")
     pre.add_argument("--trace-format", choices=KNOWN_FORMATS)
@@ -42,18 +36,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def command(args: argparse.Namespace) -> int:
     """The microbenchmark (its table written at once), then with --num-requests the trace under each
     mode at each block size."""
-    study = PreemptionStudy(args.model, args.hardware, args.block_sizes, args.tokens)
+    study = preemption.PreemptionStudy(args.model, args.hardware, args.block_sizes, args.tokens)
     check_workload_size(args.trace, args.num_requests)  # before the microbenchmark writes anything
-    micro = run_microbenchmark(study)
-    write_report(micro_report(study, micro), args.out)
+    micro = preemption.run_microbenchmark(study)
+    write_report(preemption.micro_report(study, micro), args.out)
     e2e = None
     if args.num_requests:
         trace = resolve_trace(args.trace, num_requests=args.num_requests, rate=args.rate, seed=args.seed,
                               format=args.trace_format)
         print(f"\nend to end: {len(trace)} requests of {trace.name} at {args.rate:g} req/s, vllm")
-        print(COLUMNS.header())
-        e2e = end_to_end(trace, sim_config(args), args.block_sizes, on_row=lambda r: print(COLUMNS.row(r), flush=True))
-    write_report(preemption_report(study, micro, e2e), args.out)
+        rows = RowPrinter(COLUMNS)
+        rows.header()
+        e2e = preemption.end_to_end(trace, sim_config(args), args.block_sizes, on_row=rows)
+    write_report(preemption.preemption_report(study, micro, e2e), args.out)
     return 0
 
 

@@ -1,4 +1,6 @@
-"""`pagesim sharing`: memory saved by block sharing under parallel sampling and beam search (analysis.sharing)."""
+"""The vLLM paper's Figure 15 measure: blocks saved by sharing / blocks without sharing, time-averaged, for
+each width and rate (policy vllm).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +10,13 @@ from analysis.report import Columns
 from analysis.sharing import SharingStudy, run_sharing, sharing_report
 from pagesim.argtypes import out_dir, positive_float, positive_int
 from pagesim.cli_args import add_study_args, sim_config, study_title, study_trace, workers
-from pagesim.report_writer import write_report
+from pagesim.report_writer import RowPrinter, print_study
+
+HELP = "memory saved by block sharing under parallel sampling and beam search"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    sh = sub.add_parser("sharing", help="memory saved by block sharing under parallel sampling and beam search",
-                        description="The vLLM paper's Figure 15 measure: blocks saved by sharing / blocks "
-                                    "without sharing, time-averaged, for each width and rate (policy vllm).")
+    sh = sub.add_parser("sharing", help=HELP, description=__doc__)
     add_study_args(sh, "alpaca-like", [10.0])
     sh.add_argument("--n", type=positive_int, nargs="*", default=[2, 4, 6], help="parallel sampling widths (default 2 4 6)")
     sh.add_argument("--beam-width", type=positive_int, nargs="*", default=[2, 4, 6], help="beam widths (default 2 4 6)")
@@ -38,21 +40,17 @@ def study(args: argparse.Namespace) -> SharingStudy:
     trace = study_trace(args)
     # --n and --beam-width are lists of widths here, not the config's per-request override
     base = sim_config(args, n=None, beam_width=None, beam_rank_decay=args.beam_decay[0])
-    return SharingStudy(widths, decay, trace, base, args.rates, workers(args))
+    return SharingStudy(workload=trace, base=base, rates=args.rates, workers=workers(args), widths=widths,
+                        decay=decay)
 
 
 def command(args: argparse.Namespace) -> int:
     s = study(args)
-    print(f"sharing: {len(s.trace)} requests of {s.trace.name}, {study_title(args)}, block size {args.block_size}")
-    print(COLUMNS.header())
-    write_report(sharing_report(run_sharing(s, on_row=print_row)), args.out)
-    return 0
+    return print_study(f"sharing: {len(s.trace)} requests of {s.trace.name}, {study_title(args)}, block size "
+                       f"{args.block_size}", RowPrinter(COLUMNS),
+                       lambda rows: sharing_report(run_sharing(s, on_row=rows)), args.out)
 
 
 COLUMNS = Columns(("decoding", "decoding", "<18"), ("width", "width", ">5"), ("rate", "rate", ">6.2f"),
                   ("saving", "saving", ">7.1%"), ("req/s", "throughput", ">7.3f"),
                   ("norm lat", "mean_normalized_latency", ">9.4f"), ("preempt", "preemptions", ">8"))
-
-
-def print_row(r: dict) -> None:
-    print(COLUMNS.row(r), flush=True)

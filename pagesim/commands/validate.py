@@ -1,4 +1,9 @@
-"""`pagesim validate`: one trace replayed live and in simulation, the simulator's error (analysis.validate)."""
+"""Calibration, last step: serve a trace live on a real model and simulate it with a profiled cost model (same
+policy, cache size and arrivals); writes live/ and sim/ runs, validation.csv, validation.json and
+validation.png. Serves the first 32 requests unless --num-requests says otherwise. Before serving, it times
+a few of the profile's grid points: when this machine runs more than --reprofile-threshold away from the
+profile, it re-times the profile's grid here, re-fits it (OUT/profile.json) and simulates with that.
+"""
 
 from __future__ import annotations
 
@@ -8,33 +13,19 @@ from typing import Any
 
 from analysis.benchmark_results import guidellm_requests
 from analysis.validate import Validation, run_validation, validation_table
+from pagesim import cli_args
 from pagesim.argtypes import non_negative_float, positive_int
-from pagesim.cli_args import (
-    add_live_model_args,
-    add_output_args,
-    add_policy_args,
-    add_workload_args,
-    live_options,
-    load_workload,
-    require_backend,
-    sim_config,
-)
 from pagesim.report_writer import write_run
+
+HELP = "replay one trace live and in simulation; report the simulator's error"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """`pagesim validate`: its arguments (the workload, policy and live model ones from pagesim.cli_args)."""
-    val = subparsers.add_parser(
-        "validate", help="replay one trace live and in simulation; report the simulator's error",
-        description="Calibration, last step: serve a trace live on a real model and simulate it with a profiled "
-                    "cost model (same policy, cache size and arrivals); writes live/ and sim/ runs, validation.csv, "
-                    "validation.json and validation.png. Serves the first 32 requests unless --num-requests says "
-                    "otherwise. Before serving, it times a few of the profile's grid points: when this machine runs "
-                    "more than --reprofile-threshold away from the profile, it re-times the profile's grid here, "
-                    "re-fits it (OUT/profile.json) and simulates with that.")
-    add_workload_args(val)
-    add_policy_args(val)
-    add_live_model_args(val)
+    val = subparsers.add_parser("validate", help=HELP, description=__doc__)
+    cli_args.add_workload_args(val)
+    cli_args.add_policy_args(val)
+    cli_args.add_live_model_args(val)
     val.set_defaults(num_requests=32)  # every request is served live, in real time: keep the default small
     val.add_argument("--profile", required=True, help="profile file (or shipped profile name) for the simulator")
     val.add_argument("--live-run", help="reuse this earlier `pagesim live` or `pagesim serve` output directory instead "
@@ -46,7 +37,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--no-reprofile", action="store_true", help="simulate with the given profile as it is")
     r.add_argument("--reprofile-reps", type=positive_int, default=2,
                    help="timed repetitions per grid point when re-profiling (default 2)")
-    add_output_args(val)
+    cli_args.add_output_args(val)
     val.set_defaults(func=command)
     return val
 
@@ -55,12 +46,12 @@ def command(args: argparse.Namespace) -> int:
     if args.live_run and Path(args.live_run).is_file():  # a benchmark tool's result file: its requests are the trace
         trace = guidellm_requests(args.live_run)[0]
     else:
-        trace = load_workload(args)
+        trace = cli_args.load_workload(args)
     # the live run's policy, cache size and workload options, priced by --profile (required here)
-    cfg = sim_config(args)
+    cfg = cli_args.sim_config(args)
     if not args.live_run:
-        require_backend()  # a clear message without the backend extra
-    v = run_validation(trace, cfg, args.out, live_options(args), args.live_run,
+        cli_args.require_backend()  # a clear message without the backend extra
+    v = run_validation(trace, cfg, args.out, cli_args.live_options(args), args.live_run,
                        None if args.no_reprofile else args.reprofile_threshold, args.reprofile_reps,
                        progress=not args.quiet, config={k: x for k, x in vars(args).items() if k != "func"},
                        write_run=write_run)
