@@ -20,7 +20,7 @@ from analysis.parallel import run_tasks
 from analysis.plots import save_figure
 from analysis.rate_study import RateStudy
 from analysis.report import Report
-from analysis.seeds import add_seed_summary, rate_line, seeded, seeds_note
+from analysis.seeds import rate_line, seeded, seeded_report, seeds_note
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
@@ -158,10 +158,8 @@ def run_capacity(study: CapacityStudy, on_result: Callable[[dict], None] | None 
 def capacity_report(result: CapacityTables) -> Report:
     """capacity.csv, capacity_runs.csv (and capacity_summary.csv with seeds), capacity.png."""
     study = result.study
-    report = Report()
-    report.table("capacity.csv", result.answers)
+    report = seeded_report(result.answers, "capacity.csv", ["router", "rate"], "min_replicas")
     report.table("capacity_runs.csv", result.tried)
-    add_seed_summary(report, result.answers, ["router", "rate"], "capacity_summary.csv", "min_replicas")
     report.figure("capacity.png", lambda path: capacity_plot(
         result.answers, path, f"{study.trace.name}, {study.title}, {study.slo}" + seeds_note(study.seeds)))
     report.wrote("capacity.csv", "capacity_runs.csv", "capacity.png")

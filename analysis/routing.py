@@ -14,7 +14,7 @@ from analysis.parallel import run_tasks
 from analysis.plots import rate_panels
 from analysis.rate_study import RateStudy
 from analysis.report import Report
-from analysis.seeds import add_seed_summary, seeded, seeds_note
+from analysis.seeds import seeded, seeded_report, seeds_note
 from analysis.sweep import headline
 from policies.router import MATCH_ROUTERS
 from sim.run import SimConfig, run_simulation
@@ -99,9 +99,7 @@ def run_routing(study: RoutingStudy, on_row: Callable[[dict], None] | None = Non
 def routing_report(result: RoutingTables) -> Report:
     """routing.csv (and routing_summary.csv with seeds), routing.png, and the closing line."""
     table, study = result.table, result.study
-    report = Report()
-    report.table("routing.csv", table)
-    add_seed_summary(report, table, ["router", "rate"], "routing_summary.csv", "ttft_mean")
+    report = seeded_report(table, "routing.csv", ["router", "rate"], "ttft_mean")
     report.figure("routing.png", lambda path: routing_plot(
         table, path, f"{study.trace.name}, {study.base.replicas} replicas of {study.replicas_of}"
         + seeds_note(study.seeds)))

@@ -95,11 +95,18 @@ def seed_cell(row: dict) -> str:
     return f" {row['seed']:>5}" if "seed" in row else ""
 
 
+def seeded_report(table: pd.DataFrame, name: str, keys: list[str], metric: str) -> Report:
+    """A report with `table` as the CSV file `name` and, with a seed column, the per-configuration
+    means and 95% CIs (`keys` a configuration) as <name>_summary.csv, and `metric`'s lines."""
+    report = Report()
+    report.table(name, table)
+    if "seed" in table:
+        add_seed_summary(report, table, keys, name.removesuffix(".csv") + "_summary.csv", metric)
+    return report
+
+
 def add_seed_summary(report: Report, table: pd.DataFrame, keys: list[str], name: str, metric: str) -> None:
-    """With a seed column: the per-configuration means and 95% CIs as the report's file `name`, and
-    `metric`'s lines (nothing without seeds)."""
-    if "seed" not in table:
-        return
+    """The per-configuration means and 95% CIs over seeds as the report's file `name`, and `metric`'s lines."""
     summary = ci_table(table, keys)
     report.table(name, summary)
     report.say(f"\n{metric}, mean +- 95% CI over {int(summary.seeds.max())} seeds:")

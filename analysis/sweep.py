@@ -13,7 +13,7 @@ from analysis.parallel import run_tasks
 from analysis.plots import latency_vs_rate, memory_breakdown
 from analysis.rate_study import RateStudy
 from analysis.report import Report
-from analysis.seeds import add_seed_summary, seeded, seeds_note
+from analysis.seeds import seeded, seeded_report, seeds_note
 from policies.registry import PAGED_ONLY_DEFAULTS
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
@@ -107,9 +107,7 @@ def run_sweep(study: SweepStudy, on_row: Callable[[dict], None] | None = None) -
 def sweep_report(result: SweepTables) -> Report:
     """sweep.csv (and sweep_summary.csv with seeds), the two figures, and the closing lines."""
     study, table = result.study, result.table
-    report = Report()
-    report.table("sweep.csv", table)
-    add_seed_summary(report, table, ["policy", "rate"], "sweep_summary.csv", "mean_normalized_latency")
+    report = seeded_report(table, "sweep.csv", ["policy", "rate"], "mean_normalized_latency")
     report.figure("latency_vs_rate.png", lambda path: latency_vs_rate(
         table, path, f"{study.trace.name}, {study.title}" + seeds_note(study.seeds)))
     report.figure("memory_breakdown.png", lambda path: memory_breakdown(

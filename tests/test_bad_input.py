@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -83,13 +84,8 @@ def test_azure_one_time_zone_throughout_still_loads(tmp_path):
 
 # ---------------------------------------------------------------- BurstGPT failed requests
 
-BURSTGPT = """Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type
-5,ChatGPT,472,18,490,Conversation log
-45,ChatGPT,1087,0,1087,Conversation log
-118,GPT-4,417,276,693,Conversation log
-120,ChatGPT,0,0,0,API log
-130,ChatGPT,1360,95,1455,API log
-"""
+# two failed requests (0 response tokens; 0 of both), one of each log type
+BURSTGPT = (Path(__file__).parent / "data" / "burstgpt_failed_requests.csv").read_text()
 
 
 def burstgpt(tmp_path):

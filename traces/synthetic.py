@@ -169,15 +169,8 @@ def _prompt_hashes(prefix_id: int, request: int, prefix_len: int, prompt_len: in
     return tuple(hashes)
 
 
-def shared_prefix(
-    n: int,
-    seed: int = 0,
-    num_prefixes: int = 4,
-    prefix_len: int = 512,
-    suffix_len: int = 64,
-    output_len: int = 128,
-    hash_block_size: int = 16,
-) -> Trace:
+def shared_prefix(n: int, seed: int = 0, num_prefixes: int = 4, prefix_len: int = 512, suffix_len: int = 64,
+                  output_len: int = 128, hash_block_size: int = 16) -> Trace:
     """Requests that each start with one of ``num_prefixes`` shared prefixes (chosen uniformly at
     random, seeded) followed by a private suffix.
 

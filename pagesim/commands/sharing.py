@@ -46,9 +46,8 @@ def study(args: argparse.Namespace) -> SharingStudy:
 
 def command(args: argparse.Namespace) -> int:
     s = study(args)
-    return print_study(f"sharing: {len(s.trace)} requests of {s.trace.name}, {study_title(args)}, block size "
-                       f"{args.block_size}", RowPrinter(COLUMNS),
-                       lambda rows: sharing_report(run_sharing(s, on_row=rows)), args.out)
+    title = f"sharing: {len(s.trace)} requests of {s.trace.name}, {study_title(args)}, block size {args.block_size}"
+    return print_study(title, RowPrinter(COLUMNS), lambda rows: sharing_report(run_sharing(s, on_row=rows)), args.out)
 
 
 COLUMNS = Columns(("decoding", "decoding", "<18"), ("width", "width", ">5"), ("rate", "rate", ">6.2f"),
