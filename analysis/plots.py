@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from analysis.seeds import rate_line
+from sim.profiled import FEATURES, composition_of, features
 
 
 def save_figure(fig: plt.Figure, path: str | Path, dpi: int = 120) -> Path:
@@ -90,8 +91,6 @@ def memory_breakdown(memory: dict[str, dict[str, float]], path: str | Path, titl
 def profile_fit_plot(profile: dict, path: str | Path) -> Path:
     """Measured against fitted step times of a profile's grid (log-log), one colour per point kind,
     with the fit's in-sample and held-out errors in the title."""
-    from sim.profiled import FEATURES, composition_of, features
-
     coef = [profile["fit"]["coef"].get(f, 0.0) for f in FEATURES]
     ms = profile["measurements"]
     measured = [m["time_s"] * 1e3 for m in ms]

@@ -19,8 +19,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from analysis.benchmark_results import guidellm_requests
 from analysis.plots import save_figure
-from policies.metrics import ITERATION_COLUMNS, summarize
+from analysis.reprofile import ReprofileDecision, check_and_reprofile
+from policies.metrics import ITERATION_COLUMNS, iteration_compositions, summarize
+from sim.profiled import ProfiledCostModel, load_profile
+from sim.run import requests_from_trace, run_simulation
 
 LATENCY_METRICS = ("ttft", "tpot", "e2e_latency", "normalized_latency")
 LATENCY_STATISTICS = ("mean", "p90")
@@ -179,7 +183,6 @@ def step_time_errors(iterations: pd.DataFrame, cost_model: Any, block_size: int 
     """The cost model against every measured iteration of a live run: each row's composition priced
     and compared with its measured duration. Mean absolute relative error overall, for pure-decode
     iterations and for iterations carrying prompt tokens, and the mean signed error (bias)."""
-    from policies.metrics import iteration_compositions
 
     comps = iteration_compositions(iterations, block_size)
     measured = iterations.duration.to_numpy(dtype=float)
@@ -228,9 +231,6 @@ def run_validation(trace: Any, cfg: Any, out: str | Path, live: Any = None, live
     again here (analysis.reprofile) and the simulation uses it; a reused live run uses the profile
     re-fitted with it, if there was one. `config` goes into the live summary. `write_run` writes
     the live/ and sim/ run folders (the command's pagesim.report_writer.write_run)."""
-    from analysis.reprofile import ReprofileDecision
-    from sim.profiled import ProfiledCostModel, load_profile
-    from sim.run import run_simulation
 
     out = Path(out)
     first = run_simulation(cfg, trace, progress=progress)  # first: a bad profile fails fast
@@ -238,7 +238,6 @@ def run_validation(trace: Any, cfg: Any, out: str | Path, live: Any = None, live
     decision = ReprofileDecision(str(cfg.profile), None, reprofile_threshold, given, str(given["source"]))
     drift: dict[str, Any] = {}
     if live_run and Path(live_run).is_file():
-        from analysis.benchmark_results import guidellm_requests
         live_requests = guidellm_requests(live_run)[1]
     elif live_run:
         live_requests = pd.read_csv(Path(live_run) / "requests.csv")
@@ -291,10 +290,9 @@ def run_validation(trace: Any, cfg: Any, out: str | Path, live: Any = None, live
 def _serve(trace, cfg, live, out: Path, decision, reps: int, progress: bool, config, write_run: RunWriter):
     """Serve the trace live, measuring the machine's speed against the profile first (and
     re-profiling if it is off): (live requests, speed before and after, the re-profile decision)."""
-    from analysis.reprofile import check_and_reprofile
+    # deferred: the backend imports torch
     from backend.profiler import drift as machine_drift
     from backend.replay import serve_trace
-    from sim.run import requests_from_trace
 
     state = {"decision": decision}
 
@@ -318,7 +316,6 @@ def _serve(trace, cfg, live, out: Path, decision, reps: int, progress: bool, con
 def _earlier_reprofile(record: dict[str, Any] | None, decision):
     """With a reused live run: the profile re-fitted with it (recorded in its summary), if one was
     adopted and still exists, unless re-profiling is off."""
-    from sim.profiled import load_profile
 
     if not record or not record.get("adopted") or decision.threshold is None or not Path(record["profile"]).is_file():
         return decision
