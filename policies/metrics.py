@@ -4,9 +4,7 @@ the shared contract in policies/): a row per request, a row per iteration, and a
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -289,21 +287,3 @@ def _client_summary(requests: pd.DataFrame, slo_ttft: float | None, slo_tpot: fl
         return {}
     table, fairness = per_client(requests, slo_ttft, slo_tpot)
     return {"per_client": table.set_index("client").to_dict(orient="index"), "fairness": fairness}
-
-
-def write_run(out_dir: str | Path, requests: pd.DataFrame, iterations: pd.DataFrame, summary: dict) -> Path:
-    """Write requests.csv, iterations.parquet and summary.json into out_dir (created)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    requests.to_csv(out / "requests.csv", index=False)
-    iterations.to_parquet(out / "iterations.parquet", index=False)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable) + "\n")
-    return out
-
-
-def _jsonable(x: object) -> object:
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, Path):
-        return str(x)
-    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
