@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -71,12 +72,22 @@ def _resolve_specs(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        _resolve_specs(args)
-        return int(args.func(args) or 0)
-    except (ValueError, OSError) as exc:  # bad input, or a file that cannot be read or written
-        print(f"pagesim {args.command}: error: {exc}", file=sys.stderr)  # as argparse words its errors
-        return 2
+    with warnings.catch_warnings():  # restores Python's own printing when the command returns
+        warnings.showwarning = _one_line_warning(args.command)
+        try:
+            _resolve_specs(args)
+            return int(args.func(args) or 0)
+        except (ValueError, OSError) as exc:  # bad input, or a file that cannot be read or written
+            print(f"pagesim {args.command}: error: {exc}", file=sys.stderr)  # as argparse words its errors
+            return 2
+
+
+def _one_line_warning(command: str):
+    """A warning printed as one line in the tool's voice (`pagesim simulate: warning: ...`), without
+    Python's category, source file and line."""
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"pagesim {command}: warning: {message}", file=file or sys.stderr)
+    return show
 
 
 if __name__ == "__main__":

@@ -107,3 +107,12 @@ def test_the_checks_catch_a_misspelt_flag_and_command() -> None:
     with pytest.raises(AssertionError, match="is no command"):
         check_command(parser, ["simulat"], "page")
     assert named_paths("see `sim/run.py` and [x](docs/none.md), not `runs/out`") == ["sim/run.py", "docs/none.md"]
+
+
+def test_warnings_are_one_line_in_the_tools_voice(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from pagesim.cli import main
+    (tmp_path / "acme-7b.json").write_text((ROOT / "specs" / "models" / "llama-7b.json").read_text())
+    assert main(["simulate", "--model", "acme-7b-instruct", "--models-dir", str(tmp_path), "--hardware",
+                 "a100-80gb", "--num-requests", "5", "--rate", "1", "--quiet", "--out", str(tmp_path / "run")]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "warning" in line.lower()]
+    assert err and all(line.startswith("pagesim simulate: warning: model 'acme-7b-instruct'") for line in err), err
