@@ -45,7 +45,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help=f"a trace file, or a synthetic workload: {', '.join(SYNTHETIC)} (default: sharegpt-like)")
     g.add_argument("--trace-format", choices=KNOWN_FORMATS, help="file format (default: detect from columns)")
     g.add_argument("--num-requests", type=positive_int, help="use the first N requests (synthetic default: 1000)")
-    g.add_argument("--rate", type=rate, help="mean arrival rate, req/s (Poisson; rescales a timestamped trace)")
+    g.add_argument("--rate", type=rate, help="mean arrival rate, req/s (Poisson; rescales a timestamped trace; "
+                                             "a synthetic workload without it: 1)")
     g.add_argument("--burstiness", type=non_negative_float,
                    help="inter-arrival coefficient of variation (Gamma arrivals; 1 = Poisson, 0 = constant, evenly "
                         "spaced at 1/rate)")
