@@ -20,9 +20,12 @@ engine or an emulated one; only the HTTP API and the engine's shutdown are used 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import uvicorn
@@ -54,8 +57,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        before = self.cycle
         super().on_headers_complete()
-        self.cycle.send = _send_failing_when_gone(self.cycle)  # run_asgi reads cycle.send when it starts
+        if self.cycle is not before:  # a new request (not an upgrade): run_asgi reads cycle.send when it starts
+            self.cycle.send = _send_failing_when_gone(self.cycle)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -116,19 +121,35 @@ class BoundedServer(uvicorn.Server):
         self.cut = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def startup(self, sockets=None) -> None:
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """SIGINT and SIGTERM call `handle_exit` as event loop callbacks (loop.add_signal_handler,
+        as vLLM's server does, instead of uvicorn's signal.signal handlers that run between any two
+        bytecodes); the handlers found before are back afterwards. Only the main thread gets
+        signals: elsewhere (a server in a test's thread) `handle_exit` is called directly."""
         self._loop = asyncio.get_running_loop()
-        await super().startup(sockets)
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        before = {sig: signal.getsignal(sig) for sig in sigs}
+        for sig in sigs:
+            self._loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in sigs:
+                self._loop.remove_signal_handler(sig)
+                signal.signal(sig, before[sig])
 
     def handle_exit(self, sig, frame) -> None:
-        """A signal handler (main thread, between any two bytecodes): it only sets flags and hands
-        the rest to the event loop, thread-safely."""
+        """A shutdown signal (thread-safe: it sets flags and hands the rest to the event loop)."""
         self.signals += 1
         if self.signals == 1:
             self.api.draining = True
             self.engine.shutdown(self.drain)
             self._on_loop(self._arm_deadline)
-            super().handle_exit(sig, frame)  # uvicorn stops listening and waits for the connections
+            self.should_exit = True  # uvicorn stops listening and waits for the connections
         else:  # a second signal: stop at once (uvicorn's own force_exit would cancel tasks mid-way)
             log.warning("pagesim serve: second signal, stopping now")
             self._on_loop(self.cut_off, 0.0)

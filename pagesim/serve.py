@@ -72,8 +72,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     drain = args.on_shutdown == "drain"
     server = http_server(api, engine, metrics, args.host, args.port, drain=drain,
                          shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout)
-    # uvicorn re-raises the shutdown signal once it has stopped, to the handler found before it ran:
-    # make that one a no-op, so that the tables are still written and the exit is clean
+    # the server handles SIGINT / SIGTERM while it runs; once it has stopped, one more must not
+    # kill the process before the tables are written
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     engine.start()

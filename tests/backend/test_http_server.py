@@ -21,14 +21,14 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("httptools")
 pytest.importorskip("prometheus_client")
 
-from backend.http_api import OpenAIServer, ServeOptions  # noqa: E402
-from backend.http_server import http_server  # noqa: E402
-from backend.live import LiveExecutor, load_model  # noqa: E402
-from backend.model_runner import ModelRunner  # noqa: E402
-from backend.serve_metrics import ServeMetrics  # noqa: E402
-from backend.server import AsyncEngine  # noqa: E402
-from policies import make_scheduler  # noqa: E402
-from policies.metrics import request_frame, summarize  # noqa: E402
+from backend.http_api import OpenAIServer, ServeOptions
+from backend.http_server import http_server
+from backend.live import LiveExecutor, load_model
+from backend.model_runner import ModelRunner
+from backend.serve_metrics import ServeMetrics
+from backend.server import AsyncEngine
+from policies import make_scheduler
+from policies.metrics import summarize
 
 MODEL = "tiny"
 WAIT = 20.0  # the most any step of these tests waits for the server
@@ -62,13 +62,9 @@ class Served:
     """A server on a free loopback port in a background thread; `stop()` returns the tables."""
 
     def __init__(self, tiny, max_pending=0, drain=True, shutdown_timeout=20.0, header_timeout=10.0,
-                 body_timeout=30.0, max_num_seqs=4) -> None:
-        config, weights = tiny
-        runner = ModelRunner(config, weights, "cpu", dtype=torch.float32, num_gpu_blocks=64, block_size=16,
-                             attention="torch")
-        sched = make_scheduler("vllm", 64, 16, max_num_seqs=max_num_seqs)
-        sched.max_model_len = config.max_position
-        self.engine = AsyncEngine(sched, LiveExecutor(sched, runner, [config.eos_token_id], seed=0))
+                 body_timeout=30.0) -> None:
+        config = tiny[0]
+        self.engine = _engine(tiny)
         self.metrics = ServeMetrics(MODEL)
         self.engine.observer = self.metrics
         api = OpenAIServer(self.engine, ByteTokenizer(), self.metrics,
@@ -112,6 +108,15 @@ class Served:
 
     def connect(self) -> socket.socket:
         return socket.create_connection(("127.0.0.1", self.port), timeout=WAIT)
+
+
+def _engine(tiny) -> AsyncEngine:
+    config, weights = tiny
+    runner = ModelRunner(config, weights, "cpu", dtype=torch.float32, num_gpu_blocks=64, block_size=16,
+                         attention="torch")
+    sched = make_scheduler("vllm", 64, 16, max_num_seqs=4)
+    sched.max_model_len = config.max_position
+    return AsyncEngine(sched, LiveExecutor(sched, runner, [config.eos_token_id], seed=0))
 
 
 @pytest.fixture(scope="module")
@@ -322,3 +327,26 @@ def test_second_signal_stops_at_once_and_aborted_streams_end_with_abort(serve):
     streaming.close()
     reqs, _ = s.stop()
     assert list(reqs.status) == ["aborted"] and reqs.reject_reason[0] == "aborted: server shutdown"
+
+
+def test_tables_are_written_when_the_http_server_fails(tiny, tmp_path, monkeypatch):
+    """`pagesim serve` whose port is taken: uvicorn exits at startup, and the run's tables are
+    still written (the engine and tables are the tiny model's, the rest is the command's own)."""
+    import pagesim.serve as serve_cmd
+    from pagesim.cli import build_parser
+
+    engine = _engine(tiny)
+    monkeypatch.setattr(serve_cmd, "_build_engine", lambda args: (engine, ByteTokenizer(), 512))
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # leave this process's handlers alone
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = build_parser().parse_args(["serve", "--model", "smollm2-135m", "--port", str(port), "--out",
+                                          str(tmp_path / "run")])
+        with pytest.raises(SystemExit):
+            serve_cmd.cmd_serve(args)
+    assert not engine.alive
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["num_requests"] == 0 and summary["pool_whole"]
+    assert (tmp_path / "run" / "requests.csv").is_file() and (tmp_path / "run" / "iterations.parquet").is_file()
