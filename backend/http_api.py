@@ -221,7 +221,7 @@ class OpenAIServer:
     def __init__(self, engine: AsyncEngine, tokenizer, metrics: ServeMetrics, options: ServeOptions) -> None:
         self.engine, self.tokenizer, self.metrics, self.options = engine, tokenizer, metrics, options
         self.draining = False
-        self._cut = asyncio.Event()
+        self.cut = False  # the shutdown deadline passed: body reads still waiting end
 
     def app(self) -> ASGIApp:
         return _QuietWhenGone(Starlette(routes=[
@@ -234,8 +234,7 @@ class OpenAIServer:
 
     def cut_off(self) -> None:
         """Stop taking calls and end the body reads in progress (503). Call on the event loop."""
-        self.draining = True
-        self._cut.set()
+        self.draining = self.cut = True
 
     # ---------------------------------------------------------------- small routes
     async def models(self, request: HttpRequest) -> Response:
@@ -333,25 +332,26 @@ class OpenAIServer:
                            "retry later", status=429, code="too_many_requests", type="rate_limit_error")
         return call
 
-    async def _read_body(self, request: HttpRequest) -> bytes:
+    async def _read_body(self, request: HttpRequest, poll: float = 0.25) -> bytes:
         """The body, within `body_timeout` seconds (else 408); 503 when the server's shutdown
-        deadline cuts it off; _ClientGone when the client leaves meanwhile."""
+        deadline cuts it off (seen within `poll` s); _ClientGone when the client leaves meanwhile."""
+        loop = asyncio.get_running_loop()
+        limit = self.options.body_timeout
+        deadline = loop.time() + limit if limit is not None else float("inf")
+        close = {"connection": "close"}  # what is left of the body is never read
         reading = asyncio.ensure_future(_body(request, self.options.max_body_bytes))
-        cut = asyncio.ensure_future(self._cut.wait())
         try:
-            done, _ = await asyncio.wait({reading, cut}, timeout=self.options.body_timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            while not reading.done():
+                if self.cut:
+                    raise ApiError("the server is shutting down: the request body did not arrive before its "
+                                   "deadline", status=503, code="shutting_down", type="server_error", headers=close)
+                if loop.time() >= deadline:
+                    raise ApiError(f"the request body did not arrive within {limit:g} s", status=408,
+                                   code="request_timeout", headers=close)
+                await asyncio.wait({reading}, timeout=min(poll, deadline - loop.time()))
+            return reading.result()
         finally:
             reading.cancel()  # no-op once done
-            cut.cancel()
-        if reading in done:
-            return reading.result()
-        close = {"connection": "close"}  # what is left of the body is never read
-        if cut in done:
-            raise ApiError("the server is shutting down: the request body did not arrive before its deadline",
-                           status=503, code="shutting_down", type="server_error", headers=close)
-        raise ApiError(f"the request body did not arrive within {self.options.body_timeout:g} s", status=408,
-                       code="request_timeout", headers=close)
 
     async def _next(self, call: _Call, request: HttpRequest, poll: float = 0.25) -> RequestOutput:
         """The call's next output; raises _ClientGone when the client disconnects meanwhile."""
