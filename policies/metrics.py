@@ -120,6 +120,8 @@ def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
         "arrival": arrival,
         "prompt_len": np.array([r.prompt_len for r in reqs], dtype=np.int64),
         "output_len": out,
+        # what was asked for (a trace's output length, else max_tokens): a rejected row generated 0
+        "requested_output_len": np.array([r.max_output for r in reqs], dtype=np.int64),
         "n": np.array([r.sampling.n for r in reqs], dtype=np.int64),
         "beam_width": np.array([r.sampling.beam_width for r in reqs], dtype=np.int64),
         "first_scheduled": np.array([nan if g.first_scheduled is None else g.first_scheduled for g in gs],
