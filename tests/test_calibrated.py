@@ -27,6 +27,10 @@ from sim.specs import ModelSpec, get_hardware, get_model
 
 H100 = get_hardware("h100-sxm")
 LLAMA = get_model("llama-7b")
+# the data beside the repository (../shared from its root); a test whose file is absent skips
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+MIXTRAL = SHARED / "models" / "mixtral-8x7b-v0.1.json"
+MEASUREMENTS = SHARED / "calibration" / "vllm-h100" / "measurements.json"
 
 
 # a small Mixtral-like MoE: 8 experts, top-2
@@ -59,8 +63,9 @@ def test_moe_shapes_and_roofline_reads_only_touched_experts() -> None:
     assert ep.decode_step_time(64, 6400) > 0
 
 
+@pytest.mark.skipif(not MIXTRAL.is_file(), reason="../shared/models/mixtral-8x7b-v0.1.json not present")
 def test_mixtral_decode_reads_a_fraction_of_its_experts() -> None:
-    mixtral = get_model("/work/shared/models/mixtral-8x7b-v0.1.json")
+    mixtral = get_model(str(MIXTRAL))
     assert mixtral.is_moe and mixtral.experts_per_token == 2
     cal = CalibratedCostModel(mixtral, H100, tp=2)
     weights_s = mixtral.weight_bytes / 2 / (H100.mem_bandwidth * cal.params.weight_mem_eff)
@@ -163,11 +168,8 @@ def test_bad_calibration_file_names_the_field(tmp_path) -> None:
 
 # --- calibration by simulation in the loop ----------------------------------------------------------
 
-MEASUREMENTS = Path("/work/shared/calibration/vllm-h100/measurements.json")
-
-
 @pytest.mark.slow  # a few seconds: ~100 requests simulated 5 times
-@pytest.mark.skipif(not MEASUREMENTS.is_file(), reason="the vllm-h100 measurements are not here")
+@pytest.mark.skipif(not MEASUREMENTS.is_file(), reason="../shared/calibration/vllm-h100/measurements.json not present")
 def test_tiny_calibrate_fits_the_client_term_on_a_truncated_stage() -> None:
     from analysis.calibrate import error_table, fit_engine, simulate_all, split_stages
     from analysis.measurement_files import load_measurements
@@ -187,7 +189,7 @@ def test_tiny_calibrate_fits_the_client_term_on_a_truncated_stage() -> None:
 
 
 @pytest.mark.slow  # one short simulation, then client terms fitted over it without simulating again
-@pytest.mark.skipif(not MEASUREMENTS.is_file(), reason="the vllm-h100 measurements are not here")
+@pytest.mark.skipif(not MEASUREMENTS.is_file(), reason="../shared/calibration/vllm-h100/measurements.json not present")
 def test_client_terms_are_fitted_over_kept_runs_and_recovered() -> None:
     """Measurements made up from one simulated run seen by a client 6 ms late whose tokens arrive
     1.3 iterations after they are made: fit_client finds both again from other starting values."""
