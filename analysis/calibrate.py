@@ -109,12 +109,12 @@ def simulate_ref(ref: StageRef, params: CalibrationParams, hardware: str, seed: 
 def _simulate_warm(ref: StageRef, cfg: Any, model: CalibratedCostModel, seed: int, duration_s: float,
                    skip: int) -> StageResult:
     """simulate_stage over `duration_s`, latencies over the requests after the first `skip`."""
-    from analysis.measurements import client_overhead, stage_result, stage_workload
+    from analysis.measurements import client_terms, stage_result, stage_workload
     from sim.run import run_simulation
     t0 = time.perf_counter()
     trace = stage_workload(ref.exp, ref.stage, seed, duration_s)
     res = run_simulation(replace(cfg, seed=seed), trace, model)
-    return stage_result(ref.exp, ref.stage, trace, res, client_overhead(model), t0, skip=skip)
+    return stage_result(ref.exp, ref.stage, trace, res, client_terms(model), t0, skip=skip)
 
 
 def _simulate_job(job: tuple) -> StageResult:
@@ -222,13 +222,13 @@ def fit_client(results: Sequence[StageResult], params: CalibrationParams,
     simulated), and the log errors there: (params with them set, residuals)."""
     from scipy.optimize import least_squares
 
-    from analysis.measurements import client_overhead
+    from analysis.measurements import client_terms
 
     def with_client(u: np.ndarray) -> CalibrationParams:
         return replace(params, **{n: float(v) for n, v in zip(names, np.exp(x0 + u), strict=True)})
 
     def resid(x: np.ndarray) -> np.ndarray:
-        client = client_overhead(with_client(x))
+        client = client_terms(with_client(x))
         return log_errors([r.with_client(client) for r in results])
 
     if not names:

@@ -257,8 +257,13 @@ def study_workloads(args: argparse.Namespace, draw=None):
 
 
 def study_title(args: argparse.Namespace) -> str:
-    """What a study's cost model prices, for its header and figure titles."""
-    return f"{args.model}, profile {args.profile}" if args.profile else f"{args.model} on {args.hardware}"
+    """What a study's cost model prices, for its header and figure titles; a calibration's client
+    terms make every latency and SLO figure the client's (policies/client_latency.py), which it says."""
+    if args.profile:
+        return f"{args.model}, profile {args.profile}"
+    calibration = getattr(args, "calibration", None)
+    where = f"{args.model} on {args.hardware}"
+    return f"{where}, calibration {calibration} (client-side latencies)" if calibration else where
 
 
 def require_backend():

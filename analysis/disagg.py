@@ -25,6 +25,7 @@ from analysis.plots import rate_panels
 from analysis.report import Columns
 from analysis.sweep import headline
 from pagesim.argtypes import out_dir, positive_float, positive_int
+from policies.metrics import headline_latency
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
@@ -60,7 +61,7 @@ def disagg_study(trace: Trace, base: SimConfig, gpus: int, rates: Sequence[float
 
 def _run(cfg: SimConfig, timed: Trace, setup: str, rate: float) -> dict:
     s = run_simulation(cfg, timed).summary
-    return {"setup": setup, "rate": rate, **headline(s), "tpot_mean": s["tpot"]["mean"],
+    return {"setup": setup, "rate": rate, **headline(s), "tpot_mean": headline_latency(s, "tpot")["mean"],
             "slo_attainment": s["slo_attainment"]}
 
 
