@@ -266,4 +266,19 @@ def run(args: argparse.Namespace) -> int:
     if unfit:
         print(f"not simulated ({len(unfit)} experiments, in fidelity.json): {', '.join(unfit)}")
     print(f"\n{len(table)} comparisons; wall time {wall:.1f} s; wrote {out}/fidelity.csv, fidelity.json, fidelity.png")
+    write_request_runs(experiments, results, out, cost)
     return 0
+
+
+def write_request_runs(experiments: Sequence[Experiment], results: Sequence[StageResult], out: Path, cost: str) -> None:
+    """Per-request runs' comparisons (analysis/request_runs.py): printed, and written under
+    out/request_runs/<n>/, their errors into out/request_runs.json."""
+    from analysis.request_runs import format_report, stage_reports, write_report
+    reports = stage_reports(experiments, results)
+    for i, report in enumerate(reports):
+        print()
+        print(format_report(report))
+        paths = write_report(report, out / "request_runs" / str(i), f"{report.name} ({cost})")
+        print(f"wrote {', '.join(str(p) for p in paths)}")
+    if reports:
+        (out / "request_runs.json").write_text(json.dumps([r.summary() for r in reports], indent=1, default=float) + "\n")

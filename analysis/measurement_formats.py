@@ -7,7 +7,9 @@
   --metadata keys where given (tensor_parallel_size, max_num_seqs, max_num_batched_tokens, ...);
   with --save-detailed its input_lens/output_lens are replayed;
 - a pagesim run folder (`requests.csv` + `summary.json` of `pagesim simulate` or `pagesim live`):
-  one stage replaying the recorded requests at their recorded arrivals.
+  one stage replaying the recorded requests at their recorded arrivals;
+- a per-request benchmark run folder (`meta.json` + `requests.jsonl` + `timeseries.csv`, the
+  llmservingsim layout): analysis/request_runs.py.
 
 Every malformed input raises ValueError "<file>: <field path>: <what is wrong>".
 """
@@ -111,14 +113,17 @@ def _number(text: str) -> Any:
 
 def load_file(path: Path, models_dirs: Sequence[str | Path] | None = None) -> list[Experiment]:
     """The experiments of one measurements file or pagesim run folder (format told by content)."""
+    from analysis.request_runs import is_request_run, load_request_run  # it builds on this module
+    if is_request_run(path):
+        return [load_request_run(path, models_dirs)]
     if path.is_dir() or (path.name in ("requests.csv", "summary.json") and (path.parent / "requests.csv").is_file()):
         return [_pagesim_run(path if path.is_dir() else path.parent, models_dirs)]
     if not path.is_file():
         raise ValueError(f"{path}: no such file or run folder")
-    objects = _json_objects(path)
+    objects = json_objects(path)
     if len(objects) == 1 and isinstance(objects[0], dict) and "experiments" in objects[0]:
         f = Fields(objects[0], path)
-        hardware = _source_hardware(objects[0].get("source"))
+        hardware = _sourcehardware_field(objects[0].get("source"))
         return [_vllm_h100_experiment(e, models_dirs, hardware) for e in f.items("experiments")]
     if len(objects) == 1:
         from analysis.benchmark_results import is_guidellm, load_guidellm  # it builds on this module
@@ -133,7 +138,7 @@ def load_file(path: Path, models_dirs: Sequence[str | Path] | None = None) -> li
                      "or a pagesim run folder (requests.csv + summary.json)")
 
 
-def _json_objects(path: Path) -> list[Any]:
+def json_objects(path: Path) -> list[Any]:
     """The JSON values in the file: one, or several written one after another (--append-result)."""
     try:
         text = path.read_text()
@@ -163,7 +168,7 @@ def default_models_dirs() -> list[Path]:
     return list(dict.fromkeys(d.resolve() for d in dirs if d.is_dir()))
 
 
-def resolve_model(model_id: str, models_dirs: Sequence[str | Path] | None = None) -> str:
+def resolvemodel_field(model_id: str, models_dirs: Sequence[str | Path] | None = None) -> str:
     """What SimConfig.model takes for a measured model id: the path of its config.json (a path, or a
     HF id found in `models_dirs`, default `default_models_dirs()`), or a catalogue name. Raises
     ValueError saying what was tried otherwise."""
@@ -171,15 +176,15 @@ def resolve_model(model_id: str, models_dirs: Sequence[str | Path] | None = None
     return resolve_model_name(model_id, dirs)  # raises for an unknown model, or a config it cannot read
 
 
-def _model(f: Fields, key: str, models_dirs: Sequence[str | Path] | None) -> tuple[str, str]:
+def model_field(f: Fields, key: str, models_dirs: Sequence[str | Path] | None) -> tuple[str, str]:
     model_id = f.str(key)
     try:
-        return model_id, resolve_model(model_id, models_dirs)
+        return model_id, resolvemodel_field(model_id, models_dirs)
     except ValueError as exc:
         raise f.error(key, str(exc)) from None
 
 
-def _tp(f: Fields, key: str, model: str) -> int:
+def tp_field(f: Fields, key: str, model: str) -> int:
     """The measured tensor parallelism, which must split the model's heads (refused here naming the
     file's field, not later as if the user had passed --tp)."""
     tp = f.int(key, 1, minimum=1)
@@ -192,7 +197,7 @@ def _tp(f: Fields, key: str, model: str) -> int:
 
 # --- vllm-h100 measurements.json ------------------------------------------------------------------
 
-def _source_hardware(source: Any) -> str | None:
+def _sourcehardware_field(source: Any) -> str | None:
     """The hardware spec the file's free-text `source.hardware` names ("NVIDIA H100 80GB HBM3 (SXM),
     one node; ..."), from its leading words; None when it names none."""
     text = source.get("hardware") if isinstance(source, dict) else None
@@ -205,7 +210,7 @@ def _source_hardware(source: Any) -> str | None:
 
 
 def _vllm_h100_experiment(e: Fields, models_dirs: Sequence[str | Path] | None, hardware: str | None) -> Experiment:
-    model_id, model = _model(e, "model_id", models_dirs)
+    model_id, model = model_field(e, "model_id", models_dirs)
     sp = e.sub("shared_prefix")
     workload = SharedPrefix(sp.int("num_groups", minimum=1), sp.int("num_prompts_per_group", minimum=1),
                             sp.int("system_prompt_len"), sp.int("question_len"), sp.int("output_len", minimum=1))
@@ -216,14 +221,14 @@ def _vllm_h100_experiment(e: Fields, models_dirs: Sequence[str | Path] | None, h
         raise e.error("ignore_eos", "false: outputs of unknown length cannot be replayed")
     stages = tuple(_vllm_h100_stage(s, load, workload.output_len) for s in e.items("stages"))
     return Experiment(
-        name=e.str("name"), model_id=model_id, model=model, tp=_tp(e, "tp", model), stages=stages,
+        name=e.str("name"), model_id=model_id, model=model, tp=tp_field(e, "tp", model), stages=stages,
         workload=workload, workload_name=e.str("workload", "shared_prefix"),
         max_model_len=e.int("max_model_len", None, minimum=1),
         max_num_batched_tokens=e.int("max_num_batched_tokens", None, minimum=1),
         max_num_seqs=e.int("max_num_seqs", None, minimum=1), block_size=e.int("block_size", 16, minimum=1),
         prefix_caching=e.bool("enable_prefix_caching", True), chunked_prefill=e.bool("enable_chunked_prefill", True),
         gpu_memory_utilization=e.num("gpu_memory_utilization", 0.9, strict=True),
-        hardware=_hardware(e, "hardware") or hardware,
+        hardware=hardware_field(e, "hardware") or hardware,
         overloaded_by_source=e.bool("overload_excluded_by_source", False), source=e.file)
 
 
@@ -251,7 +256,7 @@ def _opt(v: float | None, scale: float = 1.0) -> float | None:
 # --- vllm bench serve --save-result ---------------------------------------------------------------
 
 def _vllm_bench(f: Fields, name: str, models_dirs: Sequence[str | Path] | None) -> Experiment:
-    model_id, model = _model(f, "model_id", models_dirs)
+    model_id, model = model_field(f, "model_id", models_dirs)
     rate = f.raw("request_rate")
     if rate == "inf" or rate == math.inf:
         raise f.error("request_rate", "'inf' (every request at once) is not supported: give a finite rate")
@@ -276,17 +281,17 @@ def _vllm_bench(f: Fields, name: str, models_dirs: Sequence[str | Path] | None) 
         throughput_rps=f.num("request_throughput", None), successes=completed,
         failures=f.int("failed", n - completed), requests=_bench_requests(f, n, completed, total_out))
     return Experiment(
-        name=name, model_id=model_id, model=model, tp=_tp(f, _first(f, "tensor_parallel_size", "tp"), model),
+        name=name, model_id=model_id, model=model, tp=tp_field(f, _first(f, "tensor_parallel_size", "tp"), model),
         stages=(stage,), workload_name=str(f.raw("dataset_name", "vllm-bench")),
         max_model_len=f.int("max_model_len", None, minimum=1),
         max_num_batched_tokens=f.int("max_num_batched_tokens", None, minimum=1),
         max_num_seqs=f.int("max_num_seqs", None, minimum=1), block_size=f.int("block_size", 16, minimum=1),
         prefix_caching=f.bool("enable_prefix_caching", True),
         gpu_memory_utilization=f.num("gpu_memory_utilization", 0.9, strict=True),
-        hardware=_hardware(f, "hardware"), source=f.file)
+        hardware=hardware_field(f, "hardware"), source=f.file)
 
 
-def _hardware(f: Fields, key: str) -> str | None:
+def hardware_field(f: Fields, key: str) -> str | None:
     if not f.has(key):
         return None
     name = f.str(key)
@@ -346,11 +351,11 @@ def _pagesim_run(folder: Path, models_dirs: Sequence[str | Path] | None) -> Expe
     for p in (summary_path, requests_path):
         if not p.is_file():
             raise ValueError(f"{p}: missing (a pagesim run folder holds requests.csv and summary.json)")
-    objects = _json_objects(summary_path)
+    objects = json_objects(summary_path)
     s = Fields(objects[0], summary_path)
     cfg = s.sub("config")
     frame = _requests_frame(requests_path)
-    model_id, model = _model(cfg, "model", models_dirs)
+    model_id, model = model_field(cfg, "model", models_dirs)
     done = frame[frame.status == "finished"]
     if not len(done):
         raise ValueError(f"{requests_path}: no finished request: nothing was measured")
@@ -373,7 +378,7 @@ def _pagesim_run(folder: Path, models_dirs: Sequence[str | Path] | None) -> Expe
         prefix_caching=cfg.bool("prefix_caching", False), chunked_prefill=cfg.bool("chunked_prefill", False),
         gpu_memory_utilization=cfg.num("gpu_memory_utilization", 0.9, strict=True), num_gpu_blocks=gpu_blocks,
         policy=cfg.str("policy", "vllm"), preemption=cfg.str("preemption", "recompute"),
-        hardware=_hardware(cfg, "hardware"), source=str(folder))
+        hardware=hardware_field(cfg, "hardware"), source=str(folder))
 
 
 _RUN_COLUMNS = ("arrival", "prompt_len", "output_len", "ttft", "e2e_latency", "status")

@@ -98,6 +98,8 @@ class Stage:
     successes: int = 0
     failures: int = 0
     requests: Trace | None = None
+    # a per-request run's own measurements (analysis.request_runs.MeasuredRun): per request and over time
+    measured_run: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def tpot(self) -> float:
