@@ -81,7 +81,10 @@ def split_stages(experiments: Sequence[Experiment], by: str = "model") -> tuple[
     for e in experiments:
         for s in e.stages:
             ref = StageRef(e, s, e.model_id if by == "model" else e.name)
-            (over if e.overloaded_by_source or s.overloaded else fit).append(ref)
+            # a per-request run is replayed whole, arrival by arrival: its latencies, queueing included,
+            # are what the replay must reproduce, however overloaded the engine was
+            queued = (e.overloaded_by_source or s.overloaded) and s.measured_run is None
+            (over if queued else fit).append(ref)
     return fit, over
 
 
@@ -252,8 +255,12 @@ def operator_params(directory: str | Path | None, hardware: str) -> tuple[Calibr
     """Step 1: the operator terms fitted to kernel times (the defaults when no directory is given)."""
     if directory is None:
         return CalibrationParams(), {"note": "no operator profiles: operator terms are the priors"}
+    from analysis.kernel_profiles import fit_profiles, is_profile_tree
     from analysis.operator_fit import fit_operators
     hw = get_hardware(hardware)
+    if is_profile_tree(directory):  # vLLM layer-wise profiles (llmservingsim's profiler/perf/<GPU>)
+        params, report = fit_profiles(directory, hw)
+        return replace(CalibrationParams(), **params), report
     gpu = hw.name.split("-")[0]
     params, report = fit_operators(directory, hw, gpu)
     return replace(CalibrationParams(), **params), report
@@ -296,8 +303,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--hardware", required=True, help="the GPU the measurements ran on (a hardware spec name)")
     p.add_argument("--models-dir", action="append", help="folder of config.json files for the measured models")
     p.add_argument("--operators", default=None,
-                   help="folder of per-operator kernel times (<gpu>_<model>_mlp.csv, <gpu>_dgx_all_reduce.csv); "
-                        "default ../shared/calibration/vidur-operators when it exists")
+                   help="folder of per-operator kernel times: Vidur's (<gpu>_<model>_mlp.csv, "
+                        "<gpu>_dgx_all_reduce.csv) or vLLM layer-wise profiles (profiler/perf/<GPU>/<org>/<model>/"
+                        "<variant>/tp<N>/dense.csv, ...); default ../shared/calibration/vidur-operators when it exists")
     p.add_argument("--out", required=True, type=out_file,
                    help="calibration file to write (.json); the plot goes beside it")
     p.add_argument("--name", help="the calibration's name (default: the file's stem)")

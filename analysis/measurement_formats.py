@@ -123,7 +123,7 @@ def load_file(path: Path, models_dirs: Sequence[str | Path] | None = None) -> li
     objects = json_objects(path)
     if len(objects) == 1 and isinstance(objects[0], dict) and "experiments" in objects[0]:
         f = Fields(objects[0], path)
-        hardware = _sourcehardware_field(objects[0].get("source"))
+        hardware = _source_hardware(objects[0].get("source"))
         return [_vllm_h100_experiment(e, models_dirs, hardware) for e in f.items("experiments")]
     if len(objects) == 1:
         from analysis.benchmark_results import is_guidellm, load_guidellm  # it builds on this module
@@ -168,7 +168,7 @@ def default_models_dirs() -> list[Path]:
     return list(dict.fromkeys(d.resolve() for d in dirs if d.is_dir()))
 
 
-def resolvemodel_field(model_id: str, models_dirs: Sequence[str | Path] | None = None) -> str:
+def resolve_model(model_id: str, models_dirs: Sequence[str | Path] | None = None) -> str:
     """What SimConfig.model takes for a measured model id: the path of its config.json (a path, or a
     HF id found in `models_dirs`, default `default_models_dirs()`), or a catalogue name. Raises
     ValueError saying what was tried otherwise."""
@@ -179,7 +179,7 @@ def resolvemodel_field(model_id: str, models_dirs: Sequence[str | Path] | None =
 def model_field(f: Fields, key: str, models_dirs: Sequence[str | Path] | None) -> tuple[str, str]:
     model_id = f.str(key)
     try:
-        return model_id, resolvemodel_field(model_id, models_dirs)
+        return model_id, resolve_model(model_id, models_dirs)
     except ValueError as exc:
         raise f.error(key, str(exc)) from None
 
@@ -197,7 +197,7 @@ def tp_field(f: Fields, key: str, model: str) -> int:
 
 # --- vllm-h100 measurements.json ------------------------------------------------------------------
 
-def _sourcehardware_field(source: Any) -> str | None:
+def _source_hardware(source: Any) -> str | None:
     """The hardware spec the file's free-text `source.hardware` names ("NVIDIA H100 80GB HBM3 (SXM),
     one node; ..."), from its leading words; None when it names none."""
     text = source.get("hardware") if isinstance(source, dict) else None
