@@ -8,7 +8,9 @@ Two steps, each fitting what its data can tell:
    the client's TTFT add and output lag) by simulation in the loop: every unsaturated measured stage
    is rebuilt (analysis/measurements.py), simulated over its first `max_duration_s` seconds of
    arrivals, and scipy's least_squares moves the parameters (in log space) to minimise a soft-L1 loss
-   of log(predicted / measured) over TTFT mean/p90, E2E mean/p90 and time per output token.
+   of log(predicted / measured) over TTFT mean/p90, E2E mean/p90 and time per output token (and, for
+   a per-request run, TTFT p10/p50, per-request time per output token p50/p90 and the mean running and
+   waiting requests over its ticks: analysis/request_runs.py).
 
 Stages the measurement marks overloaded, and stages overloaded by the one rule of
 analysis/measurements.py `is_overloaded` (completions below the offered rate, or a mean TTFT above
@@ -23,6 +25,7 @@ import argparse
 import datetime as dt
 import hashlib
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -132,7 +135,15 @@ def simulate_all(refs: Sequence[StageRef], params: CalibrationParams, hardware: 
     return list(pool.map(_simulate_job, jobs))
 
 
-def log_errors(results: Sequence[StageResult], metrics: Sequence[str] = FIT_METRICS) -> np.ndarray:
+def fit_metrics() -> tuple[str, ...]:
+    """Every metric a fit weighs: FIT_METRICS, and a per-request run's distribution and gauges
+    (measurements.REQUEST_RUN_METRICS) where a stage measured them (others are skipped)."""
+    from analysis.measurements import REQUEST_RUN_METRICS
+    return FIT_METRICS + REQUEST_RUN_METRICS
+
+
+def log_errors(results: Sequence[StageResult], metrics: Sequence[str] | None = None) -> np.ndarray:
+    metrics = metrics or fit_metrics()
     out = []
     for r in results:
         for m in metrics:
@@ -144,8 +155,9 @@ def log_errors(results: Sequence[StageResult], metrics: Sequence[str] = FIT_METR
     return np.asarray(out)
 
 
-def error_table(results: Sequence[StageResult], metrics: Sequence[str] = FIT_METRICS) -> dict[str, Any]:
-    """Median absolute relative error per metric, and each stage's errors."""
+def error_table(results: Sequence[StageResult], metrics: Sequence[str] | None = None) -> dict[str, Any]:
+    """Median absolute relative error per metric (default `fit_metrics()`), and each stage's errors."""
+    metrics = metrics or fit_metrics()
     per: dict[str, list[float]] = {m: [] for m in metrics}
     stages = []
     for r in results:
@@ -286,6 +298,21 @@ def leave_one_out(refs: Sequence[StageRef], start: CalibrationParams, hardware: 
     return {"groups": per_group, "median_abs_error": error_table(held)["median_abs_error"]}
 
 
+def source_files(paths: Sequence[str | Path]) -> list[Path]:
+    """The files measurements were read from: a file itself; a per-request run folder's files
+    (analysis/request_runs.py `run_files`); every file directly in another folder (a pagesim run)."""
+    from analysis.request_runs import is_request_run, run_files
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if is_request_run(p):
+            out += run_files(p)
+        elif p.is_dir():
+            out += sorted(f for f in p.iterdir() if f.is_file())
+        else:
+            out.append(p)
+    return out
+
+
 def sha256(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
@@ -299,7 +326,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Fit the calibrated roofline's operator terms to kernel times (--operators) and its engine "
                     "terms to measured serving runs by simulating them; write the calibration (JSON), its "
                     "errors in sample and left out, and a predicted-vs-measured plot beside it.")
-    p.add_argument("--measurements", nargs="+", required=True, help="measurement files (analysis/measurements.py)")
+    p.add_argument("--measurements", nargs="+", help="measurement files or run folders (analysis/measurements.py); "
+                                                    "required unless --engine-from")
+    p.add_argument("--engine-from", metavar="CALIBRATION",
+                   help="a GPU without end-to-end measurements: operator terms from --operators (its kernel "
+                        "profiles), the engine and client terms carried from this calibration (file or shipped "
+                        "name) of the same engine; nothing is simulated (analysis/transfer.py)")
     p.add_argument("--hardware", required=True, help="the GPU the measurements ran on (a hardware spec name)")
     p.add_argument("--models-dir", action="append", help="folder of config.json files for the measured models")
     p.add_argument("--operators", default=None,
@@ -326,6 +358,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from analysis.measurements import load_measurements
+
+    if args.engine_from:
+        return run_transfer(args)
+    if not args.measurements:
+        raise ValueError("--measurements: required (or --engine-from CALIBRATION with --operators, for a GPU with "
+                         "kernel profiles only)")
 
     hardware = get_hardware(args.hardware).name
     experiments = load_measurements(args.measurements, args.models_dir)
@@ -357,9 +395,10 @@ def run(args: argparse.Namespace) -> int:
               for r in overloaded]
     meta = {
         "engine": _engine_description(experiments),
-        "sources": [{"path": str(p), "sha256": sha256(p)} for p in [*args.measurements, *op_report.get("files", [])]],
+        "sources": [{"path": str(p), "sha256": sha256(p)}
+                    for p in [*source_files(args.measurements), *op_report.get("files", [])]],
         "operators": {k: v for k, v in op_report.items() if k != "files"},
-        "fit": {"engine_params": list(ENGINE_PARAMS), "metrics": list(FIT_METRICS), "seed": args.seed,
+        "fit": {"engine_params": list(ENGINE_PARAMS), "metrics": list(fit_metrics()), "seed": args.seed,
                 "fit_duration_s": args.max_duration, "eval_duration_s": eval_s, "in_sample": ins,
                 "overloaded_checks": checks, "leave_one_out": loo, "leave_one_out_by": args.leave_one_out},
         "command": "pagesim " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] else "pagesim calibrate",
@@ -374,6 +413,38 @@ def run(args: argparse.Namespace) -> int:
     for c in checks:
         print(f"overloaded {c['stage']}: simulated {'overloaded' if c['predicted_overloaded'] else 'NOT overloaded'}")
     print(f"wrote {path} and {plot}")
+    return 0
+
+
+def run_transfer(args: argparse.Namespace) -> int:
+    """`calibrate --engine-from`: analysis/transfer.py, with the sources and the kernel fits' errors."""
+    from analysis.transfer import OPERATOR_TERMS, transfer_calibration
+    from sim.calibrated import load_calibration
+
+    if args.measurements:
+        raise ValueError("--engine-from: carries a calibration's engine terms instead of fitting them to "
+                         "--measurements; give one or the other")
+    if not args.operators:
+        raise ValueError("--engine-from: needs --operators (the new GPU's kernel profiles)")
+    hardware = get_hardware(args.hardware).name
+    base = load_calibration(args.engine_from)
+    _, report = operator_params(args.operators, hardware)
+    fitted = {k: report[k] for k in OPERATOR_TERMS if k in report}
+    cal = transfer_calibration(base, fitted, str(args.operators), hardware, args.name or Path(args.out).stem)
+    errors = {k: v for k, v in report.items() if k.endswith("_median_abs_error")}
+    cal.meta.update({
+        "sources": [{"path": os.path.relpath(p), "sha256": sha256(p)} for p in [base.source, *report.get("files", [])]],
+        "operators": {k: v for k, v in report.items() if k != "files"},
+        "errors": {"kernel_fits_median_abs_error": errors,
+                   "end_to_end": None, "note": "no end-to-end measurement on this GPU: the carried terms' own errors "
+                                               "are those of carried_from"},
+        "command": "pagesim " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] else "pagesim calibrate",
+        "pagesim_version": _version(), "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    })
+    path = save_calibration(cal, args.out)
+    for term, where in cal.meta["provenance"].items():
+        print(f"{term:<26} {getattr(cal.params, term):<12.4g} {where}")
+    print(f"wrote {path}")
     return 0
 
 

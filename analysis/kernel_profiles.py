@@ -208,7 +208,8 @@ def fit_profiles(directory: str | Path, hw: HardwareSpec, models_dirs: Any = Non
 
     pts, attention, files, skipped = profile_inputs(directory, models_dirs)
     report = {**fit_gemm(pts, hw), **fit_elementwise(pts, hw), **fit_attention(attention, hw)}
-    params = {k: v for k, v in report.items() if not k.endswith(("_error", "_points", "_floor_s"))}
+    # the attention floors are reported, not parameters (module docstring)
+    params = {k: v for k, v in report.items() if not k.endswith(("_error", "_points", "_eff_floor_s"))}
     report["files"] = files
     if skipped:
         report["skipped"] = skipped

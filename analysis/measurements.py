@@ -41,6 +41,10 @@ from traces.synthetic import grouped_prefix
 from traces.trace import Trace
 
 LATENCY_METRICS = ("ttft_mean", "ttft_p90", "e2e_mean", "e2e_p90", "e2e_p99", "tpot")
+# what a per-request run measures beyond a stage summary (analysis/request_runs.py): the low-load and
+# middle TTFT, the per-request time per output token, and the engine's mean running and waiting
+# requests over the run's ticks
+REQUEST_RUN_METRICS = ("ttft_p10", "ttft_p50", "tpot_p50", "tpot_p90", "running_mean", "waiting_mean")
 OVERLOAD_FRACTION = 0.9
 QUEUED_TTFT_S = 1.0  # a mean TTFT above this means requests queued: the load was not carried
 
@@ -110,9 +114,11 @@ class Stage:
         return is_overloaded(self.throughput_rps, self.rate, self.ttft.mean)
 
     def metrics(self) -> dict[str, float | None]:
-        """The measured `LATENCY_METRICS` (None where the source did not report one)."""
-        return {"ttft_mean": self.ttft.mean, "ttft_p90": self.ttft.p90, "e2e_mean": self.e2e.mean,
-                "e2e_p90": self.e2e.p90, "e2e_p99": self.e2e.p99, "tpot": self.tpot}
+        """The measured `LATENCY_METRICS` (None where the source did not report one), and a
+        per-request run's `REQUEST_RUN_METRICS`."""
+        out = {"ttft_mean": self.ttft.mean, "ttft_p90": self.ttft.p90, "e2e_mean": self.e2e.mean,
+               "e2e_p90": self.e2e.p90, "e2e_p99": self.e2e.p99, "tpot": self.tpot}
+        return out if self.measured_run is None else {**out, **self.measured_run.metrics()}
 
 
 @dataclass(frozen=True)
@@ -173,7 +179,8 @@ class StageResult:
         depend on the client terms, so nothing is simulated again."""
         if self.requests is None:
             raise ValueError(f"{self.experiment}#{self.stage}: the simulated requests were not kept")
-        predicted = predicted_metrics(self.requests, client, self.iterations)
+        # the server-side figures (a per-request run's gauges) do not depend on the client
+        predicted = {**self.predicted, **predicted_metrics(self.requests, client, self.iterations)}
         return dataclasses.replace(self, predicted=predicted, predicted_overloaded=self.backlog_grew or is_overloaded(
             None, self.rate, predicted["ttft_mean"]))
 
@@ -304,13 +311,17 @@ def predicted_metrics(requests: pd.DataFrame, client: ClientTerms = NO_CLIENT_TE
     (policies/client_latency.py, the same columns every run reports)."""
     done = with_client_latencies(requests[requests.status == "finished"], iterations, client)
     if not len(done):
-        return dict.fromkeys(LATENCY_METRICS, math.nan)
+        return dict.fromkeys(LATENCY_METRICS + REQUEST_RUN_METRICS[:4], math.nan)
     ttft, e2e = done.client_ttft.to_numpy(np.float64), done.client_e2e_latency.to_numpy(np.float64)
     out = done.output_len.to_numpy(np.float64)
-    p_ttft, p_e2e = np.percentile(ttft, 90), np.percentile(e2e, [90, 99])
-    return {"ttft_mean": float(ttft.mean()), "ttft_p90": float(p_ttft), "e2e_mean": float(e2e.mean()),
+    p_ttft, p_e2e = np.percentile(ttft, [10, 50, 90]), np.percentile(e2e, [90, 99])
+    tpot = done.client_tpot.dropna().to_numpy(np.float64)
+    p_tpot = np.percentile(tpot, [50, 90]) if len(tpot) else (math.nan, math.nan)
+    return {"ttft_mean": float(ttft.mean()), "ttft_p90": float(p_ttft[2]), "e2e_mean": float(e2e.mean()),
             "e2e_p90": float(p_e2e[0]), "e2e_p99": float(p_e2e[1]),
-            "tpot": time_per_output_token(float(e2e.mean()), float(ttft.mean()), float(out.mean()))}
+            "tpot": time_per_output_token(float(e2e.mean()), float(ttft.mean()), float(out.mean())),
+            "ttft_p10": float(p_ttft[0]), "ttft_p50": float(p_ttft[1]), "tpot_p50": float(p_tpot[0]),
+            "tpot_p90": float(p_tpot[1])}
 
 
 @dataclass(frozen=True)
@@ -370,6 +381,8 @@ def stage_result(exp: Experiment, stage: Stage, trace: Trace, res: Any, client: 
     steady = steady_state(res.requests)
     requests = res.requests[res.requests.request_id >= skip] if skip else res.requests
     predicted = predicted_metrics(requests, client, res.iterations)
+    if stage.measured_run is not None:  # the simulated engine's gauges at the run's ticks
+        predicted.update(stage.measured_run.predicted_gauges(res.iterations))
     return StageResult(
         experiment=exp.name, stage=stage.index, rate=stage.rate, measured=stage.metrics(), predicted=predicted,
         measured_overloaded=exp.overloaded_by_source or stage.overloaded,

@@ -62,6 +62,23 @@ class MeasuredRun:
     tick_s: float
     source: str
 
+    def metrics(self) -> dict[str, float]:
+        """The measured `REQUEST_RUN_METRICS` (the gauges' means only with a timeseries)."""
+        ttft, tpot = self.requests.ttft.to_numpy(np.float64), self.requests.tpot.dropna().to_numpy(np.float64)
+        out = {"ttft_p10": float(np.percentile(ttft, 10)), "ttft_p50": float(np.percentile(ttft, 50)),
+               "tpot_p50": float(np.percentile(tpot, 50)), "tpot_p90": float(np.percentile(tpot, 90))}
+        if self.timeseries is not None:
+            out.update(running_mean=float(self.timeseries.running.mean()),
+                       waiting_mean=float(self.timeseries.waiting.mean()))
+        return out
+
+    def predicted_gauges(self, iterations: pd.DataFrame) -> dict[str, float]:
+        """The simulated engine's mean running and waiting requests at this run's ticks."""
+        if self.timeseries is None:
+            return {}
+        g = simulated_gauges(iterations, self.timeseries.t.to_numpy(np.float64))
+        return {"running_mean": float(g.running.mean()), "waiting_mean": float(g.waiting.mean())}
+
 
 def is_request_run(path: Path) -> bool:
     folder = path if path.is_dir() else path.parent
@@ -109,6 +126,15 @@ def load_request_run(path: Path, models_dirs: Sequence[str | Path] | None = None
         source=str(folder) + ("" if kw.get("data_parallel_size", 1) in (1, None) else " (data parallel: not modelled)"))
 
 
+def run_files(path: Path) -> list[Path]:
+    """The files a run folder's data lie in: meta.json, requests.jsonl, timeseries.csv (when there)
+    and the workload meta.json names."""
+    folder = path if path.is_dir() else path.parent
+    meta = Fields(json_objects(folder / "meta.json")[0], folder / "meta.json")
+    files = [folder / name for name in ("meta.json", "requests.jsonl", "timeseries.csv") if (folder / name).is_file()]
+    return [*files, _workload_path(folder, meta)]
+
+
 def _run_name(folder: Path) -> str:
     """The run's name: the folders that say what ran (…/<GPU>/<model>/<engine>)."""
     return "/".join(folder.resolve().parts[-3:])
@@ -127,7 +153,7 @@ def _hardware_of_path(folder: Path) -> str | None:
 def _workload_path(folder: Path, meta: Any) -> Path:
     """meta.json's dataset_path, resolved against the run folder and each folder above it."""
     rel = meta.str("dataset_path")
-    for base in (folder, *folder.resolve().parents):
+    for base in dict.fromkeys((folder, *folder.parents, *folder.resolve().parents)):  # as given first
         if (base / rel).is_file():
             return base / rel
     raise meta.error("dataset_path", f"{rel!r} not found under {folder} or any folder above it")
