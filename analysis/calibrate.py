@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from analysis.cli_args import add_server_args, server_settings
 from sim.calibrated import CalibratedCostModel, Calibration, CalibrationParams, save_calibration
 from sim.specs import get_hardware, get_model
 
@@ -352,6 +353,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="least-squares steps per fit (default 8; each simulates every stage 1 + parameters times)")
     p.add_argument("--jobs", type=positive_int, default=2, help="stages simulated at once (worker processes, default 2)")
     p.add_argument("--seed", type=seed, default=0)
+    add_server_args(p)
     p.set_defaults(func=run)
     return p
 
@@ -366,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
                          "kernel profiles only)")
 
     hardware = get_hardware(args.hardware).name
-    experiments = load_measurements(args.measurements, args.models_dir)
+    experiments = load_measurements(args.measurements, args.models_dir, server_settings(args))
     operators = args.operators
     default_ops = Path("../shared/calibration/vidur-operators")
     if operators is None and default_ops.is_dir():

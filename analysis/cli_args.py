@@ -157,6 +157,26 @@ def add_study_args(p: argparse.ArgumentParser, trace: str, rates: list[float]) -
     add_executor_args(p)
 
 
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The server settings `vllm bench serve` result files do not record (analysis/bench_settings.py)."""
+    g = p.add_argument_group("server settings of `vllm bench serve` result files (they record none; also read from "
+                             "<result>.server.json beside each file)")
+    g.add_argument("--server-settings", metavar="FILE", help="a JSON object of vLLM argument names: "
+                   "tensor_parallel_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, "
+                   "max_model_len, gpu_memory_utilization, block_size, hardware")
+    g.add_argument("--tp", type=positive_int, help="the server's tensor_parallel_size")
+    g.add_argument("--max-num-seqs", type=positive_int)
+    g.add_argument("--max-num-batched-tokens", type=positive_int)
+    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--max-model-len", type=positive_int)
+
+
+def server_settings(args: argparse.Namespace) -> dict[str, Any]:
+    from analysis.bench_settings import server_options
+    return server_options(args.tp, args.max_num_seqs, args.max_num_batched_tokens, args.prefix_caching,
+                          args.max_model_len, args.server_settings)
+
+
 def add_seeds_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=positive_int, default=1,
                    help="repeat the study with seeds --seed, --seed+1, ...: each re-draws a synthetic workload and "

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from analysis.cli_args import add_server_args, server_settings
 from analysis.measurements import (
     LATENCY_METRICS,
     Experiment,
@@ -220,6 +221,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-duration", type=positive_float, metavar="S",
                    help="simulate only each stage's first S seconds of arrivals (default: the whole stage)")
     p.add_argument("--seed", type=seed, default=0)
+    add_server_args(p)
     p.add_argument("--jobs", type=positive_int, default=1,
                    help="simulations run at once in worker processes (default 1; the results are the same)")
     add_executor_args(p)
@@ -232,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_duration is not None and not args.max_duration > 0:
         raise ValueError(f"--max-duration must be > 0, got {args.max_duration}")
     t0 = time.perf_counter()
-    experiments = load_measurements(args.measurements, args.models_dir)
+    experiments = load_measurements(args.measurements, args.models_dir, server_settings(args))
     n = sum(len(e.stages) for e in experiments)
     cost = f"calibration {args.calibration}" if args.calibration else "the roofline cost model"
     print(f"{len(experiments)} experiments, {n} stages; simulating with {cost}"

@@ -2,9 +2,10 @@
 
 - the vllm-h100 `measurements.json` (../shared/calibration/vllm-h100/README.md): experiments, each
   with a shared_prefix workload and stages of constant load, client-measured latencies;
-- a `vllm bench serve --save-result` JSON file (one object, or several appended): one stage at
-  request_rate (burstiness 1 Poisson, inf constant, else Gamma), engine settings from its
-  --metadata keys where given (tensor_parallel_size, max_num_seqs, max_num_batched_tokens, ...);
+- a `vllm bench serve --save-result` JSON file (one object, or several appended; vLLM 0.8's
+  benchmark_serving.py too): one stage at request_rate (burstiness 1 Poisson, inf constant, else
+  Gamma), engine settings from its --metadata keys where given (tensor_parallel_size,
+  max_num_seqs, max_num_batched_tokens, ...), a sidecar file or options (analysis/bench_settings.py);
   with --save-detailed its input_lens/output_lens are replayed;
 - a pagesim run folder (`requests.csv` + `summary.json` of `pagesim simulate` or `pagesim live`):
   one stage replaying the recorded requests at their recorded arrivals;
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from analysis.bench_settings import e2e_from_requests, with_server_settings
 from analysis.measurements import LOAD_TYPES, Experiment, Latency, SharedPrefix, Stage
 from specs import get_hardware, load_model, resolve_model_name
 from traces import SYNTHETIC, load_trace, make_synthetic
@@ -111,8 +113,10 @@ def _number(text: str) -> Any:
         return text
 
 
-def load_file(path: Path, models_dirs: Sequence[str | Path] | None = None) -> list[Experiment]:
-    """The experiments of one measurements file or pagesim run folder (format told by content)."""
+def load_file(path: Path, models_dirs: Sequence[str | Path] | None = None,
+              server: dict[str, Any] | None = None) -> list[Experiment]:
+    """The experiments of one measurements file or pagesim run folder (format told by content).
+    `server`: settings a `vllm bench serve` result does not record (analysis/bench_settings.py)."""
     from analysis.request_runs import is_request_run, load_request_run  # it builds on this module
     if is_request_run(path):
         return [load_request_run(path, models_dirs)]
@@ -131,8 +135,8 @@ def load_file(path: Path, models_dirs: Sequence[str | Path] | None = None) -> li
             return load_guidellm(path, models_dirs)
     if all(isinstance(o, dict) and "request_rate" in o for o in objects):
         many = len(objects) > 1
-        return [_vllm_bench(Fields(o, path, f"[{i}]" if many else ""), f"{path.stem}" + (f"#{i}" if many else ""),
-                            models_dirs) for i, o in enumerate(objects)]
+        return [_vllm_bench(Fields(with_server_settings(o, path, server), path, f"[{i}]" if many else ""),
+                            f"{path.stem}" + (f"#{i}" if many else ""), models_dirs) for i, o in enumerate(objects)]
     raise ValueError(f"{path}: not a measurements file: expected an object with \"experiments\" (vllm-h100 "
                      "measurements.json), a `vllm bench serve` result (with \"request_rate\"), a guidellm result, "
                      "or a pagesim run folder (requests.csv + summary.json)")
@@ -274,8 +278,7 @@ def _vllm_bench(f: Fields, name: str, models_dirs: Sequence[str | Path] | None) 
         index=0, rate=rate, duration_s=n / rate, load_type=load, burstiness=cv,
         ttft=Latency(f.num("mean_ttft_ms") / 1e3, _opt(f.num("p90_ttft_ms", None), 1e-3),
                      _opt(f.num("p99_ttft_ms", None), 1e-3)),
-        e2e=Latency(f.num("mean_e2el_ms") / 1e3, _opt(f.num("p90_e2el_ms", None), 1e-3),
-                    _opt(f.num("p99_e2el_ms", None), 1e-3)),
+        e2e=_bench_e2e(f),
         output_len=total_out / completed,
         prompt_len_mean=f.num(_first(f, "total_input_tokens", "total_input")) / completed,
         throughput_rps=f.num("request_throughput", None), successes=completed,
@@ -289,6 +292,19 @@ def _vllm_bench(f: Fields, name: str, models_dirs: Sequence[str | Path] | None) 
         prefix_caching=f.bool("enable_prefix_caching", True),
         gpu_memory_utilization=f.num("gpu_memory_utilization", 0.9, strict=True),
         hardware=hardware_field(f, "hardware"), source=f.file)
+
+
+def _bench_e2e(f: Fields) -> Latency:
+    """The E2E summary, or (older files: vLLM 0.8's benchmark_serving.py has no *_e2el_ms) one
+    derived from the per-request ttfts and itls."""
+    if f.has("mean_e2el_ms") or not (f.has("ttfts") and f.has("itls")):
+        if not f.has("mean_e2el_ms"):
+            raise f.error("mean_e2el_ms", "missing, and no per-request ttfts and itls to derive it from")
+        return Latency(f.num("mean_e2el_ms") / 1e3, _opt(f.num("p90_e2el_ms", None), 1e-3),
+                       _opt(f.num("p99_e2el_ms", None), 1e-3))
+    where = f"{f.file}" + (f": {f.path}" if f.path else "")
+    mean, p90, p99 = e2e_from_requests(f.raw("ttfts"), f.raw("itls"), where)
+    return Latency(mean / 1e3, p90 / 1e3, p99 / 1e3)
 
 
 def hardware_field(f: Fields, key: str) -> str | None:
