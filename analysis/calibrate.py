@@ -179,7 +179,8 @@ def error_table(results: Sequence[StageResult], metrics: Sequence[str] | None = 
 
 def fit_engine(refs: Sequence[StageRef], start: CalibrationParams, hardware: str, names: Sequence[str] = ENGINE_PARAMS,
                seed: int = 0, max_duration_s: float | None = 40.0, max_evals: int = 8,
-               pool: ProcessPoolExecutor | None = None, log: Callable[[str], None] = print) -> CalibrationParams:
+               pool: ProcessPoolExecutor | None = None, log: Callable[[str], None] = print,
+               tolerance: float | None = None, outcome: dict[str, Any] | None = None) -> CalibrationParams:
     """The parameters `names` that best explain the stages (least squares on clipped log errors,
     soft-L1 loss, parameters searched in log space within `_BOUNDS`); the others stay as `start`.
 
@@ -221,9 +222,17 @@ def fit_engine(refs: Sequence[StageRef], start: CalibrationParams, hardware: str
 
     if not outer:  # client terms only: one simulation
         return fit_client(simulate_all(refs, start, hardware, seed, max_duration_s, pool), start, inner)[0]
-    res = least_squares(resid, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.05, diff_step=0.03,
-                        max_nfev=max_evals, x_scale=1.0)
+    # tolerance: converged once a step moves the (log) parameters by less than that share, or the
+    # loss by less than a tenth of it; else the solver stops after max_evals steps wherever it is
+    # (and finite differences of 1% rather than 3%: near the optimum a coarse slope stops it short)
+    tol = {"xtol": tolerance, "ftol": tolerance / 10, "gtol": 1e-12, "diff_step": 0.01} if tolerance else {
+        "diff_step": 0.03}
+    res = least_squares(resid, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.05, max_nfev=max_evals, x_scale=1.0,
+                        **tol)
     log(f"  {count[0]} evaluations, {res.message}")
+    if outcome is not None:
+        outcome.update(evaluations=count[0], steps=int(res.nfev), converged=bool(res.status > 0),
+                       message=str(res.message), tolerance=tolerance)
     if not inner:
         return params_at(res.x)
     # the client terms fitted at the solution (the best evaluation's, if the solver ended elsewhere)
@@ -281,7 +290,7 @@ def operator_params(directory: str | Path | None, hardware: str) -> tuple[Calibr
 
 def leave_one_out(refs: Sequence[StageRef], start: CalibrationParams, hardware: str, names: Sequence[str],
                   seed: int, max_duration_s: float | None, eval_duration_s: float | None, max_evals: int,
-                  pool: ProcessPoolExecutor | None, log: Callable[[str], None]) -> dict[str, Any]:
+                  pool: ProcessPoolExecutor | None, log: Callable[[str], None], tolerance: float | None = None) -> dict[str, Any]:
     """Refit without each group; predict the group. Median errors over all held-out stages."""
     groups = sorted({r.group for r in refs})
     held: list[StageResult] = []
@@ -292,7 +301,7 @@ def leave_one_out(refs: Sequence[StageRef], start: CalibrationParams, hardware: 
         if not train:
             continue
         log(f"leave out {g}: fit on {len(train)} stages, predict {len(test)}")
-        params = fit_engine(train, start, hardware, names, seed, max_duration_s, max_evals, pool, log)
+        params = fit_engine(train, start, hardware, names, seed, max_duration_s, max_evals, pool, log, tolerance)
         results = simulate_all(test, params, hardware, seed, eval_duration_s, pool)
         held.extend(results)
         per_group[g] = {"params": {n: getattr(params, n) for n in names}, **error_table(results)}
@@ -349,6 +358,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="seconds of each stage's arrivals simulated while fitting (default 40)")
     p.add_argument("--eval-duration", type=non_negative_float, default=300.0,
                    help="seconds of arrivals simulated for the reported errors (default 300; 0: whole stages)")
+    p.add_argument("--converge", type=positive_float, metavar="TOL", default=None,
+                   help="run the least squares until a step moves the log parameters by under TOL (relative; "
+                        "e.g. 1e-3) or the loss by under TOL/10, at most --max-evals steps (then give a larger "
+                        "one); default: stop after --max-evals steps")
     p.add_argument("--max-evals", type=positive_int, default=8,
                    help="least-squares steps per fit (default 8; each simulates every stage 1 + parameters times)")
     p.add_argument("--jobs", type=positive_int, default=2, help="stages simulated at once (worker processes, default 2)")
@@ -381,12 +394,15 @@ def run(args: argparse.Namespace) -> int:
     eval_s = args.eval_duration or None
     pool = ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
     try:
-        params = fit_engine(fit_refs, start, hardware, ENGINE_PARAMS, args.seed, args.max_duration, args.max_evals, pool)
+        outcome: dict[str, Any] = {}
+        params = fit_engine(fit_refs, start, hardware, ENGINE_PARAMS, args.seed, args.max_duration, args.max_evals, pool,
+                            tolerance=args.converge, outcome=outcome)
         print("fitted: " + ", ".join(f"{n} {getattr(params, n):.4g}" for n in ENGINE_PARAMS))
         in_sample = simulate_all(fit_refs, params, hardware, args.seed, eval_s, pool)
         overloaded = simulate_all(over_refs, params, hardware, args.seed, eval_s, pool)
         loo = None if args.no_leave_one_out else leave_one_out(
-            fit_refs, start, hardware, ENGINE_PARAMS, args.seed, args.max_duration, eval_s, args.max_evals, pool, print)
+            fit_refs, start, hardware, ENGINE_PARAMS, args.seed, args.max_duration, eval_s, args.max_evals, pool, print,
+            args.converge)
     finally:
         if pool is not None:
             pool.shutdown()
@@ -401,7 +417,8 @@ def run(args: argparse.Namespace) -> int:
                     for p in [*source_files(args.measurements), *op_report.get("files", [])]],
         "operators": {k: v for k, v in op_report.items() if k != "files"},
         "fit": {"engine_params": list(ENGINE_PARAMS), "metrics": list(fit_metrics()), "seed": args.seed,
-                "fit_duration_s": args.max_duration, "eval_duration_s": eval_s, "in_sample": ins,
+                "fit_duration_s": args.max_duration, "eval_duration_s": eval_s, "least_squares": outcome,
+                "in_sample": ins,
                 "overloaded_checks": checks, "leave_one_out": loo, "leave_one_out_by": args.leave_one_out},
         "command": "pagesim " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] else "pagesim calibrate",
         "pagesim_version": _version(), "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -186,8 +186,8 @@ def profile_inputs(directory: str | Path, models_dirs: Any = None) -> tuple[Oper
     for folder in profile_folders(directory):
         try:
             model = get_model(resolve_model(folder.model_id, models_dirs))
-        except ValueError as exc:
-            skipped[str(folder.path)] = f"model {folder.model_id}: {exc}"
+        except ValueError:  # (the catalogue's message names absolute paths: not kept in a shipped file)
+            skipped[str(folder.path)] = f"no config.json for model {folder.model_id} (catalogue, models dirs)"
             continue
         points.append(dense_points(folder, model))
         files += [str(p) for p in (folder.path / "dense.csv", folder.path / "per_sequence.csv") if p.is_file()]
