@@ -13,7 +13,6 @@ successful request is its TTFT plus the sum of its inter-token latencies (`ttfts
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -31,48 +30,40 @@ def sidecar_path(result: Path) -> Path:
     return result.with_name(result.stem + SIDECAR_SUFFIX)
 
 
-def read_settings(path: Path) -> dict[str, Any]:
-    """A settings file: a JSON object of SERVER_KEYS ("gpu" is taken as "hardware"); anything else
-    is refused naming the file and the key."""
-    try:
-        obj = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: line {exc.lineno}: not valid JSON: {exc.msg}") from None
+def check_settings(obj: Any, where: Path | str) -> dict[str, Any]:
+    """A settings file's content: a JSON object of SERVER_KEYS ("gpu" is taken as "hardware");
+    anything else is refused naming the file (`where`) and the key."""
     if not isinstance(obj, dict):
-        raise ValueError(f"{path}: expected a JSON object of server settings ({', '.join(SERVER_KEYS)})")
+        raise ValueError(f"{where}: expected a JSON object of server settings ({', '.join(SERVER_KEYS)})")
     if "gpu" in obj:
         obj = {("hardware" if k == "gpu" else k): v for k, v in obj.items()}
     for key, value in obj.items():
         want = SERVER_KEYS.get(key)
         if want is None:
-            raise ValueError(f"{path}: {key}: unknown server setting; known: {', '.join(SERVER_KEYS)}")
+            raise ValueError(f"{where}: {key}: unknown server setting; known: {', '.join(SERVER_KEYS)}")
         ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
         if want is float:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not ok:
-            raise ValueError(f"{path}: {key}: expected {want.__name__}, got {value!r}")
+            raise ValueError(f"{where}: {key}: expected {want.__name__}, got {value!r}")
     return obj
 
 
 def server_options(tp: int | None = None, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                    prefix_caching: bool | None = None, max_model_len: int | None = None,
-                   settings_file: str | Path | None = None) -> dict[str, Any]:
-    """The settings given on the command line (a `--server-settings` file first, then the options
-    given; None: not given), keyed by SERVER_KEYS."""
-    out = read_settings(Path(settings_file)) if settings_file else {}
+                   file_settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The settings given on the command line (a `--server-settings` file's, `check_settings`, first,
+    then the options given; None: not given), keyed by SERVER_KEYS."""
+    out = dict(file_settings or {})
     given = {"tensor_parallel_size": tp, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
              "enable_prefix_caching": prefix_caching, "max_model_len": max_model_len}
     out.update({k: v for k, v in given.items() if v is not None})
     return out
 
 
-def with_server_settings(obj: dict[str, Any], result: Path, options: dict[str, Any] | None) -> dict[str, Any]:
+def with_server_settings(obj: dict[str, Any], sidecar: dict[str, Any], options: dict[str, Any] | None) -> dict[str, Any]:
     """A result object with the sidecar's settings, then `options`, over its own."""
-    sidecar = sidecar_path(result)
-    extra = read_settings(sidecar) if sidecar.is_file() else {}
-    return {**obj, **extra, **(options or {})}
+    return {**obj, **sidecar, **(options or {})}
 
 
 def e2e_from_requests(ttfts: Any, itls: Any, where: str) -> tuple[float, float, float]:

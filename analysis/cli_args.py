@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from analysis.parallel import add_executor_args
@@ -172,9 +173,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def server_settings(args: argparse.Namespace) -> dict[str, Any]:
-    from analysis.bench_settings import server_options
+    from analysis.bench_settings import server_options  # (the readers load pandas: when a command runs)
+    from analysis.measurement_formats import read_settings
+    file = read_settings(Path(args.server_settings)) if args.server_settings else None
     return server_options(args.tp, args.max_num_seqs, args.max_num_batched_tokens, args.prefix_caching,
-                          args.max_model_len, args.server_settings)
+                          args.max_model_len, file)
 
 
 def add_seeds_arg(p: argparse.ArgumentParser) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.bench_settings import e2e_from_requests, with_server_settings
+from analysis.bench_settings import check_settings, e2e_from_requests, sidecar_path, with_server_settings
 from analysis.measurements import LOAD_TYPES, Experiment, Latency, SharedPrefix, Stage
 from specs import get_hardware, load_model, resolve_model_name
 from traces import SYNTHETIC, load_trace, make_synthetic
@@ -135,7 +135,8 @@ def load_file(path: Path, models_dirs: Sequence[str | Path] | None = None,
             return load_guidellm(path, models_dirs)
     if all(isinstance(o, dict) and "request_rate" in o for o in objects):
         many = len(objects) > 1
-        return [_vllm_bench(Fields(with_server_settings(o, path, server), path, f"[{i}]" if many else ""),
+        sidecar = read_settings(sidecar_path(path)) if sidecar_path(path).is_file() else {}
+        return [_vllm_bench(Fields(with_server_settings(o, sidecar, server), path, f"[{i}]" if many else ""),
                             f"{path.stem}" + (f"#{i}" if many else ""), models_dirs) for i, o in enumerate(objects)]
     raise ValueError(f"{path}: not a measurements file: expected an object with \"experiments\" (vllm-h100 "
                      "measurements.json), a `vllm bench serve` result (with \"request_rate\"), a guidellm result, "
@@ -162,6 +163,12 @@ def json_objects(path: Path) -> list[Any]:
     if not out:
         raise ValueError(f"{path}: empty file")
     return out
+
+
+def read_settings(path: Path) -> dict[str, Any]:
+    """A server settings file (analysis/bench_settings.py): one JSON object of vLLM argument names."""
+    objects = json_objects(path)
+    return check_settings(objects[0] if len(objects) == 1 else objects, path)
 
 
 def default_models_dirs() -> list[Path]:
@@ -400,14 +407,21 @@ def _pagesim_run(folder: Path, models_dirs: Sequence[str | Path] | None) -> Expe
 _RUN_COLUMNS = ("arrival", "prompt_len", "output_len", "ttft", "e2e_latency", "status")
 
 
-def _requests_frame(path: Path) -> pd.DataFrame:
+def read_csv_columns(path: Path, columns: Sequence[str], hint: str) -> pd.DataFrame:
+    """A CSV file holding (at least) `columns`; else ValueError naming the file, the missing
+    columns and `hint`."""
     try:
         frame = pd.read_csv(path)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not a CSV file ({exc})") from None
-    missing = [c for c in _RUN_COLUMNS if c not in frame]
+    missing = [c for c in columns if c not in frame]
     if missing:
-        raise ValueError(f"{path}: missing columns {', '.join(missing)} (a pagesim requests table has them)")
+        raise ValueError(f"{path}: missing columns {', '.join(missing)} ({hint})")
+    return frame
+
+
+def _requests_frame(path: Path) -> pd.DataFrame:
+    frame = read_csv_columns(path, _RUN_COLUMNS, "a pagesim requests table has them")
     frame = frame.sort_values("arrival", kind="stable", ignore_index=True)
     for c in ("arrival", "prompt_len", "output_len"):
         if frame[c].isna().any() or not np.isfinite(frame[c].to_numpy(np.float64)).all():

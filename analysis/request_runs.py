@@ -24,7 +24,6 @@ has client terms (what the measuring process saw), else the server's.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,10 +34,18 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.measurement_formats import Fields, hardware_field, json_objects, model_field, tp_field
+from analysis.measurement_formats import (
+    Fields,
+    hardware_field,
+    json_objects,
+    model_field,
+    read_csv_columns,
+    tp_field,
+)
 from analysis.measurements import Experiment, Latency, Stage
 from policies.client_latency import ClientTerms, has_client_latencies, with_client_latencies
 from sim.specs import get_hardware
+from traces.loaders import read_jsonl
 from traces.trace import Trace
 
 CLOCK_SLACK_S = 0.05        # a request queued this long before its aligned arrival: the clocks disagree
@@ -159,28 +166,6 @@ def _workload_path(folder: Path, meta: Any) -> Path:
     raise meta.error("dataset_path", f"{rel!r} not found under {folder} or any folder above it")
 
 
-def _lines(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, object) of each non-empty line of a JSON lines file."""
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read: {exc}") from None
-    out = []
-    for no, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: line {no}: not valid JSON: {exc.msg}") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"{path}: line {no}: expected an object")
-        out.append((no, obj))
-    if not out:
-        raise ValueError(f"{path}: no requests")
-    return out
-
-
 def _number(path: Path, no: int, obj: dict[str, Any], key: str, integer: bool = False) -> float:
     v = obj.get(key)
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
@@ -193,7 +178,7 @@ def _number(path: Path, no: int, obj: dict[str, Any], key: str, integer: bool = 
 def _read_requests(path: Path) -> pd.DataFrame:
     """requests.jsonl as MeasuredRun.requests (attrs["first_arrival"]: the first wall-clock arrival)."""
     rows = []
-    for no, obj in _lines(path):
+    for no, obj in read_jsonl(path):
         rows.append([_number(path, no, obj, k, integer=k.endswith("_toks")) for k in _REQUEST_FIELDS] + [no])
     raw = pd.DataFrame(rows, columns=[*_REQUEST_FIELDS, "line"])
     if not raw.arrival_time.is_monotonic_increasing:
@@ -225,7 +210,7 @@ def _read_requests(path: Path) -> pd.DataFrame:
 
 def _read_workload(path: Path, measured: pd.DataFrame) -> list[list[int]]:
     """The workload's prompt token ids, checked line by line against the measured requests."""
-    lines = _lines(path)
+    lines = read_jsonl(path)
     if len(lines) != len(measured):
         raise ValueError(f"{path}: {len(lines)} requests, but requests.jsonl holds {len(measured)}")
     ids = []
@@ -260,13 +245,7 @@ def _read_timeseries(path: Path, offset: float) -> pd.DataFrame | None:
     """timeseries.csv with t moved to count from the first arrival and kv_usage as a fraction."""
     if not path.is_file():
         return None
-    try:
-        frame = pd.read_csv(path)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not a CSV file ({exc})") from None
-    missing = [c for c in _TIMESERIES_COLUMNS if c not in frame]
-    if missing:
-        raise ValueError(f"{path}: missing columns {', '.join(missing)} (known: {', '.join(_TIMESERIES_COLUMNS)})")
+    frame = read_csv_columns(path, _TIMESERIES_COLUMNS, f"known: {', '.join(_TIMESERIES_COLUMNS)}")
     for c in _TIMESERIES_COLUMNS:
         values = pd.to_numeric(frame[c], errors="coerce").to_numpy(np.float64)
         bad = ~np.isfinite(values) | (values < 0)

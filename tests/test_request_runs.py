@@ -89,7 +89,7 @@ def test_a_run_is_replayed_exactly_with_the_engines_settings(tmp_path: Path) -> 
     (lambda f: (f / "timeseries.csv").write_text("t,running,waiting,kv_cache_pct\n1,2,x,0\n"),
      r"timeseries.csv: line 2: waiting: expected a number >= 0, got 'x'"),
     (lambda f: (f / "requests.jsonl").write_text("{\"input_toks\": 3\n"),
-     r"requests.jsonl: line 1: not valid JSON"),
+     r"requests.jsonl: line 1: unreadable JSON"),
 ])
 def test_bad_input_is_one_line_naming_file_line_and_field(tmp_path: Path, edit, message) -> None:
     folder = write_run(tmp_path)
