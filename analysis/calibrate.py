@@ -515,7 +515,9 @@ def _engine_description(experiments: Sequence[Experiment]) -> dict[str, Any]:
     return {"source": e.source, "policy": e.policy, "block_size": e.block_size, "chunked_prefill": e.chunked_prefill,
             "prefix_caching": e.prefix_caching, "max_num_batched_tokens": e.max_num_batched_tokens,
             "max_num_seqs": e.max_num_seqs, "models": sorted({x.model_id for x in experiments}),
-            "tp": sorted({x.tp for x in experiments})}
+            "tp": sorted({x.tp for x in experiments}),
+            **({"vllm_version": versions} if (versions := sorted({x.engine_version for x in experiments
+                                                               if x.engine_version})) else {})}
 
 
 def _version() -> str:

@@ -67,6 +67,19 @@ def unfit_experiments(experiments: Sequence[Experiment], calibration: str | None
     return unfit
 
 
+def engine_warnings(experiments: Sequence[Experiment], calibration: str | None) -> list[str]:
+    """A warning line for each experiment whose engine version the calibration was not fitted on
+    (both must say theirs: a per-request run's meta.json, a calibration's engine.vllm_version)."""
+    if not calibration:
+        return []
+    from sim.calibrated import load_calibration
+    cal = load_calibration(calibration)
+    fitted = (cal.meta.get("engine") or {}).get("vllm_version") or []
+    return [f"warning: calibration {cal.name} was fitted on vLLM {', '.join(fitted)}; {e.name} ran vLLM "
+            f"{e.engine_version}: its engine terms may not hold there"
+            for e in experiments if fitted and e.engine_version and e.engine_version not in fitted]
+
+
 def _simulate(exp: Experiment, index: int, hardware: str, calibration: str | None, max_duration_s: float | None,
               seed: int) -> StageResult:
     stage = exp.stages[index]
@@ -243,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
     if unsaid and not args.hardware:
         print(f"note: {len(unsaid)} experiments do not say their hardware ({', '.join(unsaid[:3])}"
               f"{', ...' if len(unsaid) > 3 else ''}): simulated on {DEFAULT_HARDWARE} (--hardware to choose)")
+    for line in engine_warnings(experiments, args.calibration):
+        print(line)
     unfit = unfit_experiments(experiments, args.calibration, args.hardware)
     for name, why in unfit.items():
         print(f"not simulated: {name}: {why}")

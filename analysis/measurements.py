@@ -150,6 +150,7 @@ class Experiment:
     hardware: str | None = None
     overloaded_by_source: bool = False
     source: str = ""
+    engine_version: str | None = None  # the serving engine's version, where the source says it (vLLM's)
 
 
 @dataclass

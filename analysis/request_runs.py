@@ -130,7 +130,8 @@ def load_request_run(path: Path, models_dirs: Sequence[str | Path] | None = None
         gpu_memory_utilization=engine.num("gpu_memory_utilization", 0.9, strict=True),
         num_gpu_blocks=engine.int("num_gpu_blocks_override", None, minimum=1),
         hardware=hardware or hardware_field(meta, "hardware") or hardware_field(meta, "gpu") or _hardware_of_path(folder),
-        source=str(folder) + ("" if kw.get("data_parallel_size", 1) in (1, None) else " (data parallel: not modelled)"))
+        source=str(folder) + ("" if kw.get("data_parallel_size", 1) in (1, None) else " (data parallel: not modelled)"),
+        engine_version=meta.str("vllm_version") if meta.has("vllm_version") else None)
 
 
 def run_files(path: Path) -> list[Path]:

@@ -220,3 +220,17 @@ def test_calibrate_engine_from_writes_a_calibration_with_its_sources(tmp_path: P
     assert "kernel profiles of rtx-4090" in capsys.readouterr().out
     assert main(["calibrate", "--hardware", "rtx-4090", "--out", str(tmp_path / "x.json")]) == 2
     assert "--measurements: required (or --engine-from" in capsys.readouterr().err
+
+
+def test_a_calibration_used_on_another_engine_version_is_warned_of(tmp_path: Path) -> None:
+    from analysis.fidelity import engine_warnings
+    from sim.calibrated import Calibration, CalibrationParams, save_calibration
+    path = save_calibration(Calibration(CalibrationParams(), "h100-sxm", "v19", {"engine": {"vllm_version": ["0.19.0"]}}),
+                            tmp_path / "v19.json")
+    (old,) = load_measurements(write_run(tmp_path / "a", vllm_version="0.8.5"), [])
+    (same,) = load_measurements(write_run(tmp_path / "b", vllm_version="0.19.0"), [])
+    (unsaid,) = load_measurements(write_run(tmp_path / "c"), [])
+    lines = engine_warnings([old, same, unsaid], str(path))
+    assert lines == [f"warning: calibration v19 was fitted on vLLM 0.19.0; {old.name} ran vLLM 0.8.5: its engine "
+                     "terms may not hold there"]
+    assert engine_warnings([old], None) == []
