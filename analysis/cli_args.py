@@ -282,7 +282,7 @@ def study_workloads(args: argparse.Namespace, draw=None):
 def study_title(args: argparse.Namespace) -> str:
     """What a study's cost model prices, for its header and figure titles; a calibration's client
     terms make every latency and SLO figure the client's (policies/client_latency.py), which it says."""
-    if args.profile:
+    if getattr(args, "profile", None):
         return f"{args.model}, profile {args.profile}"
     calibration = getattr(args, "calibration", None)
     where = f"{args.model} on {args.hardware}"

@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
+from analysis.cli_args import study_title
 from analysis.parallel import add_executor_args, executor_options, run_tasks
 from policies.metrics import headline_latency, headline_mean_normalized_latency, per_client
 from policies.registry import parse_policy_args, resolve_policy
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
                      slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, calibration=args.calibration)
     out = Path(args.out)
     print(f"policies: {args.num_requests} requests of {args.trace} x {len(args.rates)} rates x {args.seeds} seeds, "
-          f"{', '.join(args.policies)}, {args.model} on {args.hardware}")
+          f"{', '.join(args.policies)}, {study_title(args)}")
     print(f"{'policy':<12} {'rate':>6} {'seed':>4} {'req/s':>7} {'norm lat':>9} {'TTFT p90':>9} {'SLO ok':>7} "
           f"{'Jain':>6} {'wall s':>7}")
 
@@ -202,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "policies.csv", index=False)
     summary_table(table).to_csv(out / "policies_summary.csv", index=False)
-    policy_plot(table, out / "policies.png", f"{args.trace}, {args.num_requests} requests, {args.model} on "
-                f"{args.hardware}; 95% CI over {args.seeds} seeds")
+    policy_plot(table, out / "policies.png", f"{args.trace}, {args.num_requests} requests, {study_title(args)}; "
+                f"95% CI over {args.seeds} seeds")
     print(f"wrote {out}/policies.csv, policies_summary.csv, policies.png")
     return 0
