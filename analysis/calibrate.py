@@ -427,12 +427,20 @@ def run(args: argparse.Namespace) -> int:
     path = save_calibration(cal, args.out)
     plot = calibration_plot(in_sample, (loo or {}).get("groups"), Path(path).with_suffix(".png"), cal.name)
     _print_errors("in sample", ins["median_abs_error"])
+    print_request_runs(experiments, in_sample)
     if loo:
         _print_errors(f"leave one {args.leave_one_out} out", loo["median_abs_error"])
     for c in checks:
         print(f"overloaded {c['stage']}: simulated {'overloaded' if c['predicted_overloaded'] else 'NOT overloaded'}")
     print(f"wrote {path} and {plot}")
     return 0
+
+
+def print_request_runs(experiments: Sequence[Experiment], results: Sequence[StageResult]) -> None:
+    """In-sample per-request runs compared request by request and over time (analysis/request_runs.py)."""
+    from analysis.request_runs import format_report, stage_reports
+    for report in stage_reports(experiments, results):
+        print(format_report(report))
 
 
 def run_transfer(args: argparse.Namespace) -> int:

@@ -234,3 +234,19 @@ def test_a_calibration_used_on_another_engine_version_is_warned_of(tmp_path: Pat
     assert lines == [f"warning: calibration v19 was fitted on vLLM 0.19.0; {old.name} ran vLLM 0.8.5: its engine "
                      "terms may not hold there"]
     assert engine_warnings([old], None) == []
+
+
+@pytest.mark.slow  # the operator fit of the default kernel profiles, then a few short replays
+def test_calibrate_fits_a_per_request_run_and_records_its_files(tmp_path: Path, capsys) -> None:
+    from sim.calibrated import load_calibration
+    run = write_run(tmp_path / "run", n=12)
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", "--measurements", str(run), "--hardware", "a100-40gb", "--operators", str(tmp_path / "none"),
+                 "--out", str(out), "--no-leave-one-out", "--max-evals", "1", "--jobs", "1"]) == 2  # no such folder
+    capsys.readouterr()
+    assert main(["calibrate", "--measurements", str(run), "--hardware", "a100-40gb", "--out", str(out),
+                 "--no-leave-one-out", "--max-evals", "1", "--jobs", "1", "--eval-duration", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "1 stages to fit, 0 overloaded" in printed and "per request (12 requests)" in printed
+    names = [Path(s["path"]).name for s in load_calibration(out).meta["sources"]]
+    assert names[:4] == ["meta.json", "requests.jsonl", "timeseries.csv", "w.jsonl"]
