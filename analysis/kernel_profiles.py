@@ -29,8 +29,9 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import least_squares
 
-from analysis.operator_fit import OperatorPoints, concat_points
-from sim.specs import HardwareSpec, ModelSpec
+from analysis.measurement_formats import resolve_model
+from analysis.operator_fit import OperatorPoints, concat_points, fit_elementwise, fit_gemm
+from sim.specs import HardwareSpec, ModelSpec, get_model
 
 _DTYPE_BYTES = 2
 _COLUMNS = {"dense.csv": ("layer", "tokens", "time_us"), "per_sequence.csv": ("layer", "sequences", "time_us"),
@@ -179,9 +180,6 @@ def profile_inputs(directory: str | Path, models_dirs: Any = None) -> tuple[Oper
                                                                                list[str], dict[str, str]]:
     """(GEMM and elementwise points, attention points, files used, folders skipped with why) of
     every profile folder under `directory` whose model's config can be found."""
-    from analysis.measurement_formats import resolve_model
-    from sim.specs import get_model
-
     points, attention, files, skipped = [], [], [], {}
     for folder in profile_folders(directory):
         try:
@@ -204,8 +202,6 @@ def fit_profiles(directory: str | Path, hw: HardwareSpec, models_dirs: Any = Non
     """(parameters, report) from the profiles under `directory`: the GEMM and elementwise curves
     (analysis/operator_fit.py) and the attention efficiencies. No all-reduce is profiled there: the
     all-reduce terms stay the priors (or the end-to-end fit's)."""
-    from analysis.operator_fit import fit_elementwise, fit_gemm
-
     pts, attention, files, skipped = profile_inputs(directory, models_dirs)
     report = {**fit_gemm(pts, hw), **fit_elementwise(pts, hw), **fit_attention(attention, hw)}
     # the attention floors are reported, not parameters (module docstring)

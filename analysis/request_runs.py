@@ -43,6 +43,8 @@ from analysis.measurement_formats import (
     tp_field,
 )
 from analysis.measurements import Experiment, Latency, Stage
+from analysis.plots import save_figure
+from analysis.report import Report
 from policies.client_latency import ClientTerms, has_client_latencies, with_client_latencies
 from sim.specs import get_hardware
 from traces.loaders import read_jsonl
@@ -419,22 +421,19 @@ def report_figure(report: RequestRunReport, path: str | Path, title: str = "") -
             ax.grid(alpha=0.3)
             ax.legend()
     fig.suptitle(title or report.name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path, dpi=110)
 
 
-def write_report(report: RequestRunReport, out: str | Path, title: str = "") -> list[Path]:
-    """per_request.csv, per_request_stats.csv, over_time.csv (with a timeseries) and
-    request_run.png into `out` (created); returns the paths."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "per_request.csv", out / "per_request_stats.csv"]
-    report.requests.to_csv(paths[0], index=False)
-    report.statistics.to_csv(paths[1], index=False)
+def add_request_run(out: Report, report: RequestRunReport, folder: str, title: str = "") -> None:
+    """The comparison said, and its files added to `out` under `folder`: per_request.csv,
+    per_request_stats.csv, over_time.csv (with a timeseries) and request_run.png."""
+    names = [f"{folder}/per_request.csv", f"{folder}/per_request_stats.csv"]
+    out.table(names[0], report.requests)
+    out.table(names[1], report.statistics)
     if report.over_time is not None:
-        paths.append(out / "over_time.csv")
-        report.over_time.to_csv(paths[-1], index=False)
-    paths.append(report_figure(report, out / "request_run.png", title))
-    return paths
+        names.append(f"{folder}/over_time.csv")
+        out.table(names[-1], report.over_time)
+    names.append(f"{folder}/request_run.png")
+    out.figure(names[-1], lambda path: report_figure(report, path, title))
+    out.say("", format_report(report))
+    out.wrote(*names)

@@ -13,11 +13,13 @@ import argparse
 import signal
 import time
 
+from pagesim.argtypes import non_negative_int, out_dir, positive_float, seed
+from pagesim.cli_args import add_live_model_args, add_policy_args
+from pagesim.report_writer import write_run
+from policies.metrics import summarize
+
 
 def add_serve_parser(sub) -> None:
-    from analysis.cli_args import add_live_model_args, add_policy_args
-    from pagesim.argtypes import non_negative_int, out_dir, positive_float, seed
-
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on a real model (needs the serve extra)",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
                                    "on the live engine under any policy; the model name in requests is --model. "
@@ -121,8 +123,6 @@ def _build_engine(args: argparse.Namespace):
 
 
 def _write_tables(args: argparse.Namespace, engine) -> int:
-    from policies.metrics import summarize, write_run
-
     sched = engine.scheduler
     problems = []
     try:

@@ -1,6 +1,6 @@
 """The scheduler base: queues, the step contract, and what happens when a step is done.
 
-Every policy follows one loop (see DESIGN.md):
+Every policy follows one loop (see docs/design.md):
 
     plan = scheduler.schedule(now)          # StepPlan: who runs, how many tokens each, preemptions
     result = executor.execute(plan)         # StepResult: duration and sampled outcomes

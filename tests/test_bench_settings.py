@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from analysis.bench_settings import server_options
-from analysis.measurements import load_measurements
+from analysis.measurement_files import load_measurements
 from pagesim.cli import main
 
 BENCH = Path(__file__).parent / "data" / "vllm_bench_serve_result.json"

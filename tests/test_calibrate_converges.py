@@ -21,7 +21,7 @@ def test_fits_from_perturbed_starts_converge_to_the_same_terms() -> None:
     """Measurements made up from a simulation under TRUTH; two fits starting 40% off on either
     side, run to convergence, agree with each other and with TRUTH (the tolerance below)."""
     from analysis.calibrate import fit_engine, simulate_all, split_stages
-    from analysis.measurements import load_measurements
+    from analysis.measurement_files import load_measurements
 
     fit, _ = split_stages(load_measurements(MEASUREMENTS))
     ref = next(r for r in fit if "llama-2-7b" in r.label)

@@ -9,9 +9,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.cli_args import study_title
 from analysis.report import summary_table
 from analysis.sweep import headline
+from pagesim.cli_args import study_title
 from policies.client_latency import CLIENT_COLUMNS, ClientTerms, lagged_times
 from policies.metrics import latency_basis
 from sim.cost_model import ConstantCostModel

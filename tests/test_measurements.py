@@ -10,16 +10,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from analysis.measurement_files import load_measurements
 from analysis.measurements import (
     engine_defaults,
-    load_measurements,
     predicted_metrics,
     simulate_stage,
     stage_config,
     stage_workload,
 )
+from pagesim.report_writer import write_run
 from policies.client_latency import ClientTerms, lagged_times
-from policies.metrics import write_run
 from sim.cost_model import ConstantCostModel
 from sim.run import SimConfig, run_simulation
 from specs import get_model

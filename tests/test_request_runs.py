@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from analysis.kernel_profiles import fit_profiles, profile_inputs
-from analysis.measurements import load_measurements
+from analysis.measurement_files import load_measurements
 from analysis.request_runs import (
     MeasuredRun,
     over_time_comparison,

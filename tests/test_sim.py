@@ -18,8 +18,8 @@ from sim.engine import _advance
 from sim.run import SimConfig, run_simulation
 from traces import resolve_trace
 from traces.arrivals import apply_arrivals
-from traces.synthetic import make_synthetic
 from traces.trace import Trace
+from traces.workloads import make_synthetic
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pagesim.commands.trace import add_trace_parser
 from traces import (
     KNOWN_FORMATS,
     SYNTHETIC,
@@ -25,7 +26,6 @@ from traces import (
     resolve_trace,
 )
 from traces.arrivals import gamma, poisson, rescale
-from traces.cli import add_trace_parser
 from traces.loaders import detect_format
 from traces.synthetic import LengthModel, fit_mu, grouped_prefix, shared_prefix
 from traces.trace import prefix_reuse
@@ -549,7 +549,7 @@ def test_cli_generate_multi_client_without_rate(tmp_path, capsys):
 
 def test_package_imports_nothing_else():
     code = (
-        "import sys, traces, traces.cli; "
+        "import sys, traces, traces.clients, traces.loaders, traces.workloads; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & "
         "{'torch', 'simpy', 'triton', 'policies', 'sim', 'backend', 'analysis', 'pagesim', 'scipy'}))"
     )

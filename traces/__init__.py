@@ -7,8 +7,8 @@ from pathlib import Path
 
 from traces.arrivals import apply_arrivals
 from traces.loaders import KNOWN_FORMATS, TraceFormatError, load_trace
-from traces.synthetic import SYNTHETIC, make_synthetic
 from traces.trace import Trace
+from traces.workloads import SYNTHETIC, make_synthetic
 
 DEFAULT_SYNTHETIC_REQUESTS = 1000
 
