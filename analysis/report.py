@@ -80,6 +80,20 @@ def _rows(summaries: Iterable[dict[str, Any]]) -> tuple[tuple[str, str, str], ..
     return (*ROWS[:at], *CLIENT_ROWS, ("goodput, client latencies (req/s)", "goodput", "{:.3f}"), *ROWS[at + 1:])
 
 
+def rejection_lines(requests: pd.DataFrame, examples: int = 1) -> list[str]:
+    """Why requests were rejected, most common kind first: reasons that differ only in their
+    numbers are one kind, printed with its count and an example (nothing when none were)."""
+    reasons = requests.reject_reason[requests.status == "rejected"].fillna("").astype(str)
+    if reasons.empty:
+        return []
+    kinds = reasons.str.replace(r"\d[\d,.]*", "#", regex=True)
+    lines = [f"{len(reasons):,} rejected:"]
+    for kind, count in kinds.value_counts().items():
+        example = reasons[kinds == kind].iloc[:examples].tolist()
+        lines.append(f"  {count:,} x " + (f"{kind}, e.g. {'; '.join(example)}" if "#" in kind else kind or "(no reason)"))
+    return lines
+
+
 def replica_table(summary: dict[str, Any]) -> str:
     """A multi-replica run's spread: one row per replica (requests, busy share, latency, hits)."""
     router = summary.get("router")

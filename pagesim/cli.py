@@ -64,9 +64,18 @@ def _resolve_specs(args: argparse.Namespace) -> None:
         resolved = resolve_model_name(model, list(getattr(args, "models_dir", None) or []))
         if not Path(model).exists() and catalogue_name(model) is None:  # a HF id: its config, or a variant's
             args.model = resolved
+        elif catalogue_name(model) not in (None, model):  # an alias: runs record the name it stands for
+            args.model = _say_resolved("model", model, catalogue_name(model))
     hardware = getattr(args, "hardware", None)
     if isinstance(hardware, str) and hardware:
-        load_hardware(hardware)
+        spec = load_hardware(hardware)
+        if not Path(hardware).exists() and spec.name != hardware:
+            args.hardware = _say_resolved("hardware", hardware, spec.name)
+
+
+def _say_resolved(what: str, given: str, name: str) -> str:
+    print(f"pagesim: {what} {given!r} is {name}", file=sys.stderr)
+    return name
 
 
 def main(argv: Sequence[str] | None = None) -> int:

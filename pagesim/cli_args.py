@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help=f"a trace file, or a synthetic workload: {', '.join(SYNTHETIC)} (default: sharegpt-like)")
     g.add_argument("--trace-format", choices=KNOWN_FORMATS, help="file format (default: detect from columns)")
     g.add_argument("--num-requests", type=positive_int, help="use the first N requests (synthetic default: 1000)")
-    g.add_argument("--rate", type=rate, help="mean arrival rate, req/s (Poisson; rescales a timestamped trace)")
+    g.add_argument("--rate", type=rate, help="mean arrival rate, req/s (Poisson; rescales a timestamped trace; "
+                                             "a synthetic workload without it: 1)")
     g.add_argument("--burstiness", type=non_negative_float,
                    help="inter-arrival coefficient of variation (Gamma arrivals; 1 = Poisson, 0 = constant, evenly "
                         "spaced at 1/rate)")
@@ -272,16 +274,28 @@ def check_workload_size(spec: str, num_requests: int | None) -> None:
 def load_workload(args: argparse.Namespace) -> Trace:
     """The trace of the workload arguments (add_workload_args), with its arrivals."""
     check_workload_size(args.trace, args.num_requests)
-    return resolve_trace(args.trace, num_requests=args.num_requests, rate=args.rate,
-                         burstiness=args.burstiness, seed=args.seed, format=args.trace_format)
+    return _checked_for_prefix_caching(args, resolve_trace(args.trace, num_requests=args.num_requests, rate=args.rate,
+                                                           burstiness=args.burstiness, seed=args.seed,
+                                                           format=args.trace_format))
 
 
 def study_trace(args: argparse.Namespace, seed: int | None = None) -> Trace:
     """The trace of a study's arguments (add_study_args), drawn with `seed` (default --seed)."""
     check_workload_size(args.trace, args.num_requests)
     # the lengths are drawn once; each rate re-draws (or rescales) the arrivals
-    return resolve_trace(args.trace, num_requests=args.num_requests, format=args.trace_format,
-                         seed=args.seed if seed is None else seed, rate=args.rates[0])
+    return _checked_for_prefix_caching(args, resolve_trace(args.trace, num_requests=args.num_requests,
+                                                           format=args.trace_format,
+                                                           seed=args.seed if seed is None else seed,
+                                                           rate=args.rates[0]))
+
+
+def _checked_for_prefix_caching(args: argparse.Namespace, trace: Trace) -> Trace:
+    """The trace, after a warning when --prefix-caching is on but the trace carries only lengths:
+    with no prompt token ids or prefix hashes, no two prompts can share a cached block."""
+    if getattr(args, "prefix_caching", False) and trace.prompt_token_ids is None and trace.prefix_hashes is None:
+        warnings.warn(f"--prefix-caching: {trace.name or args.trace} carries only lengths (no prompt token ids or "
+                      "prefix hashes), so no prompt can share a cached block: expect 0 prefix hits", stacklevel=2)
+    return trace
 
 
 def study_workloads(args: argparse.Namespace, draw: Callable[[int], Trace] | None = None) -> Trace | list[Trace]:

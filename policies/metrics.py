@@ -97,16 +97,21 @@ def iteration_compositions(iterations: pd.DataFrame, block_size: int = 16) -> li
 
 
 def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
-    """One row per request, finished or rejected, ordered by request id."""
+    """One row per request, ordered by request id. status: "finished", "rejected" (by the
+    scheduler; reject_reason says why) or "aborted" (ended from outside, e.g. its client left; the
+    reason in reject_reason). An aborted row keeps what happened before the abort: its first token
+    time and TTFT when it got one, and output_len, the tokens it was given; latencies that need a
+    finish (tpot, e2e, normalized) are NaN for every row that did not finish."""
     gs = sorted(groups, key=lambda g: g.request.request_id)
     reqs = [g.request for g in gs]
     nan = float("nan")
     done = np.array([g.rejected is None for g in gs], dtype=bool)
+    aborted = np.array([g.aborted for g in gs], dtype=bool)
     arrival = np.array([r.arrival for r in reqs], dtype=float)
     out = np.array([g.output_len for g in gs], dtype=np.int64)
     first = np.array([nan if g.first_token_time is None else g.first_token_time for g in gs], dtype=float)
     finish = np.array([nan if g.finish_time is None else g.finish_time for g in gs], dtype=float)
-    first = np.where(done, first, nan)
+    first = np.where(done | aborted, first, nan)
     with np.errstate(divide="ignore", invalid="ignore"):
         e2e = np.where(done, finish - arrival, nan)
         tpot = np.where(done & (out > 1), (finish - first) / (out - 1), nan)
@@ -116,6 +121,8 @@ def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
         "arrival": arrival,
         "prompt_len": np.array([r.prompt_len for r in reqs], dtype=np.int64),
         "output_len": out,
+        # what was asked for (a trace's output length, else max_tokens): a rejected row generated 0
+        "requested_output_len": np.array([r.max_output for r in reqs], dtype=np.int64),
         "n": np.array([r.sampling.n for r in reqs], dtype=np.int64),
         "beam_width": np.array([r.sampling.beam_width for r in reqs], dtype=np.int64),
         "first_scheduled": np.array([nan if g.first_scheduled is None else g.first_scheduled for g in gs],
@@ -128,7 +135,7 @@ def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
         "normalized_latency": normalized,
         "num_preemptions": np.array([g.num_preemptions for g in gs], dtype=np.int64),
         "prefix_hit_tokens": np.array([g.prefix_hit_tokens for g in gs], dtype=np.int64),
-        "status": np.where(done, "finished", "rejected").astype(object),
+        "status": np.where(done, "finished", np.where(aborted, "aborted", "rejected")).astype(object),
         "reject_reason": [g.rejected or "" for g in gs],
         "client": [r.client for r in reqs],
         "priority": np.array([r.priority for r in reqs], dtype=np.int64),

@@ -116,3 +116,15 @@ def test_warnings_are_one_line_in_the_tools_voice(tmp_path: Path, capsys: pytest
                  "a100-80gb", "--num-requests", "5", "--rate", "1", "--quiet", "--out", str(tmp_path / "run")]) == 0
     err = [line for line in capsys.readouterr().err.splitlines() if "warning" in line.lower()]
     assert err and all(line.startswith("pagesim simulate: warning: model 'acme-7b-instruct'") for line in err), err
+
+
+def test_aliases_are_resolved_said_and_recorded(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from pagesim.cli import main
+    assert main(["simulate", "--model", "llama3-8b", "--hardware", "h100", "--num-requests", "5", "--rate", "1",
+                 "--quiet", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "model 'llama3-8b' is llama-3-8b" in err and "hardware 'h100' is h100-sxm" in err
+    config = json.loads((tmp_path / "summary.json").read_text())["config"]
+    assert (config["model"], config["hardware"]) == ("llama-3-8b", "h100-sxm")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from analysis.report import replica_table, summary_table
+from analysis.report import rejection_lines, replica_table, summary_table
 from pagesim import cli_args
 from pagesim.argtypes import fraction, non_negative_int, out_dir, positive_int, rate
 from pagesim.report_writer import write_run
@@ -55,6 +55,8 @@ def command(args: argparse.Namespace) -> int:
     result = run_simulation(cfg, trace, progress=not args.quiet)
     out = write_run(args.out, result.requests, result.iterations, result.summary)
     print(summary_table({cfg.policy: result.summary}))
+    for line in rejection_lines(result.requests):
+        print(line)
     if cfg.replicas > 1:
         print("\n" + replica_table(result.summary))
     if cfg.disaggregate:

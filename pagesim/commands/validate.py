@@ -8,6 +8,7 @@ profile, it re-times the profile's grid here, re-fits it (OUT/profile.json) and 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     val.set_defaults(num_requests=32)  # every request is served live, in real time: keep the default small
     val.add_argument("--profile", required=True, help="profile file (or shipped profile name) for the simulator")
     val.add_argument("--live-run", help="reuse this earlier `pagesim live` or `pagesim serve` output directory instead "
-                                        "of serving again, or a guidellm result file (its requests and client "
-                                        "latencies; the workload options are then unused)")
+                                        "of serving again (the workload it served is read from its summary.json), "
+                                        "or a guidellm result file (its requests and client latencies); the "
+                                        "workload options are then unused")
     r = val.add_argument_group("re-profiling (a profile describes the machine it was measured on)")
     r.add_argument("--reprofile-threshold", type=non_negative_float, default=0.1, metavar="FRACTION",
                    help="re-profile when this machine's speed is more than this far from the profile's (default 0.1)")
@@ -45,6 +47,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def command(args: argparse.Namespace) -> int:
     if args.live_run and Path(args.live_run).is_file():  # a benchmark tool's result file: its requests are the trace
         trace = guidellm_requests(args.live_run)[0]
+    elif args.live_run:  # an earlier live run: the workload it served, from its summary
+        trace = cli_args.load_workload(_with_workload_of(args, Path(args.live_run)))
     else:
         trace = cli_args.load_workload(args)
     # the live run's policy, cache size and workload options, priced by --profile (required here)
@@ -59,6 +63,22 @@ def command(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}/validation.csv, validation.json, validation.png, sim/"
           + ("" if args.live_run else ", live/") + (", profile.json" if v.reprofile.adopted and not args.live_run else ""))
     return 0
+
+
+WORKLOAD_OPTIONS = ("trace", "trace_format", "num_requests", "rate", "burstiness", "n", "beam_width", "seed")
+
+
+def _with_workload_of(args: argparse.Namespace, run: Path) -> argparse.Namespace:
+    """`args` with the workload options of the live run in `run` (its summary.json's config, as
+    `pagesim live`, `serve` and `validate` record it): the simulation replays what was served."""
+    summary = run / "summary.json"
+    if not summary.is_file():
+        raise ValueError(f"--live-run {run}: no summary.json there (a `pagesim live` or `validate` run folder)")
+    config = json.loads(summary.read_text()).get("config") or {}
+    missing = [k for k in ("trace", "rate") if k not in config]
+    if missing:
+        raise ValueError(f"--live-run {run}: summary.json's config does not record the workload ({', '.join(missing)})")
+    return argparse.Namespace(**{**vars(args), **{k: config[k] for k in WORKLOAD_OPTIONS if k in config}})
 
 
 def print_validation(v: Validation, reused: bool = False) -> None:
