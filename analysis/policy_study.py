@@ -27,7 +27,7 @@ import seaborn as sns
 from analysis.parallel import Workers, run_tasks
 from analysis.plots import save_figure
 from analysis.report import Report
-from policies.metrics import per_client
+from policies.metrics import headline_latency, headline_mean_normalized_latency, per_client
 from policies.registry import resolve_policy
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals, load_trace
@@ -96,8 +96,9 @@ def _one_run(cfg: SimConfig, trace: Trace, rate: float) -> dict:
     clients, fairness = per_client(res.requests, cfg.slo_ttft, cfg.slo_tpot)
     return {"policy": cfg.policy, "rate": rate, "seed": cfg.seed, "requests": s["num_requests"],
             "rejected": s["num_rejected"], "throughput": s["request_throughput"],
-            "mean_normalized_latency": s["mean_normalized_latency"], "ttft_mean": s["ttft"]["mean"],
-            "ttft_p90": s["ttft"]["p90"], "e2e_mean": s["e2e_latency"]["mean"], "goodput": s["goodput"],
+            "mean_normalized_latency": headline_mean_normalized_latency(s),
+            "ttft_mean": headline_latency(s, "ttft")["mean"], "ttft_p90": headline_latency(s, "ttft")["p90"],
+            "e2e_mean": headline_latency(s, "e2e_latency")["mean"], "goodput": s["goodput"],
             "slo_attainment": s["slo_attainment"],
             "min_client_attainment": float(clients.slo_attainment.min()) if len(clients) else float("nan"),
             "jain_service": fairness["jain_service"], "max_service_gap": fairness["max_service_gap"],

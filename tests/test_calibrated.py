@@ -197,18 +197,18 @@ def test_client_terms_are_fitted_over_kept_runs_and_recovered() -> None:
 
     from analysis.calibrate import fit_client, log_errors, simulate_all, split_stages
     from analysis.measurement_files import load_measurements
-    from analysis.measurements import ClientOverhead
+    from policies.client_latency import ClientTerms
 
     fit, _ = split_stages(load_measurements(MEASUREMENTS))
     ref = [r for r in fit if "llama-2-7b" in r.label][:1]
     run, = simulate_all(ref, CalibrationParams(), "h100-sxm", 0, 3.0, None)
-    truth = run.with_client(ClientOverhead(ttft_s=6e-3, output_lag_steps=1.3)).predicted
+    truth = run.with_client(ClientTerms(ttft_s=6e-3, output_lag_steps=1.3)).predicted
     made_up = dataclasses.replace(run, measured={k: v for k, v in truth.items() if k in run.measured})
     start = CalibrationParams(client_ttft_s=1e-3, client_output_lag_steps=0.5)
     params, resid = fit_client([made_up], start, ["client_ttft_s", "client_output_lag_steps"])
     assert params.client_ttft_s == pytest.approx(6e-3, rel=0.05)
     assert params.client_output_lag_steps == pytest.approx(1.3, rel=0.05)
-    assert np.abs(resid).max() < 0.01 < np.abs(log_errors([made_up.with_client(ClientOverhead(1e-3, 0, 0.5))])).max()
+    assert np.abs(resid).max() < 0.01 < np.abs(log_errors([made_up.with_client(ClientTerms(1e-3, 0, 0.5))])).max()
 
 
 def test_shipped_calibration_loads_by_name_and_prices_other_models() -> None:
