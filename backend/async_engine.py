@@ -1,5 +1,5 @@
 """The live engine behind a server (no HTTP here: that is backend.http_api): `AsyncEngine` steps a
-replica (backend.live_executor.build_live_replica) through the DESIGN.md step loop
+replica (backend.live_executor.build_live_replica) through the step loop of docs/design.md
 
     plan = scheduler.schedule(now); result = executor.execute(plan); scheduler.on_step_done(...)
 

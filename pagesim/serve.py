@@ -2,9 +2,11 @@
 
 The model, runner and replica (any policy `pagesim live` runs, with the same options) are built as
 `pagesim live` builds them; backend.async_engine.AsyncEngine steps the replica in a thread and
-backend.http_api answers HTTP on uvicorn's event loop. On SIGTERM / SIGINT the server stops taking
-requests, drains or aborts those in flight (--on-shutdown), and writes requests.csv,
-iterations.parquet and summary.json to --out, as `pagesim live` does.
+backend.http_api answers HTTP on uvicorn's event loop (backend.http_server: read timeouts, a
+bounded shutdown). On SIGTERM / SIGINT the server stops taking requests, drains or aborts those in
+flight (--on-shutdown) for at most --shutdown-timeout seconds, then aborts what is left (a second
+signal does so at once), and writes requests.csv, iterations.parquet and summary.json to --out, as
+`pagesim live` does; the tables are written however the HTTP server ends.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import argparse
 import signal
 import time
 
+from pagesim.argtypes import non_negative_int, out_dir, positive_float, seed
+from pagesim.cli_args import add_live_model_args, add_policy_args, replica_config
+from pagesim.report_writer import write_run
+from policies.metrics import summarize
+
 
 def add_serve_parser(sub) -> None:
-    from analysis.cli_args import add_live_model_args, add_policy_args
-    from pagesim.argtypes import non_negative_int, out_dir, positive_float, seed
-
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on a real model (needs the serve extra)",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
                                    "on the live engine under any policy; the model name in requests is --model. "
@@ -32,6 +36,16 @@ def add_serve_parser(sub) -> None:
                    help="answer 429 when this many requests are already in the server (default 0: queue them all)")
     s.add_argument("--on-shutdown", choices=("drain", "abort"), default="drain",
                    help="on SIGTERM: finish the requests in flight (drain, default) or abort them at once")
+    s.add_argument("--shutdown-timeout", type=positive_float, default=20.0,
+                   help="seconds the drain may take after SIGTERM before what still runs, reads or streams is "
+                        "aborted and the connections closed; a second SIGTERM/SIGINT does that at once "
+                        "(default 20, inside the 30 s a Kubernetes pod gets before SIGKILL)")
+    s.add_argument("--header-timeout", type=positive_float, default=10.0,
+                   help="seconds for a request's line and headers to arrive, else 408 and the connection "
+                        "closes (default 10)")
+    s.add_argument("--body-timeout", type=positive_float, default=30.0,
+                   help="seconds for a request's whole body to arrive once its headers have, else 408 "
+                        "(default 30)")
     s.add_argument("--seed", type=seed, default=0, help="seed of the shared sampler and random weights (default 0)")
     s.add_argument("--debug", action="store_true", help="check the block pool after every step and abort")
     o = p.add_argument_group("output")
@@ -44,9 +58,8 @@ def add_serve_parser(sub) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-
         from backend.http_api import OpenAIServer, ServeOptions
+        from backend.http_server import http_server
         from backend.serve_metrics import ServeMetrics
     except ImportError as exc:
         raise ValueError(f"pagesim serve needs the serve and backend extras: pip install -e '.[backend,serve]' "
@@ -56,17 +69,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine, tokenizer, max_len = _build_engine(args)
     metrics = ServeMetrics(args.model)
     engine.observer = metrics
-    api = OpenAIServer(engine, tokenizer, metrics, ServeOptions(args.model, max_len, args.max_pending, int(time.time())))
+    options = ServeOptions(args.model, max_len, args.max_pending, int(time.time()), body_timeout=args.body_timeout)
+    api = OpenAIServer(engine, tokenizer, metrics, options)
     drain = args.on_shutdown == "drain"
-
-    def on_signal() -> None:
-        api.draining = True
-        engine.shutdown(drain)
-
-    server = _server(uvicorn.Config(api.app(), host=args.host, port=args.port, log_level="warning",
-                                    access_log=False), on_signal)
-    # uvicorn re-raises the shutdown signal once it has stopped, to the handler found before it ran:
-    # make that one a no-op, so that the tables are still written and the exit is clean
+    server = http_server(api, engine, metrics, args.host, args.port, drain=drain,
+                         shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout)
+    # the server handles SIGINT / SIGTERM while it runs; once it has stopped, one more must not
+    # kill the process before the tables are written
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     engine.start()
@@ -74,26 +83,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{time.perf_counter() - t0:.1f} s; http://{args.host}:{args.port}/v1", flush=True)
     try:
         server.run()
-    finally:
-        engine.stop(drain)
-    return _write_tables(args, engine)
+    finally:  # however the HTTP server ended (even by an exception), the engine stops and the tables are written
+        _stop_engine(engine, drain, args.shutdown_timeout)
+        code = _write_tables(args, engine)
+    return code
 
 
-def _server(config, on_signal):
-    """uvicorn's Server, calling `on_signal` first when a shutdown signal arrives (so the engine
-    drains or aborts while uvicorn waits for the connections in flight)."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            on_signal()
-            super().handle_exit(sig, frame)
-
-    return Server(config)
+def _stop_engine(engine, drain: bool, timeout: float) -> None:
+    """Stop the engine within about `timeout` seconds: drained if it can be, aborted after that."""
+    engine.stop(drain, timeout=timeout)
+    if engine.alive:
+        engine.stop(drain=False, timeout=timeout)
 
 
 def _build_engine(args: argparse.Namespace):
-    from analysis.cli_args import replica_config
+    # deferred: the backend imports torch
     from backend.async_engine import AsyncEngine
     from backend.live_executor import build_live_replica, load_model
     from backend.model_runner import ModelRunner
@@ -114,10 +118,10 @@ def _build_engine(args: argparse.Namespace):
 
 
 def _write_tables(args: argparse.Namespace, engine) -> int:
-    from policies.metrics import summarize, write_run
-
     sched = engine.scheduler
     problems = []
+    if engine.alive:  # still stepping (a step that never ended): the tables are what it had so far
+        problems.append("the engine thread did not stop; the tables may miss its last requests")
     try:
         sched.assert_drained()
     except AssertionError as e:
@@ -129,7 +133,7 @@ def _write_tables(args: argparse.Namespace, engine) -> int:
     runner = engine.executor.runner
     summary.update(mode="live", served="http", model=args.model, device=args.device, wall_time_s=engine.clock(),
                    kv_capacity_tokens=runner.num_gpu_blocks * args.block_size, trace="http",
-                   num_aborted=int(req_df.reject_reason.str.startswith("aborted").sum()) if len(req_df) else 0,
+                   num_aborted=int((req_df.status == "aborted").sum()),
                    pool_whole=not problems, problems=problems,
                    config={k: v for k, v in vars(args).items() if k != "func"})
     out = write_run(args.out, req_df, it_df, summary)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 import simpy
 
+from policies.client_latency import ClientTerms, with_client_latencies
 from policies.limits import CPU_BLOCK_BYTES, GPU_BLOCK_BYTES, REPLICA_BYTES, check_fits
 from policies.metrics import request_frame, summarize
 from policies.replica_config import ReplicaConfig
@@ -192,6 +193,16 @@ def build_cost_model(cfg: SimConfig) -> CostModel:
     return ProfiledCostModel.from_profile(profile, sim_block_size=cfg.block_size)
 
 
+def run_client_terms(cost_models: Iterable[CostModel]) -> ClientTerms | None:
+    """The client terms of a run's cost models (one per kind of hardware), None when they carry none.
+    Replicas priced by models with different client terms are refused: one client measures a run."""
+    terms = {m.client_terms() for m in cost_models}
+    if len(terms) > 1:
+        raise ValueError(f"the run's cost models carry different client terms ({sorted(map(str, terms))}); "
+                         "one client measures a run")
+    return terms.pop() if terms else None
+
+
 def _spec_name(model: str) -> str:
     try:
         return get_model(model).name
@@ -264,6 +275,7 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
         requests, iterations = _tables(replicas)
         if len(requests) != len(feed.requests):
             raise AssertionError(f"{len(feed.requests)} requests in, {len(requests)} out")
+        requests = with_client_latencies(requests, iterations, run_client_terms(costs.values()))
         summary = summarize(requests, iterations, cfg.slo_ttft, cfg.slo_tpot)
     first = configs[hardware[0]]  # every replica's: summary["router"]["replicas"]
     summary["num_gpu_blocks"] = first.num_gpu_blocks

@@ -1010,3 +1010,12 @@ def test_a_plan_hands_the_executor_its_sequences():
     for ss in plan.seqs:
         assert ss.seq is sched.seqs[ss.seq_id] and ss.seq.group.group_id == ss.group_id
         assert ss.seq.token_ids[ss.start:ss.start + ss.num_new_tokens] == list(range(ss.num_new_tokens))
+
+
+def test_fcfs_is_another_name_for_vllm() -> None:
+    from policies.registry import ALIASES
+    assert ALIASES["fcfs"] == "vllm"
+    sched = make_scheduler("fcfs", 64, 16)
+    assert type(sched) is type(make_scheduler("vllm", 64, 16)) and sched.policy.name == "fcfs"
+    with pytest.raises(ValueError, match=r"unknown policy 'fcfz'; known: vllm"):
+        make_scheduler("fcfz", 64, 16)
