@@ -83,6 +83,22 @@ class LiveExecutor:
         # stop_check(seq, token) -> True when `token` ends the sequence early (a served request's stop strings)
         self.stop_check = None
 
+    def add_request(self, request: Request, seed: int | None) -> None:
+        """A served request's own sampling seed: its generator (ValueError for a seed torch refuses,
+        outside int64). The caller drops it with `forget`."""
+        if seed is None:
+            return
+        try:
+            gen = torch.Generator(device=self.runner.device).manual_seed(seed)
+        except (ValueError, RuntimeError, OverflowError) as e:
+            raise ValueError(str(e)) from None
+        self.generators[request.request_id] = gen
+
+    def forget(self, group_id: int) -> None:
+        """Drop what a finished or aborted request held (its generator, a beam search's state)."""
+        self.generators.pop(group_id, None)
+        self.beams.pop(group_id, None)
+
     def execute(self, plan: StepPlan, comp: StepComposition | None = None) -> StepResult:
         """Run the plan's forward pass and sample (`comp`, the plan's composition, is not needed
         live: the model does the work the plan names)."""

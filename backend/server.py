@@ -12,6 +12,13 @@ done, rejected by the scheduler, or aborted.
 
 Per-request timestamps and per-iteration rows are recorded as `backend.live.serve` records them, so
 `tables()` gives the same requests / iterations tables as `pagesim live`.
+
+Time comes from a `StepClock`: `WallClock` (the default) measures each iteration on the wall clock;
+an emulated engine (`pagesim serve --emulate`, sim.emulated.PacedClock) plans each one from the
+executor's priced duration and waits for the wall clock to get there before releasing its tokens.
+The executor is anything with `execute`, `add_request(request, seed)` (raises ValueError for a
+seed it cannot take), `forget(group_id)` and a `stop_check` attribute: `LiveExecutor` or
+sim.emulated.EmulatedExecutor.
 """
 
 from __future__ import annotations
@@ -23,12 +30,13 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import pandas as pd
-import torch
 
 from backend.live import LiveExecutor
 from policies.metrics import request_frame
+from policies.plan import StepResult
 from policies.request import Request, SequenceGroup
 from policies.scheduler import Scheduler
 from policies.step import ReplicaStep
@@ -56,6 +64,49 @@ class EngineRequest:
     sink: Callable[[RequestOutput], None]
     stop: tuple[str, ...] = ()
     seed: int | None = None
+
+
+class StepClock(Protocol):
+    """Engine time, and when iterations start, end and release their tokens."""
+
+    def start(self) -> None: ...          # time 0 is now
+
+    def now(self) -> float: ...           # engine seconds since start
+
+    def begin(self, now: float, newest_arrival: float) -> float: ...  # the next iteration's start
+
+    def end(self, start: float, result: StepResult) -> float: ...     # its end (may set result.duration)
+
+    def idle(self) -> None: ...           # nothing ran at the last begin
+
+    def wait(self, end: float, step: float) -> float: ...  # block until its tokens may go out; the lag
+
+
+class WallClock:
+    """The live loop's clock: engine time is wall time; an iteration lasts what it measured."""
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def begin(self, now: float, newest_arrival: float) -> float:
+        return now
+
+    def end(self, start: float, result: StepResult) -> float:
+        end = self.now()
+        result.duration = end - start  # measured: the model, scheduling and bookkeeping
+        return end
+
+    def idle(self) -> None:
+        return
+
+    def wait(self, end: float, step: float) -> float:
+        return 0.0
 
 
 class EngineObserver:
@@ -89,8 +140,9 @@ class AsyncEngine:
     Invariant: every request submitted is, once the engine has stopped, in `scheduler.done`."""
 
     def __init__(self, scheduler: Scheduler, executor: LiveExecutor, tokenizer=None,
-                 observer: EngineObserver | None = None, debug: bool = False) -> None:
+                 observer: EngineObserver | None = None, debug: bool = False, clock: StepClock | None = None) -> None:
         self.scheduler, self.executor, self.tokenizer = scheduler, executor, tokenizer
+        self.timing: StepClock = clock or WallClock()
         self.observer = observer or EngineObserver()
         self.debug = debug  # check the block pool after every step
         self.replica = ReplicaStep(scheduler, executor)
@@ -101,21 +153,21 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._count_lock = threading.Lock()
         self._outstanding = 0
-        self._t0 = time.perf_counter()
+        self._newest_arrival = 0.0  # of the requests added so far: no iteration starts before it
         self._stopping: bool | None = None  # None: serving; True: drain then stop; False: abort all and stop
         self._thread = threading.Thread(target=self._run, name="pagesim-engine", daemon=True)
         executor.stop_check = self._stop_check
 
     # ---------------------------------------------------------------- caller side (any thread)
     def clock(self) -> float:
-        """Seconds since the engine was made: the time base of every timestamp it records."""
-        return time.perf_counter() - self._t0
+        """Engine seconds since the engine started: the time base of every timestamp it records."""
+        return self.timing.now()
 
     def new_request_id(self) -> int:
         return next(self._ids)
 
     def start(self) -> None:
-        self._t0 = time.perf_counter()
+        self.timing.start()
         self._thread.start()
 
     def submit(self, req: EngineRequest) -> None:
@@ -195,15 +247,14 @@ class AsyncEngine:
 
     def _add(self, req: EngineRequest) -> None:
         r = req.request
-        if req.seed is not None:
-            try:  # a seed torch refuses (outside int64) fails this request alone, not the engine
-                gen = torch.Generator(device=self.executor.runner.device).manual_seed(req.seed)
-            except (ValueError, RuntimeError, OverflowError) as e:
-                with self._count_lock:
-                    self._outstanding -= 1
-                req.sink(RequestOutput(r.request_id, {}, finished=True, error=f"invalid seed {req.seed}: {e}"))
-                return
-            self.executor.generators[r.request_id] = gen
+        try:  # a seed the executor refuses fails this request alone, not the engine
+            self.executor.add_request(r, req.seed)
+        except ValueError as e:
+            with self._count_lock:
+                self._outstanding -= 1
+            req.sink(RequestOutput(r.request_id, {}, finished=True, error=f"invalid seed {req.seed}: {e}"))
+            return
+        self._newest_arrival = max(self._newest_arrival, r.arrival)
         live = self._live[r.request_id] = _Live(req, [0] * r.sampling.n)
         group = self.scheduler.add_request(r)
         if group.rejected is not None:  # refused on arrival
@@ -214,29 +265,30 @@ class AsyncEngine:
         group = self.scheduler.abort(request_id, self.clock(), reason)
         if group is None or live is None:
             return
-        self.executor.beams.pop(request_id, None)
+        self.executor.forget(request_id)
         self._end(group, live, error=reason, aborted=True)
         if self.debug:
             self._check_pool()
 
     def _step(self) -> None:
         sched = self.scheduler
-        now = self.clock()
+        now = self.timing.begin(self.clock(), self._newest_arrival)
         step = self.replica.begin(now)  # the loop's one iteration, as the simulator runs it
         plan = step.plan
         for gid, reason in plan.rejected:
             group = next(g for g in reversed(sched.done) if g.group_id == gid)
             self._end(group, self._live[gid], error=reason)
         if step.idle:
+            self.timing.idle()
             if not plan.rejected:  # nothing can run until something arrives or a policy's wait ends
                 wait = min(max(sched.wake_time(now) - now, 0.0), 0.05)
                 self._read_inbox(block=True, timeout=wait or 0.001)
             return
         sampling = {ss.seq_id: sched.seqs[ss.seq_id].group for ss in plan.seqs if ss.samples}
-        end = self.clock()
-        step.result.duration = end - now  # measured wall time
+        end = self.timing.end(now, step.result)  # live: measured wall time; emulated: the priced time
         finished = self.replica.complete(step, end)
         self.observer.on_step(sched, step.result.duration, len(plan.preempted))
+        self.timing.wait(end, step.result.duration)  # emulated: tokens go out when the wall clock gets there
         done = {g.group_id for g in finished}
         for group in {g.group_id: g for g in sampling.values()}.values():
             self._publish(group, end, group.group_id in done)
@@ -266,7 +318,8 @@ class AsyncEngine:
         finished_ids = {s.seq_id for s in group.finished_seqs}
         for i, s in enumerate(choices):
             if s.seq_id in finished_ids:
-                out.finish_reasons[i] = "length" if s.output_len >= group.request.max_output else "stop"
+                # "length": it reached max_tokens (an emulated request may stop before, at its drawn length)
+                out.finish_reasons[i] = "length" if s.output_len >= group.request.sampling.max_tokens else "stop"
         if finished:
             out.finished = True
             self._forget(group)
@@ -285,7 +338,7 @@ class AsyncEngine:
         if self._live.pop(gid, None) is not None:
             with self._count_lock:
                 self._outstanding -= 1
-        self.executor.generators.pop(gid, None)
+        self.executor.forget(gid)
         for s in group.seqs + group.finished_seqs:
             s.token_ids = None
         group.request.prompt_token_ids = None

@@ -25,6 +25,8 @@ def add_serve_parser(sub) -> None:
                                    "iterations.parquet and summary.json to --out.")
     add_live_model_args(p)
     add_policy_args(p)
+    from pagesim.emulate import add_emulate_args
+    add_emulate_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=non_negative_int, default=8000, help="port (default 8000)")
@@ -43,6 +45,12 @@ def add_serve_parser(sub) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from pagesim.emulate import check_live_args, cmd_emulate
+    if args.emulate:
+        return cmd_emulate(args)
+    check_live_args(args)
+    args.num_gpu_blocks = 512 if args.num_gpu_blocks is None else args.num_gpu_blocks  # the live defaults
+    args.num_cpu_blocks = 512 if args.num_cpu_blocks is None else args.num_cpu_blocks
     try:
         import uvicorn
 
@@ -120,7 +128,9 @@ def _build_engine(args: argparse.Namespace):
     return AsyncEngine(sched, executor, model.tokenizer, debug=args.debug), model.tokenizer, max_len
 
 
-def _write_tables(args: argparse.Namespace, engine) -> int:
+def _write_tables(args: argparse.Namespace, engine, facts: dict | None = None, out: str | None = None) -> int:
+    """Write the run's tables to `out` (default --out); `facts`: what the summary says of the engine
+    (default: the live engine's mode, device and KV capacity)."""
     from policies.metrics import summarize, write_run
 
     sched = engine.scheduler
@@ -133,13 +143,14 @@ def _write_tables(args: argparse.Namespace, engine) -> int:
         problems.append(engine.error.strip().splitlines()[-1])
     req_df, it_df = engine.tables()
     summary = summarize(req_df, it_df, args.slo_ttft, args.slo_tpot)
-    runner = engine.executor.runner
-    summary.update(mode="live", served="http", model=args.model, device=args.device, wall_time_s=engine.clock(),
-                   kv_capacity_tokens=runner.num_gpu_blocks * args.block_size, trace="http",
+    if facts is None:
+        facts = {"mode": "live", "device": args.device,
+                 "kv_capacity_tokens": engine.executor.runner.num_gpu_blocks * args.block_size}
+    summary.update(served="http", model=args.model, wall_time_s=engine.clock(), trace="http", **facts,
                    num_aborted=int(req_df.reject_reason.str.startswith("aborted").sum()) if len(req_df) else 0,
                    pool_whole=not problems, problems=problems,
                    config={k: v for k, v in vars(args).items() if k != "func"})
-    out = write_run(args.out, req_df, it_df, summary)
+    out = write_run(out or args.out, req_df, it_df, summary)
     print(f"pagesim serve: {len(req_df)} requests ({summary['num_finished']} finished, {summary['num_aborted']} "
           f"aborted); wrote {out}/requests.csv, iterations.parquet, summary.json", flush=True)
     for p in problems:

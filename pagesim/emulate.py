@@ -1,0 +1,276 @@
+"""`pagesim serve --emulate`: the OpenAI-compatible server with no model behind it (wiring only).
+
+Each replica is the server of `pagesim serve` (backend.server.AsyncEngine + backend.http_api) over
+the simulator's pieces: the policy's scheduler on a KV cache sized as `pagesim simulate` sizes it
+(sim.run.num_blocks_for), an EmulatedExecutor pricing every iteration with the calibrated (or
+profiled) cost model, and a PacedClock that releases each iteration's tokens when the wall clock
+reaches its planned end, `--time-scale` times faster than real time (sim/emulated.py says how).
+Prompts are tokenized by --tokenizer (a HF folder or GGUF file) or the documented approximation of
+backend/text_tokens.py; answers are words of its fixed output vocabulary.
+
+/metrics adds to vLLM's names the emulator's own: `pagesim:token_release_lag_seconds` (how late each
+iteration's tokens went out against its plan, wall seconds), `pagesim:emulator_late_releases_total`,
+`pagesim:emulator_behind` (1 while releases in the last BEHIND_WINDOW_S seconds were late) and
+`pagesim:emulator_time_scale`; falling behind is also logged, at most once per BEHIND_WINDOW_S.
+
+`--replicas N` runs N independent engines in this process, one per port from --port-base (default
+--port); on SIGTERM / SIGINT every one drains (or aborts) and writes its tables to --out (one
+replica) or --out/replica-<i>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+from pagesim.argtypes import fraction, non_negative_int, positive_float, positive_int
+
+BEHIND_WINDOW_S = 10.0
+LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# (dest, flag, live default): settings of the emulated engine only, refused without --emulate
+_EMULATION_ONLY = (("hardware", "--hardware", None), ("tp", "--tp", 1), ("calibration", "--calibration", None),
+                   ("profile", "--profile", None), ("gpu_memory_utilization", "--gpu-memory-utilization", 0.9),
+                   ("time_scale", "--time-scale", 1.0), ("replicas", "--replicas", 1),
+                   ("port_base", "--port-base", None), ("tokenizer", "--tokenizer", None),
+                   ("output_len_mean", "--output-len-mean", 128.0))
+
+
+def add_emulate_args(p: argparse.ArgumentParser) -> None:
+    e = p.add_argument_group("emulation (--emulate: no weights, no model; a cost model times every iteration)")
+    e.add_argument("--emulate", action="store_true",
+                   help="serve --model as emulated on --hardware: the real scheduler and KV cache, each iteration "
+                        "priced by --calibration or --profile, tokens released in real time")
+    e.add_argument("--hardware", help="the GPU emulated (a hardware spec name or JSON file; default a100-40gb)")
+    e.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree emulated (default 1)")
+    e.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
+                   help="the KV cache is what this share of the GPUs' memory leaves after the weights (default 0.9; "
+                        "--num-gpu-blocks overrides)")
+    e.add_argument("--calibration", help="price iterations with this calibration (file, or a shipped name: "
+                                         "vllm-v1-h100)")
+    e.add_argument("--profile", help="price iterations with this profile (file or shipped name; needs --num-gpu-blocks)")
+    e.add_argument("--time-scale", type=positive_float, default=1.0,
+                   help="run this many times faster than real time (default 1; tables keep emulated seconds)")
+    e.add_argument("--replicas", type=positive_int, default=1,
+                   help="independent emulated engines, on consecutive ports from --port-base (default 1)")
+    e.add_argument("--port-base", type=non_negative_int, help="the first replica's port (default --port)")
+    e.add_argument("--tokenizer", help="a HF tokenizer folder or a GGUF file (default: ~4 bytes per token, "
+                                       "hashed ids; see backend/text_tokens.py)")
+    e.add_argument("--output-len-mean", type=positive_float, default=128.0,
+                   help="mean output length of requests without ignore_eos (geometric, seeded; capped by max_tokens; "
+                        "default 128)")
+    # under --emulate the KV cache is sized from --hardware unless given; the live default stays 512
+    p.set_defaults(num_gpu_blocks=None, num_cpu_blocks=None)
+
+
+def check_live_args(args: argparse.Namespace) -> None:
+    """Without --emulate: refuse the emulation-only flags (they would be ignored)."""
+    for dest, flag, default in _EMULATION_ONLY:
+        if getattr(args, dest) != default:
+            raise ValueError(f"{flag} applies with --emulate only")
+
+
+# ---- one emulated replica -------------------------------------------------------------------------
+@dataclass
+class Replica:
+    index: int
+    engine: object     # backend.server.AsyncEngine
+    api: object        # backend.http_api.OpenAIServer
+    clock: object      # sim.emulated.PacedClock
+    kv_blocks: int
+
+
+class LagMetrics:
+    """The emulator's own metrics (module docstring), on the server's registry; `observe` is the
+    PacedClock's on_lag. Logs when releases fall behind, at most once per BEHIND_WINDOW_S."""
+
+    def __init__(self, registry, model_name: str, time_scale: float, label: str = "") -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        lab = ["model_name"]
+        self.lag = Histogram("pagesim:token_release_lag_seconds", "How late an iteration's tokens were released "
+                             "against its planned end (wall seconds)", lab, buckets=LAG_BUCKETS,
+                             registry=registry).labels(model_name)
+        self.late = Counter("pagesim:emulator_late_releases", "Releases later than 5 ms or 10% of their iteration",
+                            lab, registry=registry).labels(model_name)
+        self.behind = Gauge("pagesim:emulator_behind", "1 while the emulator cannot keep up with its plan",
+                            lab, registry=registry).labels(model_name)
+        Gauge("pagesim:emulator_time_scale", "Emulated seconds per wall second", lab,
+              registry=registry).labels(model_name).set(time_scale)
+        self.label = label
+        self._last_late = -1e9
+        self._last_log = -1e9
+        self._late_since_log = 0
+
+    def observe(self, lag: float, step_wall: float, behind: bool) -> None:
+        self.lag.observe(lag)
+        now = time.monotonic()
+        if behind:
+            self.late.inc()
+            self._last_late = now
+            self._late_since_log += 1
+            if now - self._last_log >= BEHIND_WINDOW_S:
+                print(f"pagesim serve{self.label}: emulator behind: tokens released {lag * 1e3:.1f} ms late "
+                      f"(iteration {step_wall * 1e3:.2f} ms; {self._late_since_log} late releases since the last "
+                      "report); the timeline is late, not stretched", file=sys.stderr, flush=True)
+                self._last_log, self._late_since_log = now, 0
+        self.behind.set(1.0 if now - self._last_late < BEHIND_WINDOW_S else 0.0)
+
+
+def build_replicas(args: argparse.Namespace) -> list[Replica]:
+    """Every replica of the arguments; ValueError naming the flag for what cannot be emulated."""
+    from analysis.cli_args import sim_config
+    from backend.http_api import OpenAIServer, ServeOptions
+    from backend.serve_metrics import ServeMetrics
+    from backend.server import AsyncEngine
+    from sim.emulated import EmulatedExecutor, OutputLengthModel, PacedClock
+    from sim.run import build_cost_model, num_blocks_for, replica_scheduler
+    from sim.specs import get_model
+
+    if not (args.calibration or args.profile):
+        raise ValueError("--emulate needs --calibration or --profile: what prices each iteration")
+    if args.device != "cpu" or args.attention:
+        raise ValueError(f"--{'device' if args.device != 'cpu' else 'attention'} does not apply with --emulate "
+                         "(no model runs)")
+    cfg = sim_config(args, replicas=1, hardware=args.hardware or "a100-40gb")
+    try:
+        cost = build_cost_model(cfg)
+    except FileNotFoundError as e:
+        raise ValueError(f"--{'profile' if args.profile else 'calibration'}: {e}") from None
+    model = get_model(cfg.model)
+    try:
+        gpu, cpu = num_blocks_for(cfg)
+    except ValueError as e:
+        raise ValueError(f"--model {args.model}: {e}") from None
+    tokenizer = _tokenizer(args, model.vocab_size)
+    from backend.text_tokens import output_vocabulary
+    vocab = output_vocabulary(tokenizer)
+    lengths = OutputLengthModel(args.output_len_mean)
+    replicas = []
+    for i in range(args.replicas):
+        sched = replica_scheduler(cfg, gpu, cpu, model.max_position)
+        max_len = min(model.max_position, sched.capacity_tokens or gpu * cfg.block_size)
+        metrics = ServeMetrics(args.model)
+        label = f" replica {i}" if args.replicas > 1 else ""
+        lag = LagMetrics(metrics.registry, args.model, args.time_scale, label)
+        clock = PacedClock(args.time_scale, on_lag=lag.observe)
+        executor = EmulatedExecutor(sched, cost, vocab, seed=_replica_seed(cfg.seed, i), lengths=lengths)
+        engine = AsyncEngine(sched, executor, tokenizer, observer=metrics, debug=args.debug, clock=clock)
+        api = OpenAIServer(engine, tokenizer, metrics, ServeOptions(args.model, max_len, args.max_pending,
+                                                                    int(time.time())))
+        replicas.append(Replica(i, engine, api, clock, gpu))
+    return replicas
+
+
+def _replica_seed(seed: int, i: int) -> int:
+    """Replica 0 keeps the run's seed (one replica is the single-engine run), others derive theirs."""
+    import numpy as np
+
+    return seed if i == 0 else int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
+
+
+def _tokenizer(args: argparse.Namespace, vocab_size: int):
+    from backend.text_tokens import ByteChunkTokenizer, load_tokenizer
+
+    if args.tokenizer:
+        return load_tokenizer(args.tokenizer)
+    return ByteChunkTokenizer(vocab_size)
+
+
+# ---- serving ---------------------------------------------------------------------------------------
+def bind_ports(host: str, ports: list[int], flag: str) -> list[socket.socket]:
+    """Listening sockets on `ports`, bound before anything starts; a taken port is a ValueError
+    naming `flag`."""
+    socks: list[socket.socket] = []
+    try:
+        for port in ports:
+            try:
+                family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((host, port))
+            except OSError as e:
+                raise ValueError(f"{flag}: cannot listen on {host}:{port} ({e.strerror or e})") from None
+            socks.append(sock)
+    except ValueError:
+        for s in socks:
+            s.close()
+        raise
+    return socks
+
+
+def cmd_emulate(args: argparse.Namespace) -> int:
+    try:  # deferred: the HTTP server is an optional extra
+        import uvicorn
+
+        import backend.http_api  # noqa: F401  (starlette, prometheus_client: checked before any work)
+    except ImportError as exc:
+        raise ValueError(f"pagesim serve needs the serve extra: pip install -e '.[serve]' ({exc})") from exc
+    t0 = time.perf_counter()
+    replicas = build_replicas(args)
+    base = args.port if args.port_base is None else args.port_base
+    flag = "--port" if args.port_base is None else "--port-base"
+    socks = bind_ports(args.host, [base + r.index for r in replicas], flag)
+    drain = args.on_shutdown == "drain"
+    servers = [_quiet_server(uvicorn.Config(r.api.app(), host=args.host, port=base + r.index, log_level="warning",
+                                           access_log=False, lifespan="off")) for r in replicas]
+
+    def stop_all() -> None:
+        for r, s in zip(replicas, servers):
+            if s.should_exit:  # a second signal: stop waiting for connections
+                s.force_exit = True
+            r.api.draining = True
+            r.engine.shutdown(drain)
+            s.should_exit = True
+
+    async def serve_all() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop_all)
+        await asyncio.gather(*(s.serve(sockets=[sock]) for s, sock in zip(servers, socks)))
+
+    for r in replicas:
+        r.engine.start()
+    first = replicas[0]
+    print(f"pagesim serve --emulate: {args.model} on {args.tp} x {args.hardware or 'a100-40gb'} "
+          f"({args.calibration or args.profile}), policy {args.policy}, {first.kv_blocks} KV blocks of "
+          f"{args.block_size}, time scale {args.time_scale:g}; ready in {time.perf_counter() - t0:.1f} s; "
+          + ", ".join(f"http://{args.host}:{base + r.index}/v1" for r in replicas), flush=True)
+    try:
+        asyncio.run(serve_all())
+    finally:
+        for r in replicas:
+            r.engine.stop(drain)
+        for s in socks:
+            s.close()
+    return max(_write_replica(args, r, len(replicas)) for r in replicas)
+
+
+def _quiet_server(config):
+    """uvicorn's Server without its own signal handling (one handler stops every replica)."""
+    import uvicorn  # deferred: the serve extra
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    return Server(config)
+
+
+def _write_replica(args: argparse.Namespace, r: Replica, count: int) -> int:
+    from pagesim.serve import _write_tables
+
+    facts = {"mode": "emulate", "hardware": args.hardware or "a100-40gb", "tp": args.tp,
+             "cost": args.calibration or args.profile, "time_scale": args.time_scale,
+             "num_gpu_blocks": r.kv_blocks, "kv_capacity_tokens": r.kv_blocks * args.block_size,
+             "release_lag": r.clock.stats.to_dict()}
+    if count > 1:
+        facts["replica"] = r.index
+    out = args.out if count == 1 else f"{args.out}/replica-{r.index}"
+    return _write_tables(args, r.engine, facts, out)

@@ -1,0 +1,205 @@
+"""The emulated executor and its real-time clock: the simulator's pricing and token decisions behind
+a live serving loop (`pagesim serve --emulate`), with no model.
+
+`EmulatedExecutor` executes a StepPlan as the simulator does (sim.executor.SimulatedExecutor prices
+it with the cost model and decides finishes, forks and beams) and adds what a server must send:
+a token id for every sampled token, from a fixed output vocabulary (`output_ids`, in order; the
+composition root picks ids whose text re-tokenizes to the same ids, so a client that counts tokens
+in the text agrees with the server's usage).
+
+Output lengths (decided when a request arrives, `add_request`):
+- `ignore_eos`: exactly `max_tokens` (finish reason "length");
+- otherwise a seeded draw from `OutputLengthModel` (geometric with mean `mean`: every token is the
+  last with probability 1 / mean, as a model whose end-of-sequence probability is flat), capped at
+  `max_tokens`; a request that stops before its cap finishes with reason "stop". The drawn length
+  is the request's `output_len`, as a trace's is in simulation (oracle policies see it there too).
+Token choice: each sequence walks the vocabulary from a seeded start, `stride` ids at a time; the
+seed is the request's own `seed` when it gives one (the same prompt and seed give the same text),
+else (run seed, request id).
+
+`PacedClock` is the loop's clock: engine time is wall time since `start()` times `time_scale`. An
+iteration starts when the previous one ended on the plan (back to back: the loop's own bookkeeping
+between iterations costs no engine time), or when the newest request it may include arrived,
+whichever is later; it ends its priced duration later, and its tokens are released when the wall
+clock gets there (`wait`). How late each release was (wall seconds) is the clock's lag: reported
+to `on_lag`, and when it exceeds `behind_s` or `behind_fraction` of the step's wall time the clock
+is behind (`behind`): it catches up by releasing at once, never by stretching the plan.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from policies.plan import SeqOutcome, StepComposition, StepPlan, StepResult
+from policies.request import Request
+from policies.scheduler import Scheduler
+from sim.cost_model import CostModel
+from sim.executor import SimulatedExecutor
+
+STRIDE = 7919  # a prime: a sequence's walk over the vocabulary visits every id before repeating
+
+
+@dataclass(frozen=True)
+class OutputLengthModel:
+    """Output lengths of requests that may stop early: geometric with mean `mean` (>= 1)."""
+
+    mean: float = 128.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.mean) and self.mean >= 1):
+            raise ValueError(f"output length mean (--output-len-mean): must be a finite number >= 1, got {self.mean!r}")
+
+    def draw(self, rng: np.random.Generator, cap: int) -> int:
+        return int(min(rng.geometric(1.0 / self.mean), cap))
+
+
+class EmulatedExecutor:
+    """Prices plans and decides outcomes as the simulator does; gives every sampled token an id.
+    Invariant: every sampling sequence of a plan gets an outcome with its token (others_continue
+    is off), so the scheduler's token lists hold what the server sends."""
+
+    def __init__(self, scheduler: Scheduler, cost_model: CostModel, output_ids: Sequence[int], seed: int = 0,
+                 lengths: OutputLengthModel = OutputLengthModel()) -> None:
+        if not output_ids:
+            raise ValueError("output_ids: the output vocabulary is empty")
+        self.scheduler = scheduler
+        self.inner = SimulatedExecutor(scheduler, cost_model, seed=seed)
+        self.output_ids = list(output_ids)
+        self.seed = seed
+        self.lengths = lengths
+        self.stop_check: Callable | None = None   # stop_check(seq, token) -> True ends the sequence
+        self._rngs: dict[int, np.random.Generator] = {}  # group id -> its token and length draws
+        self._walk: dict[int, int] = {}                  # seq id -> its start in the vocabulary
+
+    # ---------------------------------------------------------------- the engine's hooks
+    def add_request(self, request: Request, seed: int | None) -> None:
+        """Decide the request's output length (module docstring) before the scheduler sees it."""
+        rng = np.random.default_rng([self.seed, 1, seed] if seed is not None else [self.seed, 0, request.request_id])
+        self._rngs[request.request_id] = rng
+        sp = request.sampling
+        if not sp.ignore_eos and request.output_len is None:
+            request.output_len = self.lengths.draw(rng, sp.max_tokens)
+
+    def forget(self, group_id: int) -> None:
+        """Drop what a finished or aborted request held."""
+        self._rngs.pop(group_id, None)
+
+    def price(self, comp: StepComposition) -> float:
+        return self.inner.price(comp)
+
+    # ---------------------------------------------------------------- execution
+    def execute(self, plan: StepPlan, comp: StepComposition | None = None) -> StepResult:
+        result = self.inner.execute(plan, comp)
+        result.others_continue = False
+        seqs, outcomes = self.scheduler.seqs, result.outcomes
+        for ss in plan.seqs:
+            if not ss.samples:
+                continue
+            seq = seqs[ss.seq_id]
+            out = outcomes.get(ss.seq_id)
+            if out is None:
+                out = outcomes[ss.seq_id] = SeqOutcome(ss.seq_id)
+            if out.keep:
+                out.token = self._token(seq, seq.output_len)
+                if not out.finished and self.stop_check is not None and self.stop_check(seq, out.token):
+                    out.finished = True
+            if out.children:  # forks continue with their own walks, from their parent's position
+                out.children = [self._fork_token(seq, seq.output_len, j) for j in range(len(out.children))]
+        return result
+
+    def _token(self, seq, position: int) -> int:
+        start = self._walk.get(seq.seq_id)
+        if start is None:
+            start = self._walk[seq.seq_id] = self._draw_start(seq.group.group_id)
+        return self.output_ids[(start + STRIDE * position) % len(self.output_ids)]
+
+    def _fork_token(self, parent, position: int, j: int) -> int:
+        start = self._draw_start(parent.group.group_id)
+        return self.output_ids[(start + STRIDE * position + j) % len(self.output_ids)]
+
+    def _draw_start(self, group_id: int) -> int:
+        rng = self._rngs.get(group_id)
+        if rng is None:  # a request not added through add_request (a test, a replay): seeded by its id
+            rng = self._rngs[group_id] = np.random.default_rng([self.seed, 0, group_id])
+        return int(rng.integers(len(self.output_ids)))
+
+
+@dataclass
+class LagStats:
+    """Token-release lag so far (wall seconds), and how many releases were behind."""
+
+    releases: int = 0
+    behind: int = 0
+    total_s: float = 0.0
+    max_s: float = 0.0
+
+    def add(self, lag: float, behind: bool) -> None:
+        self.releases += 1
+        self.behind += behind
+        self.total_s += lag
+        self.max_s = max(self.max_s, lag)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"releases": self.releases, "behind": self.behind, "max_s": self.max_s,
+                "mean_s": self.total_s / self.releases if self.releases else 0.0}
+
+
+class PacedClock:
+    """The serving loop's clock under emulation; see the module docstring. Engine times are seconds
+    of emulated time; lags are wall seconds. `on_lag(lag, step_wall_s, behind)` is called on the
+    engine thread after every release."""
+
+    def __init__(self, time_scale: float = 1.0, behind_s: float = 5e-3, behind_fraction: float = 0.1,
+                 on_lag: Callable[[float, float, bool], None] | None = None) -> None:
+        if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale > 0):
+            raise ValueError(f"--time-scale: must be a finite number > 0, got {time_scale!r}")
+        self.time_scale = float(time_scale)
+        self.behind_s, self.behind_fraction = behind_s, behind_fraction
+        self.on_lag = on_lag
+        self.stats = LagStats()
+        self._t0 = time.perf_counter()
+        self._last_end: float | None = None  # the previous iteration's planned end (None: idle)
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+        self._last_end = None
+
+    def now(self) -> float:
+        return (time.perf_counter() - self._t0) * self.time_scale
+
+    def begin(self, now: float, newest_arrival: float) -> float:
+        """When the iteration about to be planned starts (see the module docstring)."""
+        if self._last_end is None:
+            return now
+        return min(now, max(self._last_end, newest_arrival))
+
+    def end(self, start: float, result: StepResult) -> float:
+        """The iteration's planned end: its priced duration after its start."""
+        end = start + result.duration
+        self._last_end = end
+        return end
+
+    def idle(self) -> None:
+        """Nothing ran: the next iteration starts when it is planned, not back to back."""
+        self._last_end = None
+
+    def wait(self, end: float, step: float) -> float:
+        """Sleep until the wall clock reaches engine time `end` (an iteration of `step` engine
+        seconds ends there); returns the release's lag in wall seconds."""
+        target = self._t0 + end / self.time_scale
+        delay = target - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        lag = max(0.0, time.perf_counter() - target)
+        step_wall = step / self.time_scale
+        behind = lag > self.behind_s or lag > self.behind_fraction * step_wall
+        self.stats.add(lag, behind)
+        if self.on_lag is not None:
+            self.on_lag(lag, step_wall, behind)
+        return lag
+
