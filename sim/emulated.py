@@ -20,7 +20,7 @@ else (run seed, request id).
 `PacedClock` is the loop's clock: engine time is wall time since `start()` times `time_scale`. An
 iteration starts when the previous one ended on the plan (back to back: the loop's own bookkeeping
 between iterations costs no engine time), or when the newest request it may include arrived,
-whichever is later; it ends its priced duration later, and its tokens are released when the wall
+whichever is later (never later than now; after an iteration that ran nothing, now); it ends its priced duration later, and its tokens are released when the wall
 clock gets there (`wait`). How late each release was (wall seconds) is the clock's lag: reported
 to `on_lag`, and when it exceeds `behind_s` or `behind_fraction` of the step's wall time the clock
 is behind (`behind`): it catches up by releasing at once, never by stretching the plan.
@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import math
 import time
+from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -131,22 +132,23 @@ class EmulatedExecutor:
 
 @dataclass
 class LagStats:
-    """Token-release lag so far (wall seconds), and how many releases were behind."""
+    """Every token-release lag so far (wall seconds, 8 bytes a release: less than the iteration
+    table's row), and how many releases were behind."""
 
-    releases: int = 0
+    lags: array = field(default_factory=lambda: array("d"))
     behind: int = 0
-    total_s: float = 0.0
-    max_s: float = 0.0
 
     def add(self, lag: float, behind: bool) -> None:
-        self.releases += 1
+        self.lags.append(lag)
         self.behind += behind
-        self.total_s += lag
-        self.max_s = max(self.max_s, lag)
 
     def to_dict(self) -> dict[str, float]:
-        return {"releases": self.releases, "behind": self.behind, "max_s": self.max_s,
-                "mean_s": self.total_s / self.releases if self.releases else 0.0}
+        if not self.lags:
+            return {"releases": 0, "behind": 0, "mean_s": 0.0, "p50_s": 0.0, "p99_s": 0.0, "max_s": 0.0}
+        x = np.frombuffer(self.lags, dtype=np.float64)
+        p50, p99 = np.percentile(x, [50, 99])
+        return {"releases": len(x), "behind": self.behind, "mean_s": float(x.mean()), "p50_s": float(p50),
+                "p99_s": float(p99), "max_s": float(x.max())}
 
 
 class PacedClock:
@@ -163,11 +165,11 @@ class PacedClock:
         self.on_lag = on_lag
         self.stats = LagStats()
         self._t0 = time.perf_counter()
-        self._last_end: float | None = None  # the previous iteration's planned end (None: idle)
+        self._last_end: float | None = 0.0  # the previous iteration's planned end (None: it ran nothing)
 
     def start(self) -> None:
         self._t0 = time.perf_counter()
-        self._last_end = None
+        self._last_end = 0.0
 
     def now(self) -> float:
         return (time.perf_counter() - self._t0) * self.time_scale
