@@ -13,6 +13,8 @@ Output lengths (decided when a request arrives, `add_request`):
   last with probability 1 / mean, as a model whose end-of-sequence probability is flat), capped at
   `max_tokens`; a request that stops before its cap finishes with reason "stop". The drawn length
   is the request's `output_len`, as a trace's is in simulation (oracle policies see it there too).
+- parallel samples (n > 1): with ignore_eos each runs to `max_tokens`; otherwise the first keeps
+  the request's length and the others draw theirs below it (sim/executor.py's rule).
 Token choice: each sequence walks the vocabulary from a seeded start, `stride` ids at a time; the
 seed is the request's own `seed` when it gives one (the same prompt and seed give the same text),
 else (run seed, request id).
@@ -95,9 +97,16 @@ class EmulatedExecutor:
 
     # ---------------------------------------------------------------- execution
     def execute(self, plan: StepPlan, comp: StepComposition | None = None) -> StepResult:
+        seqs, targets = self.scheduler.seqs, self.inner.targets
+        for ss in plan.seqs:  # ignore_eos: every parallel sample runs to max_tokens (no drawn length)
+            if ss.samples and ss.seq_id not in targets:
+                seq = seqs[ss.seq_id]
+                sp = seq.group.request.sampling
+                if sp.n > 1 and sp.ignore_eos:
+                    targets[ss.seq_id] = seq.target_len
         result = self.inner.execute(plan, comp)
         result.others_continue = False
-        seqs, outcomes = self.scheduler.seqs, result.outcomes
+        outcomes = result.outcomes
         for ss in plan.seqs:
             if not ss.samples:
                 continue

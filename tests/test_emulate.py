@@ -13,7 +13,14 @@ import pytest
 from policies.plan import StepResult
 from policies.request import Request, SamplingParams
 from sim.emulated import EmulatedExecutor, OutputLengthModel, PacedClock
-from sim.run import SimConfig, build_cost_model, num_blocks_for, replica_scheduler, requests_from_trace, run_simulation
+from sim.run import (
+    SimConfig,
+    build_cost_model,
+    num_blocks_for,
+    replica_scheduler,
+    requests_from_trace,
+    run_simulation,
+)
 from sim.specs import get_model
 from traces.trace import Trace
 
