@@ -44,6 +44,7 @@ class ServeOptions:
     max_pending: int = 0        # requests in the engine beyond which a new one is answered 429 (0: no limit)
     created: int = 0            # when the server started (unix seconds), for /v1/models
     max_body_bytes: int = 8 << 20  # a larger request body is answered 413 before it is read whole
+    frontend_delay_s: float = 0.0  # wall seconds a call waits before it is read (an emulated frontend's cost)
 
 
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it samples greedily
@@ -227,6 +228,8 @@ class OpenAIServer:
         return await self._generate(request, parse_chat)
 
     async def _generate(self, request: HttpRequest, parse) -> Response:
+        if self.options.frontend_delay_s > 0:
+            await asyncio.sleep(self.options.frontend_delay_s)
         arrival = self.engine.clock()
         try:
             call = await self._accept(request, parse, arrival)

@@ -18,7 +18,9 @@ an emulated engine (`pagesim serve --emulate`, sim.emulated.PacedClock) plans ea
 executor's priced duration and waits for the wall clock to get there before releasing its tokens.
 The executor is anything with `execute`, `add_request(request, seed)` (raises ValueError for a
 seed it cannot take), `forget(group_id)` and a `stop_check` attribute: `LiveExecutor` or
-sim.emulated.EmulatedExecutor.
+sim.emulated.EmulatedExecutor. With `output_lag_steps` k > 0 a step's outputs are held until k more
+steps have ended (vLLM V1 sends a step's outputs while the next one runs), and sent at once when
+the engine has nothing left to run or a request ends early.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -140,9 +143,12 @@ class AsyncEngine:
     Invariant: every request submitted is, once the engine has stopped, in `scheduler.done`."""
 
     def __init__(self, scheduler: Scheduler, executor: LiveExecutor, tokenizer=None,
-                 observer: EngineObserver | None = None, debug: bool = False, clock: StepClock | None = None) -> None:
+                 observer: EngineObserver | None = None, debug: bool = False, clock: StepClock | None = None,
+                 output_lag_steps: int = 0) -> None:
         self.scheduler, self.executor, self.tokenizer = scheduler, executor, tokenizer
         self.timing: StepClock = clock or WallClock()
+        self.output_lag_steps = output_lag_steps
+        self._held: deque[list[tuple[Callable, RequestOutput]]] = deque()  # outputs of the last steps, unsent
         self.observer = observer or EngineObserver()
         self.debug = debug  # check the block pool after every step
         self.replica = ReplicaStep(scheduler, executor)
@@ -211,6 +217,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
+                if not self.scheduler.has_unfinished():
+                    self._flush()  # idle: nothing follows that a held output would wait for
                 self._read_inbox(block=not self.scheduler.has_unfinished())
                 if self._stopping is not None and not self.scheduler.has_unfinished():
                     break
@@ -280,6 +288,7 @@ class AsyncEngine:
             self._end(group, self._live[gid], error=reason)
         if step.idle:
             self.timing.idle()
+            self._flush()
             if not plan.rejected:  # nothing can run until something arrives or a policy's wait ends
                 wait = min(max(sched.wake_time(now) - now, 0.0), 0.05)
                 self._read_inbox(block=True, timeout=wait or 0.001)
@@ -290,12 +299,23 @@ class AsyncEngine:
         self.observer.on_step(sched, step.result.duration, len(plan.preempted))
         self.timing.wait(end, step.result.duration)  # emulated: tokens go out when the wall clock gets there
         done = {g.group_id for g in finished}
-        for group in {g.group_id: g for g in sampling.values()}.values():
-            self._publish(group, end, group.group_id in done)
+        self._held.append([self._publish(group, end, group.group_id in done)
+                           for group in {g.group_id: g for g in sampling.values()}.values()])
+        while len(self._held) > self.output_lag_steps:
+            self._deliver(self._held.popleft())
         if self.debug:
             self._check_pool()
 
-    def _publish(self, group: SequenceGroup, now: float, finished: bool) -> None:
+    def _deliver(self, outputs: list[tuple[Callable, RequestOutput]]) -> None:
+        for sink, out in outputs:
+            sink(out)
+
+    def _flush(self) -> None:
+        while self._held:
+            self._deliver(self._held.popleft())
+
+    def _publish(self, group: SequenceGroup, now: float, finished: bool) -> tuple[Callable, RequestOutput]:
+        """The step's output for `group` (its new tokens, finish reasons) and the sink it goes to."""
         live = self._live[group.group_id]
         choices = sorted(group.seqs + group.finished_seqs, key=lambda s: s.seq_id)
         if len(live.sent) < len(choices):
@@ -324,9 +344,10 @@ class AsyncEngine:
             out.finished = True
             self._forget(group)
             self.observer.on_end(group, "length" if set(out.finish_reasons.values()) == {"length"} else "stop")
-        live.req.sink(out)
+        return live.req.sink, out
 
     def _end(self, group: SequenceGroup, live: _Live, error: str, aborted: bool = False) -> None:
+        self._flush()  # what it was sent before goes first
         self._forget(group)
         self.observer.on_end(group, "abort" if aborted else "rejected")
         live.req.sink(RequestOutput(group.group_id, {}, finished=True, error=error, aborted=aborted))
@@ -344,6 +365,7 @@ class AsyncEngine:
         group.request.prompt_token_ids = None
 
     def _fail_all(self, message: str) -> None:
+        self._flush()
         for live in list(self._live.values()):
             live.req.sink(RequestOutput(live.req.request.request_id, {}, finished=True, error=message))
         self._live.clear()

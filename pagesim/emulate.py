@@ -5,6 +5,12 @@ the simulator's pieces: the policy's scheduler on a KV cache sized as `pagesim s
 (sim.run.num_blocks_for), an EmulatedExecutor pricing every iteration with the calibrated (or
 profiled) cost model, and a PacedClock that releases each iteration's tokens when the wall clock
 reaches its planned end, `--time-scale` times faster than real time (sim/emulated.py says how).
+What a client sees beyond the engine is emulated from the calibration's client terms (sim/calibrated.py),
+as `pagesim simulate` adds them to its latencies: each call waits --frontend-delay (default the
+calibration's client_ttft_s: vLLM's HTTP, tokenization and first chunk) before it reaches the engine,
+and each iteration's tokens go out --output-lag-steps iterations later (default its
+client_output_lag_steps, rounded: vLLM V1 sends a step's outputs while the next one runs). This
+server's own HTTP cost comes on top (about a millisecond on loopback). With a profile both are 0.
 Prompts are tokenized by --tokenizer (a HF folder or GGUF file) or the documented approximation of
 backend/text_tokens.py; answers are words of its fixed output vocabulary.
 
@@ -29,16 +35,18 @@ import sys
 import time
 from dataclasses import dataclass
 
-from pagesim.argtypes import fraction, non_negative_int, positive_float, positive_int
+from pagesim.argtypes import fraction, non_negative_float, non_negative_int, positive_float, positive_int
 
 BEHIND_WINDOW_S = 10.0
+SWITCH_INTERVAL_S = 5e-4
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # (dest, flag, live default): settings of the emulated engine only, refused without --emulate
 _EMULATION_ONLY = (("hardware", "--hardware", None), ("tp", "--tp", 1), ("calibration", "--calibration", None),
                    ("profile", "--profile", None), ("gpu_memory_utilization", "--gpu-memory-utilization", 0.9),
                    ("time_scale", "--time-scale", 1.0), ("replicas", "--replicas", 1),
                    ("port_base", "--port-base", None), ("tokenizer", "--tokenizer", None),
-                   ("output_len_mean", "--output-len-mean", 128.0))
+                   ("output_len_mean", "--output-len-mean", 128.0), ("frontend_delay", "--frontend-delay", None),
+                   ("output_lag_steps", "--output-lag-steps", None))
 
 
 def add_emulate_args(p: argparse.ArgumentParser) -> None:
@@ -64,6 +72,12 @@ def add_emulate_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--output-len-mean", type=positive_float, default=128.0,
                    help="mean output length of requests without ignore_eos (geometric, seeded; capped by max_tokens; "
                         "default 128)")
+    e.add_argument("--frontend-delay", type=non_negative_float, metavar="SECONDS",
+                   help="emulated seconds each call waits before it reaches the engine (default: the calibration's "
+                        "client_ttft_s; 0 with --profile)")
+    e.add_argument("--output-lag-steps", type=non_negative_int, metavar="K",
+                   help="iterations after its own that a step's tokens go out (default: the calibration's "
+                        "client_output_lag_steps, rounded; 0 with --profile)")
     # under --emulate the KV cache is sized from --hardware unless given; the live default stays 512
     p.set_defaults(num_gpu_blocks=None, num_cpu_blocks=None)
 
@@ -151,6 +165,7 @@ def build_replicas(args: argparse.Namespace) -> list[Replica]:
     from backend.text_tokens import output_vocabulary
     vocab = output_vocabulary(tokenizer)
     lengths = OutputLengthModel(args.output_len_mean)
+    frontend, lag_steps = _client_terms(args, cost)
     replicas = []
     for i in range(args.replicas):
         sched = replica_scheduler(cfg, gpu, cpu, model.max_position)
@@ -160,11 +175,25 @@ def build_replicas(args: argparse.Namespace) -> list[Replica]:
         lag = LagMetrics(metrics.registry, args.model, args.time_scale, label)
         clock = PacedClock(args.time_scale, on_lag=lag.observe)
         executor = EmulatedExecutor(sched, cost, vocab, seed=_replica_seed(cfg.seed, i), lengths=lengths)
-        engine = AsyncEngine(sched, executor, tokenizer, observer=metrics, debug=args.debug, clock=clock)
-        api = OpenAIServer(engine, tokenizer, metrics, ServeOptions(args.model, max_len, args.max_pending,
-                                                                    int(time.time())))
+        engine = AsyncEngine(sched, executor, tokenizer, observer=metrics, debug=args.debug, clock=clock,
+                             output_lag_steps=lag_steps)
+        api = OpenAIServer(engine, tokenizer, metrics, ServeOptions(
+            args.model, max_len, args.max_pending, int(time.time()), frontend_delay_s=frontend / args.time_scale))
         replicas.append(Replica(i, engine, api, clock, gpu))
     return replicas
+
+
+def _client_terms(args: argparse.Namespace, cost) -> tuple[float, int]:
+    """(--frontend-delay in emulated seconds, --output-lag-steps): given, or the calibration's."""
+    params = getattr(cost, "params", None)  # a calibrated cost model's CalibrationParams
+    frontend = args.frontend_delay
+    if frontend is None:
+        frontend = float(getattr(params, "client_ttft_s", 0.0))
+    lag = args.output_lag_steps
+    if lag is None:
+        lag = round(float(getattr(params, "client_output_lag_steps", 0.0)))
+    args.frontend_delay, args.output_lag_steps = frontend, lag  # as run: the summary's config says so
+    return frontend, lag
 
 
 def _replica_seed(seed: int, i: int) -> int:
@@ -234,6 +263,10 @@ def cmd_emulate(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop_all)
         await asyncio.gather(*(s.serve(sockets=[sock]) for s, sock in zip(servers, socks)))
 
+    # the engine threads wake from their sleeps to release tokens on time; Python hands the GIL over
+    # every 5 ms by default, which would be their lag whenever the event loop is busy (this process
+    # is the emulator alone, so the setting is ours to make)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     for r in replicas:
         r.engine.start()
     first = replicas[0]
@@ -268,6 +301,7 @@ def _write_replica(args: argparse.Namespace, r: Replica, count: int) -> int:
 
     facts = {"mode": "emulate", "hardware": args.hardware or "a100-40gb", "tp": args.tp,
              "cost": args.calibration or args.profile, "time_scale": args.time_scale,
+             "frontend_delay_s": args.frontend_delay, "output_lag_steps": args.output_lag_steps,
              "num_gpu_blocks": r.kv_blocks, "kv_capacity_tokens": r.kv_blocks * args.block_size,
              "release_lag": r.clock.stats.to_dict()}
     if count > 1:
