@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -21,16 +20,12 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
+from tests.serve_helpers import free_port, metric, run_guidellm
+
 pytestmark = pytest.mark.slow
 MODEL = "llama-7b"
 CLI = [sys.executable, "-m", "pagesim", "serve", "--emulate", "--model", MODEL, "--hardware", "h100-sxm",
        "--calibration", "vllm-v1-h100", "--time-scale", "5", "--debug"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(args: list[str], port: int) -> subprocess.Popen:
@@ -58,7 +53,7 @@ def _stop(proc: subprocess.Popen) -> str:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     out = tmp_path_factory.mktemp("emulate")
-    port = _free_port()
+    port = free_port()
     proc = _start([*CLI, "--port", str(port), "--out", str(out / "run")], port)
     yield {"base": f"http://127.0.0.1:{port}", "proc": proc, "out": out / "run"}
     if proc.poll() is None:
@@ -68,13 +63,6 @@ def server(tmp_path_factory):
 
 def _client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server["base"] + "/v1", api_key="none", max_retries=0)
-
-
-def _metric(server, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(server["base"] + "/metrics").text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
 
 
 def _tokenizer():
@@ -137,18 +125,18 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
-    aborted = _metric(server, "pagesim:requests_aborted_total")
+    aborted = metric(server, "pagesim:requests_aborted_total")
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i == 6:
                 break
     deadline = time.time() + 30
-    while _metric(server, "pagesim:requests_aborted_total") < aborted + 1:
+    while metric(server, "pagesim:requests_aborted_total") < aborted + 1:
         assert time.time() < deadline, "the disconnected request was not aborted"
         time.sleep(0.1)
-    assert _metric(server, "vllm:num_requests_running") == 0
-    assert _metric(server, "vllm:kv_cache_usage_perc") == 0
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0
     assert httpx.get(server["base"] + "/health").status_code == 200  # --debug checked the pool
 
 
@@ -160,43 +148,18 @@ def test_metrics_vllm_names_and_release_lag(server):
                  "vllm:inter_token_latency_seconds_count", "pagesim:emulator_behind", "pagesim:emulator_time_scale"):
         httpx.get(server["base"] + "/metrics")
         assert name in httpx.get(server["base"] + "/metrics").text, name
-    assert _metric(server, "vllm:time_to_first_token_seconds_count") >= 1
-    assert _metric(server, "pagesim:token_release_lag_seconds_count") >= 3
-    assert _metric(server, "pagesim:emulator_time_scale") == 5
+    assert metric(server, "vllm:time_to_first_token_seconds_count") >= 1
+    assert metric(server, "pagesim:token_release_lag_seconds_count") >= 3
+    assert metric(server, "pagesim:emulator_time_scale") == 5
 
 
 def test_guidellm_load(server, tmp_path):
     """guidellm (concurrent streams) against the emulated server: every request succeeds with the
     asked output length."""
-    import shutil
-
     from analysis.benchmark_results import load_guidellm
-    from backend.tokenizer import GGUFTokenizer
 
-    exe = shutil.which("guidellm") or str(Path(sys.executable).parent / "guidellm")
-    if not Path(exe).exists():
-        pytest.skip("guidellm is not installed (dev extra)")
-    try:
-        tok = GGUFTokenizer.from_gguf()  # guidellm builds prompts with a HF tokenizer: any one will do
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    (tmp_path / "tok").mkdir()
-    tok.tk.save(str(tmp_path / "tok" / "tokenizer.json"))
-    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token, "eos_token": tok.eos_token}))
-    scenario = {"spec": {
-        "backend": {"kind": "openai_http", "target": server["base"], "model": MODEL,
-                    "request_format": "/v1/completions"},
-        "profile": {"kind": "concurrent", "streams": 4},
-        "data": [{"kind": "synthetic_text", "prompt_tokens": 64, "output_tokens": 20}],
-        "tokenizer": {"kind": "huggingface_auto", "model": str(tmp_path / "tok")},
-        "constraints": [{"kind": "max_requests", "count": 16}]}}
-    (tmp_path / "scenario.json").write_text(json.dumps(scenario))
-    run = subprocess.run([exe, "run", "--config", str(tmp_path / "scenario.json"), "--output",
-                          f"kind=json,path={tmp_path / 'result.json'}", "--disable-console"],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    (exp,) = load_guidellm(tmp_path / "result.json")
+    (exp,) = load_guidellm(run_guidellm(server, MODEL, tmp_path, streams=4, prompt_tokens=64, output_tokens=20,
+                                        count=16))
     stage = exp.stages[0]
     assert stage.successes == 16 and stage.failures == 0
     assert set(stage.requests.output_len) == {20}
@@ -228,7 +191,7 @@ def test_sigterm_drains_in_flight_and_writes_tables(server):
 
 
 def test_replicas_on_consecutive_ports(tmp_path):
-    base = _free_port()
+    base = free_port()
     with socket.socket() as s:  # the second port must be free too
         try:
             s.bind(("127.0.0.1", base + 1))
