@@ -15,9 +15,11 @@ Output lengths (decided when a request arrives, `add_request`):
   is the request's `output_len`, as a trace's is in simulation (oracle policies see it there too).
 - parallel samples (n > 1): with ignore_eos each runs to `max_tokens`; otherwise the first keeps
   the request's length and the others draw theirs below it (sim/executor.py's rule).
-Token choice: each sequence walks the vocabulary from a seeded start, `stride` ids at a time; the
-seed is the request's own `seed` when it gives one (the same prompt and seed give the same text),
-else (run seed, request id).
+Token choice: each sequence walks the vocabulary STRIDE ids at a time from a start made of its
+request's seeded base and its id's offset from the request's first sequence (0 for a request of
+one sequence; a forked sample's first token comes from its parent's walk); the seed
+is the request's own `seed` when it gives one (the same request and seed give the same text), else
+(run seed, request id).
 
 `PacedClock` is the loop's clock: engine time is wall time since `start()` times `time_scale`. An
 iteration starts when the previous one ended on the plan (back to back: the loop's own bookkeeping
@@ -76,21 +78,21 @@ class EmulatedExecutor:
         self.seed = seed
         self.lengths = lengths
         self.stop_check: Callable | None = None   # stop_check(seq, token) -> True ends the sequence
-        self._rngs: dict[int, np.random.Generator] = {}  # group id -> its token and length draws
-        self._walk: dict[int, int] = {}                  # seq id -> its start in the vocabulary
+        # group id -> (where its sequences' walks start, seeded; the id of its first sequence)
+        self._base: dict[int, tuple[int, int | None]] = {}
 
     # ---------------------------------------------------------------- the engine's hooks
     def add_request(self, request: Request, seed: int | None) -> None:
         """Decide the request's output length (module docstring) before the scheduler sees it."""
         rng = np.random.default_rng([self.seed, 1, seed] if seed is not None else [self.seed, 0, request.request_id])
-        self._rngs[request.request_id] = rng
+        self._base[request.request_id] = (int(rng.integers(len(self.output_ids))), None)
         sp = request.sampling
         if not sp.ignore_eos and request.output_len is None:
             request.output_len = self.lengths.draw(rng, sp.max_tokens)
 
     def forget(self, group_id: int) -> None:
         """Drop what a finished or aborted request held."""
-        self._rngs.pop(group_id, None)
+        self._base.pop(group_id, None)
 
     def price(self, comp: StepComposition) -> float:
         return self.inner.price(comp)
@@ -115,28 +117,23 @@ class EmulatedExecutor:
             if out is None:
                 out = outcomes[ss.seq_id] = SeqOutcome(ss.seq_id)
             if out.keep:
-                out.token = self._token(seq, seq.output_len)
+                out.token = self._token(seq.group.group_id, seq.seq_id, seq.output_len)
                 if not out.finished and self.stop_check is not None and self.stop_check(seq, out.token):
                     out.finished = True
-            if out.children:  # forks continue with their own walks, from their parent's position
-                out.children = [self._fork_token(seq, seq.output_len, j) for j in range(len(out.children))]
+            if out.children:  # the j-th fork's first token: its parent's walk, shifted by j + 1
+                gid, sid = seq.group.group_id, seq.seq_id
+                out.children = [self._token(gid, sid, seq.output_len, j + 1) for j in range(len(out.children))]
         return result
 
-    def _token(self, seq, position: int) -> int:
-        start = self._walk.get(seq.seq_id)
-        if start is None:
-            start = self._walk[seq.seq_id] = self._draw_start(seq.group.group_id)
-        return self.output_ids[(start + STRIDE * position) % len(self.output_ids)]
-
-    def _fork_token(self, parent, position: int, j: int) -> int:
-        start = self._draw_start(parent.group.group_id)
-        return self.output_ids[(start + STRIDE * position + j) % len(self.output_ids)]
-
-    def _draw_start(self, group_id: int) -> int:
-        rng = self._rngs.get(group_id)
-        if rng is None:  # a request not added through add_request (a test, a replay): seeded by its id
-            rng = self._rngs[group_id] = np.random.default_rng([self.seed, 0, group_id])
-        return int(rng.integers(len(self.output_ids)))
+    def _token(self, group_id: int, seq_id: int, position: int, shift: int = 0) -> int:
+        base, first = self._base.get(group_id) or (None, None)
+        if base is None:  # a request not added through add_request (a replay, a test): seeded by its id
+            base = int(np.random.default_rng([self.seed, 0, group_id]).integers(len(self.output_ids)))
+        if first is None:  # the first sequence to sample is the request's own (forks come after)
+            first = seq_id
+            self._base[group_id] = (base, first)
+        rank = seq_id - first
+        return self.output_ids[(base + 104729 * rank + STRIDE * position + shift) % len(self.output_ids)]
 
 
 @dataclass
