@@ -222,6 +222,9 @@ def bind_ports(host: str, ports: list[int], flag: str) -> list[socket.socket]:
                 family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
                 sock = socket.socket(family, socket.SOCK_STREAM)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                # accepted connections inherit it: a token's small write goes out at once, not after
+                # the client's delayed ACK of the one before (40 ms on Linux)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.bind((host, port))
             except OSError as e:
                 raise ValueError(f"{flag}: cannot listen on {host}:{port} ({e.strerror or e})") from None
