@@ -33,6 +33,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagesim.argtypes import fraction, non_negative_float, non_negative_int, positive_float, positive_int
@@ -236,7 +237,9 @@ def bind_ports(host: str, ports: list[int], flag: str) -> list[socket.socket]:
     return socks
 
 
-def cmd_emulate(args: argparse.Namespace) -> int:
+def cmd_emulate(args: argparse.Namespace, write_tables: Callable[..., int]) -> int:
+    """Serve until SIGTERM / SIGINT; then each replica's tables by `write_tables(args, engine, facts,
+    out)` (pagesim.serve's writer, given by its caller: serve imports this module)."""
     try:  # deferred: the HTTP server is an optional extra
         import uvicorn
 
@@ -284,7 +287,7 @@ def cmd_emulate(args: argparse.Namespace) -> int:
             r.engine.stop(drain)
         for s in socks:
             s.close()
-    return max(_write_replica(args, r, len(replicas)) for r in replicas)
+    return max(_write_replica(args, r, len(replicas), write_tables) for r in replicas)
 
 
 def _quiet_server(config):
@@ -299,9 +302,7 @@ def _quiet_server(config):
     return Server(config)
 
 
-def _write_replica(args: argparse.Namespace, r: Replica, count: int) -> int:
-    from pagesim.serve import _write_tables
-
+def _write_replica(args: argparse.Namespace, r: Replica, count: int, write_tables: Callable[..., int]) -> int:
     facts = {"mode": "emulate", "hardware": args.hardware or "a100-40gb", "tp": args.tp,
              "cost": args.calibration or args.profile, "time_scale": args.time_scale,
              "frontend_delay_s": args.frontend_delay, "output_lag_steps": args.output_lag_steps,
@@ -310,4 +311,4 @@ def _write_replica(args: argparse.Namespace, r: Replica, count: int) -> int:
     if count > 1:
         facts["replica"] = r.index
     out = args.out if count == 1 else f"{args.out}/replica-{r.index}"
-    return _write_tables(args, r.engine, facts, out)
+    return write_tables(args, r.engine, facts, out)

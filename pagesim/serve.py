@@ -47,7 +47,7 @@ def add_serve_parser(sub) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagesim.emulate import check_live_args, cmd_emulate
     if args.emulate:
-        return cmd_emulate(args)
+        return cmd_emulate(args, _write_tables)  # the same tables, with the emulated engine's facts
     check_live_args(args)
     args.num_gpu_blocks = 512 if args.num_gpu_blocks is None else args.num_gpu_blocks  # the live defaults
     args.num_cpu_blocks = 512 if args.num_cpu_blocks is None else args.num_cpu_blocks
