@@ -149,6 +149,28 @@ def test_gguf_tokenizer_output_words_round_trip():
     assert tok.encode(tok.decode(ids), add_bos=False) == ids
 
 
+def test_hf_tokenizer_folder(tmp_path):
+    """--tokenizer FOLDER: a HF tokenizer folder (here SmolLM2's, saved as one) loads, and its output
+    words round-trip as the GGUF's do."""
+    pytest.importorskip("transformers")
+    from backend.text_tokens import load_tokenizer, output_vocabulary
+    from backend.tokenizer import GGUFTokenizer
+
+    try:
+        gguf = GGUFTokenizer.from_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    gguf.tk.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    tok = load_tokenizer(tmp_path)
+    vocab = output_vocabulary(tok)
+    ids = [vocab[(5 * i) % len(vocab)] for i in range(30)]
+    assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids
+    assert tok.encode("Hello world", add_special_tokens=False) == gguf.encode("Hello world", add_bos=False)
+    with pytest.raises(ValueError, match="--tokenizer"):
+        load_tokenizer(tmp_path / "tokenizer_config.json")
+
+
 # ---- bad input: one line naming the flag, before the server starts ---------------------------------
 def _run(capsys, *argv: str) -> str:
     from pagesim.cli import main
