@@ -188,7 +188,7 @@ def test_bad_input_names_the_flag(capsys, tmp_path):
     assert "--calibration or --profile" in _run(capsys, *BASE)
     assert "--calibration" in _run(capsys, *BASE, "--calibration", str(tmp_path / "missing.json"))
     assert "--profile" in _run(capsys, *BASE, "--profile", str(tmp_path / "missing.json"), "--num-gpu-blocks", "64")
-    err = _run(capsys, "--emulate", "--model", "llama-3.1-70b", "--hardware", "a100-40gb", "--calibration",
+    err = _run(capsys, "--emulate", "--model", "llama-3.1-70b", "--hardware", "h100-sxm", "--calibration",
                "vllm-v1-h100")
     assert "--model" in err and "does not fit" in err
     assert "--calibration applies with --emulate only" in _run(capsys, "--calibration", "vllm-v1-h100")
