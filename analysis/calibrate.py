@@ -19,25 +19,32 @@ out (--leave-one-out model|experiment: refit without each group, predict it).
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
 import hashlib
 import math
-import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from sim.calibrated import CalibratedCostModel, Calibration, CalibrationParams, save_calibration
+from analysis.measurements import (
+    Experiment,
+    Stage,
+    StageResult,
+    client_overhead,
+    simulate_stage,
+    stage_config,
+    stage_result,
+    stage_workload,
+)
+from analysis.operator_fit import fit_operators
+from analysis.plots import save_figure
+from sim.calibrated import CalibratedCostModel, CalibrationParams
+from sim.run import run_simulation
 from sim.specs import get_hardware, get_model
-
-if TYPE_CHECKING:  # the simulation stack loads when a calibration runs, not when the CLI parses
-    from analysis.measurements import Experiment, Stage, StageResult
 
 ENGINE_PARAMS = ("iteration_overhead_s", "per_seq_s", "attn_mem_eff", "prefill_attn_eff", "client_ttft_s",
                  "client_output_lag_steps", "gemm_m_half", "allreduce_latency_s")
@@ -95,7 +102,6 @@ def simulate_ref(ref: StageRef, params: CalibrationParams, hardware: str, seed: 
     (whose prompts meet a cold prefix cache) is left out of the latencies: a measured stage of
     minutes repeats each prompt tens of times, so its figures are those of a warm cache, which a
     short cold window would misstate (its TTFT most of all)."""
-    from analysis.measurements import simulate_stage, stage_config
     exp, stage = ref.exp, ref.stage
     cfg = stage_config(exp, stage, hardware)
     model = CalibratedCostModel(get_model(cfg.model), get_hardware(cfg.hardware), params, tp=cfg.tp)
@@ -109,8 +115,6 @@ def simulate_ref(ref: StageRef, params: CalibrationParams, hardware: str, seed: 
 def _simulate_warm(ref: StageRef, cfg: Any, model: CalibratedCostModel, seed: int, duration_s: float,
                    skip: int) -> StageResult:
     """simulate_stage over `duration_s`, latencies over the requests after the first `skip`."""
-    from analysis.measurements import client_overhead, stage_result, stage_workload
-    from sim.run import run_simulation
     t0 = time.perf_counter()
     trace = stage_workload(ref.exp, ref.stage, seed, duration_s)
     res = run_simulation(replace(cfg, seed=seed), trace, model)
@@ -222,7 +226,6 @@ def fit_client(results: Sequence[StageResult], params: CalibrationParams,
     simulated), and the log errors there: (params with them set, residuals)."""
     from scipy.optimize import least_squares
 
-    from analysis.measurements import client_overhead
 
     def with_client(u: np.ndarray) -> CalibrationParams:
         return replace(params, **{n: float(v) for n, v in zip(names, np.exp(x0 + u), strict=True)})
@@ -252,7 +255,6 @@ def operator_params(directory: str | Path | None, hardware: str) -> tuple[Calibr
     """Step 1: the operator terms fitted to kernel times (the defaults when no directory is given)."""
     if directory is None:
         return CalibrationParams(), {"note": "no operator profiles: operator terms are the priors"}
-    from analysis.operator_fit import fit_operators
     hw = get_hardware(hardware)
     gpu = hw.name.split("-")[0]
     params, report = fit_operators(directory, hw, gpu)
@@ -285,89 +287,6 @@ def sha256(path: str | Path) -> str:
 
 # --- the command -----------------------------------------------------------------------------------
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from pagesim.argtypes import non_negative_float, out_file, positive_float, positive_int, seed
-    p = subparsers.add_parser(
-        "calibrate", help="fit the calibrated roofline of a hardware x engine pair to measurements",
-        description="Fit the calibrated roofline's operator terms to kernel times (--operators) and its engine "
-                    "terms to measured serving runs by simulating them; write the calibration (JSON), its "
-                    "errors in sample and left out, and a predicted-vs-measured plot beside it.")
-    p.add_argument("--measurements", nargs="+", required=True, help="measurement files (analysis/measurements.py)")
-    p.add_argument("--hardware", required=True, help="the GPU the measurements ran on (a hardware spec name)")
-    p.add_argument("--models-dir", action="append", help="folder of config.json files for the measured models")
-    p.add_argument("--operators", default=None,
-                   help="folder of per-operator kernel times (<gpu>_<model>_mlp.csv, <gpu>_dgx_all_reduce.csv); "
-                        "default ../shared/calibration/vidur-operators when it exists")
-    p.add_argument("--out", required=True, type=out_file,
-                   help="calibration file to write (.json); the plot goes beside it")
-    p.add_argument("--name", help="the calibration's name (default: the file's stem)")
-    p.add_argument("--leave-one-out", choices=("model", "experiment"), default="model",
-                   help="refit without each model (default) or experiment and predict it")
-    p.add_argument("--no-leave-one-out", action="store_true", help="skip the left-out fits")
-    p.add_argument("--max-duration", type=positive_float, default=40.0,
-                   help="seconds of each stage's arrivals simulated while fitting (default 40)")
-    p.add_argument("--eval-duration", type=non_negative_float, default=300.0,
-                   help="seconds of arrivals simulated for the reported errors (default 300; 0: whole stages)")
-    p.add_argument("--max-evals", type=positive_int, default=8,
-                   help="least-squares steps per fit (default 8; each simulates every stage 1 + parameters times)")
-    p.add_argument("--jobs", type=positive_int, default=2, help="stages simulated at once (worker processes, default 2)")
-    p.add_argument("--seed", type=seed, default=0)
-    p.set_defaults(func=run)
-    return p
-
-
-def run(args: argparse.Namespace) -> int:
-    from analysis.measurements import load_measurements
-
-    hardware = get_hardware(args.hardware).name
-    experiments = load_measurements(args.measurements, args.models_dir)
-    operators = args.operators
-    default_ops = Path("../shared/calibration/vidur-operators")
-    if operators is None and default_ops.is_dir():
-        operators = str(default_ops)
-    start, op_report = operator_params(operators, hardware)
-    print(f"operator terms from {operators or 'priors'}: " + ", ".join(
-        f"{k} {v:.3g}" for k, v in op_report.items() if isinstance(v, float)))
-    fit_refs, over_refs = split_stages(experiments, args.leave_one_out)
-    print(f"{len(fit_refs)} stages to fit, {len(over_refs)} overloaded to check")
-    eval_s = args.eval_duration or None
-    pool = ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
-    try:
-        params = fit_engine(fit_refs, start, hardware, ENGINE_PARAMS, args.seed, args.max_duration, args.max_evals, pool)
-        print("fitted: " + ", ".join(f"{n} {getattr(params, n):.4g}" for n in ENGINE_PARAMS))
-        in_sample = simulate_all(fit_refs, params, hardware, args.seed, eval_s, pool)
-        overloaded = simulate_all(over_refs, params, hardware, args.seed, eval_s, pool)
-        loo = None if args.no_leave_one_out else leave_one_out(
-            fit_refs, start, hardware, ENGINE_PARAMS, args.seed, args.max_duration, eval_s, args.max_evals, pool, print)
-    finally:
-        if pool is not None:
-            pool.shutdown()
-    ins = error_table(in_sample)
-    checks = [{"stage": f"{r.experiment}#{r.stage}", "rate": r.rate, "measured_ttft_mean": r.measured.get("ttft_mean"),
-               "predicted_ttft_mean": r.predicted.get("ttft_mean"), "predicted_throughput": r.predicted_throughput,
-               "predicted_overloaded": r.predicted_overloaded}
-              for r in overloaded]
-    meta = {
-        "engine": _engine_description(experiments),
-        "sources": [{"path": str(p), "sha256": sha256(p)} for p in [*args.measurements, *op_report.get("files", [])]],
-        "operators": {k: v for k, v in op_report.items() if k != "files"},
-        "fit": {"engine_params": list(ENGINE_PARAMS), "metrics": list(FIT_METRICS), "seed": args.seed,
-                "fit_duration_s": args.max_duration, "eval_duration_s": eval_s, "in_sample": ins,
-                "overloaded_checks": checks, "leave_one_out": loo, "leave_one_out_by": args.leave_one_out},
-        "command": "pagesim " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] else "pagesim calibrate",
-        "pagesim_version": _version(), "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-    }
-    cal = Calibration(params, hardware, args.name or Path(args.out).stem, meta)
-    path = save_calibration(cal, args.out)
-    plot = calibration_plot(in_sample, (loo or {}).get("groups"), Path(path).with_suffix(".png"), cal.name)
-    _print_errors("in sample", ins["median_abs_error"])
-    if loo:
-        _print_errors(f"leave one {args.leave_one_out} out", loo["median_abs_error"])
-    for c in checks:
-        print(f"overloaded {c['stage']}: simulated {'overloaded' if c['predicted_overloaded'] else 'NOT overloaded'}")
-    print(f"wrote {path} and {plot}")
-    return 0
-
 
 def calibration_plot(in_sample: Sequence[StageResult], left_out: dict | None, path: str | Path,
                      title: str = "") -> Path:
@@ -396,10 +315,7 @@ def calibration_plot(in_sample: Sequence[StageResult], left_out: dict | None, pa
     axes[0].set_ylabel("predicted (s)", fontsize=8)
     axes[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path, dpi=110)
 
 
 def _scatter(ax: Any, pts: list, marker: str, label: str) -> None:
@@ -408,21 +324,9 @@ def _scatter(ax: Any, pts: list, marker: str, label: str) -> None:
         ax.scatter(*zip(*pts, strict=True), marker=marker, s=18, label=label)
 
 
-def _print_errors(what: str, med: dict[str, float | None]) -> None:
-    print(f"{what}: median |error| " + ", ".join(f"{m} {v:.1%}" for m, v in med.items() if v is not None))
-
-
-def _engine_description(experiments: Sequence[Experiment]) -> dict[str, Any]:
+def engine_description(experiments: Sequence[Experiment]) -> dict[str, Any]:
     e = experiments[0]
     return {"source": e.source, "policy": e.policy, "block_size": e.block_size, "chunked_prefill": e.chunked_prefill,
             "prefix_caching": e.prefix_caching, "max_num_batched_tokens": e.max_num_batched_tokens,
             "max_num_seqs": e.max_num_seqs, "models": sorted({x.model_id for x in experiments}),
             "tp": sorted({x.tp for x in experiments})}
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-        return version("pagesim")
-    except Exception:  # not installed: the version is unknown, not an error
-        return "unknown"

@@ -109,31 +109,7 @@ def _number(text: str) -> Any:
         return text
 
 
-def load_file(path: Path, models_dirs: Sequence[str | Path] | None = None) -> list[Experiment]:
-    """The experiments of one measurements file or pagesim run folder (format told by content)."""
-    if path.is_dir() or (path.name in ("requests.csv", "summary.json") and (path.parent / "requests.csv").is_file()):
-        return [_pagesim_run(path if path.is_dir() else path.parent, models_dirs)]
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file or run folder")
-    objects = _json_objects(path)
-    if len(objects) == 1 and isinstance(objects[0], dict) and "experiments" in objects[0]:
-        f = Fields(objects[0], path)
-        hardware = _source_hardware(objects[0].get("source"))
-        return [_vllm_h100_experiment(e, models_dirs, hardware) for e in f.items("experiments")]
-    if len(objects) == 1:
-        from analysis.benchmark_results import is_guidellm, load_guidellm  # it builds on this module
-        if is_guidellm(objects[0]):
-            return load_guidellm(path, models_dirs)
-    if all(isinstance(o, dict) and "request_rate" in o for o in objects):
-        many = len(objects) > 1
-        return [_vllm_bench(Fields(o, path, f"[{i}]" if many else ""), f"{path.stem}" + (f"#{i}" if many else ""),
-                            models_dirs) for i, o in enumerate(objects)]
-    raise ValueError(f"{path}: not a measurements file: expected an object with \"experiments\" (vllm-h100 "
-                     "measurements.json), a `vllm bench serve` result (with \"request_rate\"), a guidellm result, "
-                     "or a pagesim run folder (requests.csv + summary.json)")
-
-
-def _json_objects(path: Path) -> list[Any]:
+def json_objects(path: Path) -> list[Any]:
     """The JSON values in the file: one, or several written one after another (--append-result)."""
     try:
         text = path.read_text()
@@ -192,7 +168,7 @@ def _tp(f: Fields, key: str, model: str) -> int:
 
 # --- vllm-h100 measurements.json ------------------------------------------------------------------
 
-def _source_hardware(source: Any) -> str | None:
+def source_hardware(source: Any) -> str | None:
     """The hardware spec the file's free-text `source.hardware` names ("NVIDIA H100 80GB HBM3 (SXM),
     one node; ..."), from its leading words; None when it names none."""
     text = source.get("hardware") if isinstance(source, dict) else None
@@ -204,7 +180,7 @@ def _source_hardware(source: Any) -> str | None:
         return None
 
 
-def _vllm_h100_experiment(e: Fields, models_dirs: Sequence[str | Path] | None, hardware: str | None) -> Experiment:
+def vllm_h100_experiment(e: Fields, models_dirs: Sequence[str | Path] | None, hardware: str | None) -> Experiment:
     model_id, model = _model(e, "model_id", models_dirs)
     sp = e.sub("shared_prefix")
     workload = SharedPrefix(sp.int("num_groups", minimum=1), sp.int("num_prompts_per_group", minimum=1),
@@ -250,7 +226,7 @@ def _opt(v: float | None, scale: float = 1.0) -> float | None:
 
 # --- vllm bench serve --save-result ---------------------------------------------------------------
 
-def _vllm_bench(f: Fields, name: str, models_dirs: Sequence[str | Path] | None) -> Experiment:
+def vllm_bench(f: Fields, name: str, models_dirs: Sequence[str | Path] | None) -> Experiment:
     model_id, model = _model(f, "model_id", models_dirs)
     rate = f.raw("request_rate")
     if rate == "inf" or rate == math.inf:
@@ -341,12 +317,12 @@ def _int_list(f: Fields, key: str, n: int) -> np.ndarray:
 
 # --- pagesim run folder ---------------------------------------------------------------------------
 
-def _pagesim_run(folder: Path, models_dirs: Sequence[str | Path] | None) -> Experiment:
+def pagesim_run(folder: Path, models_dirs: Sequence[str | Path] | None) -> Experiment:
     summary_path, requests_path = folder / "summary.json", folder / "requests.csv"
     for p in (summary_path, requests_path):
         if not p.is_file():
             raise ValueError(f"{p}: missing (a pagesim run folder holds requests.csv and summary.json)")
-    objects = _json_objects(summary_path)
+    objects = json_objects(summary_path)
     s = Fields(objects[0], summary_path)
     cfg = s.sub("config")
     frame = _requests_frame(requests_path)

@@ -24,9 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -190,20 +188,6 @@ class StageResult:
 def time_per_output_token(e2e_mean: float, ttft_mean: float, output_len: float) -> float:
     """(mean E2E - mean TTFT) / (output_len - 1); NaN for single-token outputs."""
     return (e2e_mean - ttft_mean) / (output_len - 1) if output_len > 1 else math.nan
-
-
-def load_measurements(paths: str | Path | Sequence[str | Path],
-                      models_dirs: Sequence[str | Path] | None = None) -> list[Experiment]:
-    """Every experiment in the files (or pagesim run folders) given, in order; the format of each is
-    told by its content. Malformed input raises ValueError naming the file and the field."""
-    from analysis.measurement_formats import load_file
-
-    if isinstance(paths, (str, Path)):
-        paths = [paths]
-    out: list[Experiment] = []
-    for p in paths:
-        out.extend(load_file(Path(p), models_dirs))
-    return out
 
 
 # --- a stage rebuilt for the simulator -------------------------------------------------------------

@@ -14,10 +14,25 @@ import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 EXECUTORS = ("process", "ray")
 RAY_MISSING = "--executor ray needs Ray: pip install 'pagesim[cluster]'"
+
+
+@dataclass(frozen=True)
+class Workers:
+    """Where a study's simulations run: `jobs` worker processes, or Ray tasks on the cluster at
+    `address` (run_tasks says how each is used)."""
+
+    jobs: int = 1
+    executor: str = "process"
+    address: str | None = None
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments a study function passes on to run_tasks."""
+        return {"jobs": self.jobs, "executor": self.executor, "address": self.address}
 
 
 def run_tasks(fn: Callable[..., Any], tasks: Sequence[tuple], jobs: int = 1,
@@ -127,17 +142,3 @@ def _progress_bar(total: int, progress: bool | None):
         return None
     from tqdm import tqdm
     return tqdm(total=total, unit="run", desc="simulations", file=sys.stderr, leave=False)
-
-
-def add_executor_args(p: Any) -> None:
-    """--executor and --ray-address, beside a study's --jobs (an argparse parser or group)."""
-    p.add_argument("--executor", choices=EXECUTORS, default="process",
-                   help="process: --jobs worker processes on this machine (default); ray: each simulation a Ray "
-                        "task (pip install 'pagesim[cluster]'), on the cluster at --ray-address or a local Ray")
-    p.add_argument("--ray-address", metavar="ADDR",
-                   help="with --executor ray: a running cluster's head, e.g. HEAD:6379 (default: a local Ray)")
-
-
-def executor_options(args: Any) -> dict[str, Any]:
-    """run_tasks' executor and address from the parsed --executor and --ray-address."""
-    return {"executor": getattr(args, "executor", "process"), "address": getattr(args, "ray_address", None)}

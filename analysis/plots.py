@@ -11,6 +11,16 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from analysis.seeds import rate_line
+from sim.profiled import FEATURES, composition_of, features
+
+
+def save_figure(fig: plt.Figure, path: str | Path, dpi: int = 120) -> Path:
+    """Lay `fig` out, write it to `path` (PNG) and close it (an open figure keeps its memory)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return Path(path)
+
 
 CATEGORY_COLORS = {"kv_token_states": "#4c72b0", "kv_reserved": "#dd8452", "kv_internal_frag": "#c44e52",
                    "kv_external_frag": "#8172b3"}
@@ -32,10 +42,7 @@ def latency_vs_rate(table: pd.DataFrame, path: str | Path, title: str = "") -> P
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
 def rate_panels(table: pd.DataFrame, by: str, panels: list[tuple[str, str, bool, tuple | None]],
@@ -56,10 +63,7 @@ def rate_panels(table: pd.DataFrame, by: str, panels: list[tuple[str, str, bool,
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
 def memory_breakdown(memory: dict[str, dict[str, float]], path: str | Path, title: str = "") -> Path:
@@ -81,17 +85,12 @@ def memory_breakdown(memory: dict[str, dict[str, float]], path: str | Path, titl
     ax.set_ylim(0, 100)
     ax.set_title(title)
     ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
 def profile_fit_plot(profile: dict, path: str | Path) -> Path:
     """Measured against fitted step times of a profile's grid (log-log), one colour per point kind,
     with the fit's in-sample and held-out errors in the title."""
-    from sim.profiled import FEATURES, composition_of, features
-
     coef = [profile["fit"]["coef"].get(f, 0.0) for f in FEATURES]
     ms = profile["measurements"]
     measured = [m["time_s"] * 1e3 for m in ms]
@@ -116,7 +115,4 @@ def profile_fit_plot(profile: dict, path: str | Path) -> Path:
                  fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)

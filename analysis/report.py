@@ -1,10 +1,16 @@
-"""Plain-text tables of run summaries, for the terminal."""
+"""What studies hand back: plain-text tables of run summaries for the terminal, and the Report of
+files and lines a study's command writes and prints (pagesim.report_writer does both)."""
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import pandas as pd
 
 ROWS: tuple[tuple[str, str, str], ...] = (
     # (label, path into the summary, format)
@@ -56,6 +62,20 @@ def summary_table(summaries: dict[str, dict[str, Any]]) -> str:
     for (label, _, _), row in zip(ROWS, cells):
         lines.append("  ".join([label.ljust(label_w)] + [c.rjust(w) for c, w in zip(row, widths)]))
     return "\n".join(lines)
+
+
+def rejection_lines(requests: pd.DataFrame, examples: int = 1) -> list[str]:
+    """Why requests were rejected, most common kind first: reasons that differ only in their
+    numbers are one kind, printed with its count and an example (nothing when none were)."""
+    reasons = requests.reject_reason[requests.status == "rejected"].fillna("").astype(str)
+    if reasons.empty:
+        return []
+    kinds = reasons.str.replace(r"\d[\d,.]*", "#", regex=True)
+    lines = [f"{len(reasons):,} rejected:"]
+    for kind, count in kinds.value_counts().items():
+        example = reasons[kinds == kind].iloc[:examples].tolist()
+        lines.append(f"  {count:,} x " + (f"{kind}, e.g. {'; '.join(example)}" if "#" in kind else kind or "(no reason)"))
+    return lines
 
 
 def replica_table(summary: dict[str, Any]) -> str:
@@ -111,3 +131,47 @@ def _layout(spec: str) -> str:
     rest = spec[len(align):]
     width = rest[:len(rest) - len(rest.lstrip("0123456789"))]
     return align + width
+
+
+@dataclass(frozen=True)
+class Wrote:
+    """A report's "<before>wrote <folder>/<first>, <second>, ..." line: the folder is the writer's to name."""
+
+    names: tuple[str, ...]
+    before: str = ""
+
+
+@dataclass
+class Report:
+    """What a study returns for its command to write and say. Invariant: a study never writes a
+    file or prints; `files` (name -> how to write it at the path given) are written, in order, into
+    the one folder the command names, then `lines` are printed in order (a Wrote line names files
+    in that folder). Without a folder the files and the Wrote lines are left out."""
+
+    files: dict[str, Callable[[Path], object]] = field(default_factory=dict)
+    lines: list[str | Wrote] = field(default_factory=list)
+
+    def table(self, name: str, frame: pd.DataFrame) -> None:
+        """A table written as CSV (without the index)."""
+        self.files[name] = lambda path: frame.to_csv(path, index=False)
+
+    def figure(self, name: str, draw: Callable[[Path], object]) -> None:
+        """A figure drawn by `draw(path)`."""
+        self.files[name] = draw
+
+    def json(self, name: str, data: Any, default: Callable[[Any], Any] | None = None) -> None:
+        """An object written as indented JSON (`default` converts what json cannot write)."""
+        self.files[name] = lambda path: Path(path).write_text(json_text(data, default))
+
+    def say(self, *lines: str) -> None:
+        self.lines.extend(lines)
+
+    def wrote(self, *names: str, before: str = "") -> None:
+        """The line naming the files written (some of them: a study names what a reader looks for),
+        after `before` on the same line."""
+        self.lines.append(Wrote(names, before))
+
+
+def json_text(data: Any, default: Callable[[Any], Any] | None = None) -> str:
+    """A report's JSON file: indented one space, ending in a newline."""
+    return json.dumps(data, indent=1, default=default) + "\n"

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from analysis.report import Report
 from traces.trace import Trace
 
 
@@ -94,14 +95,22 @@ def seed_cell(row: dict) -> str:
     return f" {row['seed']:>5}" if "seed" in row else ""
 
 
-def write_seed_summary(table: pd.DataFrame, keys: list[str], path: Any, metric: str) -> None:
-    """With a seed column: the per-configuration means and 95% CIs to `path`, and `metric`'s printed."""
-    if "seed" not in table:
-        return
+def seeded_report(table: pd.DataFrame, name: str, keys: list[str], metric: str) -> Report:
+    """A report with `table` as the CSV file `name` and, with a seed column, the per-configuration
+    means and 95% CIs (`keys` a configuration) as <name>_summary.csv, and `metric`'s lines."""
+    report = Report()
+    report.table(name, table)
+    if "seed" in table:
+        add_seed_summary(report, table, keys, name.removesuffix(".csv") + "_summary.csv", metric)
+    return report
+
+
+def add_seed_summary(report: Report, table: pd.DataFrame, keys: list[str], name: str, metric: str) -> None:
+    """The per-configuration means and 95% CIs over seeds as the report's file `name`, and `metric`'s lines."""
     summary = ci_table(table, keys)
-    summary.to_csv(path, index=False)
-    print(f"\n{metric}, mean +- 95% CI over {int(summary.seeds.max())} seeds:")
+    report.table(name, summary)
+    report.say(f"\n{metric}, mean +- 95% CI over {int(summary.seeds.max())} seeds:")
     for r in summary.itertuples(index=False):
         d = r._asdict()
-        print("  " + " ".join(f"{d[k]}" for k in keys) + f": {d[metric]:.4g} +- {d[metric + '_ci95']:.2g}")
-    print(f"wrote {path}")
+        report.say("  " + " ".join(f"{d[k]}" for k in keys) + f": {d[metric]:.4g} +- {d[metric + '_ci95']:.2g}")
+    report.wrote(name)

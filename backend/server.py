@@ -1,4 +1,4 @@
-"""The live engine behind a server (no HTTP here): `AsyncEngine` runs the DESIGN.md step loop
+"""The live engine behind a server (no HTTP here): `AsyncEngine` runs the step loop of docs/design.md
 
     plan = scheduler.schedule(now); result = executor.execute(plan); scheduler.on_step_done(...)
 

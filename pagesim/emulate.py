@@ -20,23 +20,28 @@ iteration's tokens went out against its plan, wall seconds), `pagesim:emulator_l
 `pagesim:emulator_time_scale`; falling behind is also logged, at most once per BEHIND_WINDOW_S.
 
 `--replicas N` runs N independent engines in this process, one per port from --port-base (default
---port); on SIGTERM / SIGINT every one drains (or aborts) and writes its tables to --out (one
-replica) or --out/replica-<i>.
+--port), bound before anything starts. This module builds them; pagesim/serve.py serves them as it
+serves the live engine (backend/http_server.py: read timeouts, and on SIGTERM / SIGINT a drain (or
+abort) bounded by --shutdown-timeout), then writes each one's tables to --out (one replica) or
+--out/replica-<i>.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
+from backend.text_tokens import ByteChunkTokenizer, load_tokenizer, output_vocabulary
 from pagesim.argtypes import fraction, non_negative_float, non_negative_int, positive_float, positive_int
+from pagesim.cli_args import sim_config
+from sim.emulated import EmulatedExecutor, OutputLengthModel, PacedClock
+from sim.run import build_cost_model, num_blocks_for, replica_scheduler
+from sim.specs import get_model
 
 BEHIND_WINDOW_S = 10.0
 SWITCH_INTERVAL_S = 5e-4
@@ -96,6 +101,7 @@ class Replica:
     index: int
     engine: object     # backend.server.AsyncEngine
     api: object        # backend.http_api.OpenAIServer
+    metrics: object    # backend.serve_metrics.ServeMetrics
     clock: object      # sim.emulated.PacedClock
     kv_blocks: int
 
@@ -139,13 +145,12 @@ class LagMetrics:
 
 def build_replicas(args: argparse.Namespace) -> list[Replica]:
     """Every replica of the arguments; ValueError naming the flag for what cannot be emulated."""
-    from analysis.cli_args import sim_config
-    from backend.http_api import OpenAIServer, ServeOptions
-    from backend.serve_metrics import ServeMetrics
-    from backend.server import AsyncEngine
-    from sim.emulated import EmulatedExecutor, OutputLengthModel, PacedClock
-    from sim.run import build_cost_model, num_blocks_for, replica_scheduler
-    from sim.specs import get_model
+    try:  # deferred: the HTTP server is an optional extra (and backend.server imports torch)
+        from backend.http_api import OpenAIServer, ServeOptions
+        from backend.serve_metrics import ServeMetrics
+        from backend.server import AsyncEngine
+    except ImportError as exc:
+        raise ValueError(f"pagesim serve needs the serve extra: pip install -e '.[serve]' ({exc})") from exc
 
     if not (args.calibration or args.profile):
         raise ValueError("--emulate needs --calibration or --profile: what prices each iteration")
@@ -163,7 +168,6 @@ def build_replicas(args: argparse.Namespace) -> list[Replica]:
     except ValueError as e:
         raise ValueError(f"--model {args.model}: {e}") from None
     tokenizer = _tokenizer(args, model.vocab_size)
-    from backend.text_tokens import output_vocabulary
     vocab = output_vocabulary(tokenizer)
     lengths = OutputLengthModel(args.output_len_mean)
     frontend, lag_steps = _client_terms(args, cost)
@@ -179,8 +183,9 @@ def build_replicas(args: argparse.Namespace) -> list[Replica]:
         engine = AsyncEngine(sched, executor, tokenizer, observer=metrics, debug=args.debug, clock=clock,
                              output_lag_steps=lag_steps)
         api = OpenAIServer(engine, tokenizer, metrics, ServeOptions(
-            args.model, max_len, args.max_pending, int(time.time()), frontend_delay_s=frontend / args.time_scale))
-        replicas.append(Replica(i, engine, api, clock, gpu))
+            args.model, max_len, args.max_pending, int(time.time()), body_timeout=args.body_timeout,
+            frontend_delay_s=frontend / args.time_scale))
+        replicas.append(Replica(i, engine, api, metrics, clock, gpu))
     return replicas
 
 
@@ -199,14 +204,10 @@ def _client_terms(args: argparse.Namespace, cost) -> tuple[float, int]:
 
 def _replica_seed(seed: int, i: int) -> int:
     """Replica 0 keeps the run's seed (one replica is the single-engine run), others derive theirs."""
-    import numpy as np
-
     return seed if i == 0 else int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
 
 
 def _tokenizer(args: argparse.Namespace, vocab_size: int):
-    from backend.text_tokens import ByteChunkTokenizer, load_tokenizer
-
     if args.tokenizer:
         return load_tokenizer(args.tokenizer)
     return ByteChunkTokenizer(vocab_size)
@@ -237,72 +238,19 @@ def bind_ports(host: str, ports: list[int], flag: str) -> list[socket.socket]:
     return socks
 
 
-def cmd_emulate(args: argparse.Namespace, write_tables: Callable[..., int]) -> int:
-    """Serve until SIGTERM / SIGINT; then each replica's tables by `write_tables(args, engine, facts,
-    out)` (pagesim.serve's writer, given by its caller: serve imports this module)."""
-    try:  # deferred: the HTTP server is an optional extra
-        import uvicorn
-
-        import backend.http_api  # noqa: F401  (starlette, prometheus_client: checked before any work)
-    except ImportError as exc:
-        raise ValueError(f"pagesim serve needs the serve extra: pip install -e '.[serve]' ({exc})") from exc
-    t0 = time.perf_counter()
-    replicas = build_replicas(args)
-    base = args.port if args.port_base is None else args.port_base
-    flag = "--port" if args.port_base is None else "--port-base"
-    socks = bind_ports(args.host, [base + r.index for r in replicas], flag)
-    drain = args.on_shutdown == "drain"
-    servers = [_quiet_server(uvicorn.Config(r.api.app(), host=args.host, port=base + r.index, log_level="warning",
-                                           access_log=False, lifespan="off")) for r in replicas]
-
-    def stop_all() -> None:
-        for r, s in zip(replicas, servers):
-            if s.should_exit:  # a second signal: stop waiting for connections
-                s.force_exit = True
-            r.api.draining = True
-            r.engine.shutdown(drain)
-            s.should_exit = True
-
-    async def serve_all() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop_all)
-        await asyncio.gather(*(s.serve(sockets=[sock]) for s, sock in zip(servers, socks)))
-
-    # the engine threads wake from their sleeps to release tokens on time; Python hands the GIL over
-    # every 5 ms by default, which would be their lag whenever the event loop is busy (this process
-    # is the emulator alone, so the setting is ours to make)
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    for r in replicas:
-        r.engine.start()
-    first = replicas[0]
-    print(f"pagesim serve --emulate: {args.model} on {args.tp} x {args.hardware or 'a100-40gb'} "
-          f"({args.calibration or args.profile}), policy {args.policy}, {first.kv_blocks} KV blocks of "
-          f"{args.block_size}, time scale {args.time_scale:g}; ready in {time.perf_counter() - t0:.1f} s; "
-          + ", ".join(f"http://{args.host}:{base + r.index}/v1" for r in replicas), flush=True)
-    try:
-        asyncio.run(serve_all())
-    finally:
-        for r in replicas:
-            r.engine.stop(drain)
-        for s in socks:
-            s.close()
-    return max(_write_replica(args, r, len(replicas), write_tables) for r in replicas)
+def describe(args: argparse.Namespace, first: Replica) -> str:
+    """What `pagesim serve --emulate` says it serves, in its ready line."""
+    return (f"{args.model} on {args.tp} x {args.hardware or 'a100-40gb'} ({args.calibration or args.profile}), "
+            f"policy {args.policy}, {first.kv_blocks} KV blocks of {args.block_size}, time scale {args.time_scale:g}")
 
 
-def _quiet_server(config):
-    """uvicorn's Server without its own signal handling (one handler stops every replica)."""
-    import uvicorn  # deferred: the serve extra
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):
-            yield
-
-    return Server(config)
+def replica_out(args: argparse.Namespace, r: Replica, count: int) -> str:
+    """Where replica `r` of `count` writes its tables: --out, or --out/replica-<i> for several."""
+    return args.out if count == 1 else f"{args.out}/replica-{r.index}"
 
 
-def _write_replica(args: argparse.Namespace, r: Replica, count: int, write_tables: Callable[..., int]) -> int:
+def replica_facts(args: argparse.Namespace, r: Replica, count: int) -> dict:
+    """What the summary says of an emulated replica, once it has stopped (its release lag so far)."""
     facts = {"mode": "emulate", "hardware": args.hardware or "a100-40gb", "tp": args.tp,
              "cost": args.calibration or args.profile, "time_scale": args.time_scale,
              "frontend_delay_s": args.frontend_delay, "output_lag_steps": args.output_lag_steps,
@@ -310,5 +258,4 @@ def _write_replica(args: argparse.Namespace, r: Replica, count: int, write_table
              "release_lag": r.clock.stats.to_dict()}
     if count > 1:
         facts["replica"] = r.index
-    out = args.out if count == 1 else f"{args.out}/replica-{r.index}"
-    return write_tables(args, r.engine, facts, out)
+    return facts

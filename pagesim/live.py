@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from analysis.cli_args import (
+from analysis.report import summary_table
+from pagesim.cli_args import (
     add_live_model_args,
     add_output_args,
     add_policy_args,
@@ -14,8 +15,8 @@ from analysis.cli_args import (
     load_workload,
     require_backend,
 )
-from analysis.report import summary_table
-from policies.metrics import write_run
+from pagesim.report_writer import write_run
+from sim.run import requests_from_trace
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,8 +36,7 @@ def run(args: argparse.Namespace):
     """Serve the workload on the real model under the policy options; (requests, iterations, summary)."""
     trace = load_workload(args)  # a bad workload fails before torch loads
     require_backend()
-    from backend.replay import serve_trace
-    from sim.run import requests_from_trace
+    from backend.replay import serve_trace  # deferred: the backend imports torch
 
     req_df, it_df, summary = serve_trace(
         live_options(args), lambda max_len: requests_from_trace(trace, max_len, args.n, args.beam_width),

@@ -116,9 +116,15 @@ def scheduler_options(policy: str, max_num_seqs: int, max_num_batched_tokens: in
     return kw
 
 
+# Other names a policy is known by: first come, first served is vLLM's default order
+ALIASES: dict[str, str] = {"fcfs": "vllm"}
+
+
 def resolve_policy(name: str) -> Callable[..., Scheduler]:
-    """The factory for a registry name, an import path `module:Class`, or a `pagesim.policies`
-    entry point; a clear ValueError naming what did not resolve, before any simulation starts."""
+    """The factory for a registry name (or an alias of one), an import path `module:Class`, or a
+    `pagesim.policies` entry point; a clear ValueError naming what did not resolve, before any
+    simulation starts."""
+    name = ALIASES.get(name, name)
     if name in POLICIES:
         return POLICIES[name]
     target = load_plugin(name, "pagesim.policies", "policy", POLICIES)

@@ -1,4 +1,4 @@
-"""One iteration of the serving loop of DESIGN.md, and windows of them, with no clock of its own:
+"""One iteration of the serving loop of docs/design.md, and windows of them, with no clock of its own:
 
     step = replica.begin(now)        # plan = scheduler.schedule(now); result = executor.execute(plan)
     ...time passes: simulated (the result's duration) or measured (the wall clock)...

@@ -1,5 +1,5 @@
 """The SimPy model: an arrival process feeding replicas whose engine processes each run the serving
-loop of DESIGN.md with a scheduler from policies/ and a simulated executor.
+loop of docs/design.md with a scheduler from policies/ and a simulated executor.
 
     arrivals ──> router ──> replica r: scheduler.waiting ──> engine: plan -> execute (cost model) -> on_step_done
 

@@ -1,5 +1,5 @@
-"""What the tests of `pagesim serve` (live and --emulate) share: a free port, a metric read from
-/metrics, and a guidellm run against a server."""
+"""What the tests of `pagesim serve` (live and --emulate) share: a free port, a server started and
+waited for, a metric read from /metrics, and a guidellm run against a server."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_server(args: list[str], port: int, timeout: float = 300) -> subprocess.Popen:
+    """`python -m pagesim serve ...` (`args` after `pagesim`), once its /health answers 200 on
+    `port`; the test fails with the server's output if it exits or does not answer in `timeout` s."""
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-m", "pagesim", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start: {proc.stdout.read()}")
+        time.sleep(0.3)
 
 
 def metric(server: dict, name: str) -> float:

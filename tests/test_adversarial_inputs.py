@@ -110,12 +110,10 @@ def test_a_directory_as_trace_is_refused(tmp_path, capsys):
 
 def test_an_os_error_mid_command_is_a_one_line_error(tmp_path, capsys, monkeypatch):
     # any OSError, not only a missing file (a full disk, a permission refused), was a traceback
-    import sim.run
-
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(sim.run, "run_simulation", full_disk)
+    monkeypatch.setattr("pagesim.commands.simulate.run_simulation", full_disk)
     line = clean_error(["simulate", "--trace", "fixed", *TINY_RUN, "--out", str(tmp_path / "o")], capsys)
     assert line == "pagesim simulate: error: [Errno 28] No space left on device"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -83,13 +84,8 @@ def test_azure_one_time_zone_throughout_still_loads(tmp_path):
 
 # ---------------------------------------------------------------- BurstGPT failed requests
 
-BURSTGPT = """Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type
-5,ChatGPT,472,18,490,Conversation log
-45,ChatGPT,1087,0,1087,Conversation log
-118,GPT-4,417,276,693,Conversation log
-120,ChatGPT,0,0,0,API log
-130,ChatGPT,1360,95,1455,API log
-"""
+# two failed requests (0 response tokens; 0 of both), one of each log type
+BURSTGPT = (Path(__file__).parent / "data" / "burstgpt_failed_requests.csv").read_text()
 
 
 def burstgpt(tmp_path):
@@ -303,7 +299,7 @@ def test_trace_generate_refuses_a_negative_seed_and_reports_memory_in_one_line(t
     def too_big(*args, **kwargs):
         raise MemoryError("Unable to allocate 745. GiB for an array with shape (100000000000,)")
 
-    monkeypatch.setattr("traces.cli.make_synthetic", too_big)
+    monkeypatch.setattr("pagesim.commands.trace.make_synthetic", too_big)
     assert main(["trace", "generate", "--kind", "fixed", "--num-requests", "100000000000", "--out", out]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --num-requests 100,000,000,000: too large for this machine's memory") and "745" in err

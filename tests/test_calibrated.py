@@ -170,7 +170,7 @@ MEASUREMENTS = Path("/work/shared/calibration/vllm-h100/measurements.json")
 @pytest.mark.skipif(not MEASUREMENTS.is_file(), reason="the vllm-h100 measurements are not here")
 def test_tiny_calibrate_fits_the_client_term_on_a_truncated_stage() -> None:
     from analysis.calibrate import error_table, fit_engine, simulate_all, split_stages
-    from analysis.measurements import load_measurements
+    from analysis.measurement_files import load_measurements
 
     fit, over = split_stages(load_measurements(MEASUREMENTS))
     assert over and all(r.stage.ttft.mean > 1 or r.exp.overloaded_by_source for r in over)
@@ -194,7 +194,8 @@ def test_client_terms_are_fitted_over_kept_runs_and_recovered() -> None:
     import dataclasses
 
     from analysis.calibrate import fit_client, log_errors, simulate_all, split_stages
-    from analysis.measurements import ClientOverhead, load_measurements
+    from analysis.measurement_files import load_measurements
+    from analysis.measurements import ClientOverhead
 
     fit, _ = split_stages(load_measurements(MEASUREMENTS))
     ref = [r for r in fit if "llama-2-7b" in r.label][:1]

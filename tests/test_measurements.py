@@ -10,17 +10,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from analysis.measurement_files import load_measurements
 from analysis.measurements import (
     ClientOverhead,
     engine_defaults,
     lagged_times,
-    load_measurements,
     predicted_metrics,
     simulate_stage,
     stage_config,
     stage_workload,
 )
-from policies.metrics import write_run
+from pagesim.report_writer import write_run
 from sim.cost_model import ConstantCostModel
 from sim.run import SimConfig, run_simulation
 from specs import get_model

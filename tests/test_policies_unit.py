@@ -960,3 +960,12 @@ def test_a_subclass_seq_demand_rule_is_what_admission_counts():
 
     assert running_after_two_steps(VllmScheduler) == 4
     assert running_after_two_steps(Reserving) == 2  # 2 x 2 reserved: no room for another
+
+
+def test_fcfs_is_another_name_for_vllm() -> None:
+    from policies.registry import ALIASES
+    assert ALIASES["fcfs"] == "vllm"
+    sched = make_scheduler("fcfs", 64, 16)
+    assert type(sched) is type(make_scheduler("vllm", 64, 16)) and sched.policy.name == "fcfs"
+    with pytest.raises(ValueError, match=r"unknown policy 'fcfz'; known: vllm"):
+        make_scheduler("fcfz", 64, 16)

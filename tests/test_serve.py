@@ -5,7 +5,6 @@ SIGTERM and reads the tables it writes)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
-from tests.serve_helpers import free_port, metric, run_guidellm
+from tests.serve_helpers import free_port, metric, run_guidellm, start_server
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
@@ -40,26 +39,13 @@ def server(tmp_path_factory):
         pytest.skip(str(e))
     out = tmp_path_factory.mktemp("serve")
     port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([*CLI, "serve", "--model", MODEL, "--port", str(port), "--attention", "torch",
-                             "--num-gpu-blocks", "256", "--debug", "--out", str(out / "run")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     # what `pagesim generate` answers for the same prompt, loaded meanwhile
     gen = subprocess.Popen([*CLI, "generate", "--model", MODEL, "--prompt", PROMPT, "--max-tokens", "8",
                             "--attention", "torch", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
+    proc = start_server(["serve", "--model", MODEL, "--port", str(port), "--attention", "torch", "--num-gpu-blocks",
+                         "256", "--debug", "--out", str(out / "run")], port)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start: {proc.stdout.read()}")
-        time.sleep(0.5)
     generated, err = gen.communicate(timeout=300)
     assert gen.returncode == 0, err
     info = {"base": base, "proc": proc, "out": out / "run", "generated": json.loads(generated)}

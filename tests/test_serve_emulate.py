@@ -5,11 +5,9 @@ the last test stops it with SIGTERM and reads its tables. A second server runs t
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -20,28 +18,16 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
-from tests.serve_helpers import free_port, metric, run_guidellm
+from tests.serve_helpers import free_port, metric, run_guidellm, start_server
 
 pytestmark = pytest.mark.slow
 MODEL = "llama-7b"
-CLI = [sys.executable, "-m", "pagesim", "serve", "--emulate", "--model", MODEL, "--hardware", "h100-sxm",
+CLI = ["serve", "--emulate", "--model", MODEL, "--hardware", "h100-sxm",
        "--calibration", "vllm-v1-h100", "--time-scale", "5", "--debug"]
 
 
 def _start(args: list[str], port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.time() + 120
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start: {proc.stdout.read()}")
-        time.sleep(0.3)
+    return start_server(args, port, timeout=120)
 
 
 def _stop(proc: subprocess.Popen) -> str:
@@ -209,3 +195,64 @@ def test_replicas_on_consecutive_ports(tmp_path):
     for i in range(2):
         summary = json.loads((tmp_path / "run" / f"replica-{i}" / "summary.json").read_text())
         assert summary["replica"] == i and summary["num_finished"] == 1
+
+
+def _read_to_close(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_replicas_get_the_servers_timeouts_and_bounded_shutdown(tmp_path):
+    """The emulated front end is `pagesim serve`'s (backend/http_server.py): a slow head gets 408 on
+    either replica; on SIGTERM a stalled body and a stream that would run for seconds are cut off at
+    --shutdown-timeout, the stream ends with finish_reason "abort", and both replicas write tables."""
+    base = free_port()
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", base + 1))
+        except OSError:
+            pytest.skip("the port after a free one is taken")
+    proc = _start([*CLI, "--time-scale", "1", "--replicas", "2", "--port-base", str(base), "--header-timeout", "0.5",
+                   "--shutdown-timeout", "1", "--out", str(tmp_path / "run")], base)
+    try:
+        slow_head = socket.create_connection(("127.0.0.1", base + 1), timeout=10)
+        slow_head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        assert _read_to_close(slow_head).startswith(b"HTTP/1.1 408")
+        slow_head.close()
+        stalled = socket.create_connection(("127.0.0.1", base), timeout=10)
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                        b"content-length: 100\r\n\r\n{\"model\":")
+        seen = []
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{base}/v1", api_key="none", max_retries=0)
+
+        def long_stream():  # about 13 s of emulated decode at time scale 1
+            for ch in c.completions.create(model=MODEL, prompt="hi", max_tokens=1900, stream=True,
+                                           extra_body={"ignore_eos": True}):
+                seen.extend(ch.choices)
+
+        t = threading.Thread(target=long_stream)
+        t.start()
+        deadline = time.time() + 20
+        while not seen and time.time() < deadline:
+            time.sleep(0.05)
+        t0 = time.perf_counter()
+        out = _stop(proc)
+        took = time.perf_counter() - t0
+        t.join(10)
+        stalled.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert took < 8, f"the shutdown took {took:.1f} s with --shutdown-timeout 1"
+    assert 0 < len(seen) < 1900 and seen[-1].finish_reason == "abort"
+    import pandas as pd
+
+    for i in range(2):
+        summary = json.loads((tmp_path / "run" / f"replica-{i}" / "summary.json").read_text())
+        assert summary["replica"] == i and summary["pool_whole"]
+    req = pd.read_csv(tmp_path / "run" / "replica-0" / "requests.csv")
+    assert list(req.status) == ["aborted"] and req.reject_reason[0] == "aborted: server shutdown"

@@ -1,4 +1,4 @@
-"""Every built-in policy, and the README's own-policy example, running live on SmolLM2: the same
+"""Every built-in policy, and the own-policy example of docs/policies.md, running live on SmolLM2: the same
 scheduler objects as in simulation, on the real model, with the policy's rule visible in the run."""
 
 from __future__ import annotations

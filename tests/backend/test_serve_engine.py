@@ -90,6 +90,8 @@ def test_abort_running_and_waiting_frees_blocks(tiny):
     engine.stop()
     reqs, _ = engine.tables()
     assert list(reqs.reject_reason) == ["aborted: client disconnected"] * 2
+    assert list(reqs.status) == ["aborted"] * 2  # not "rejected": the scheduler refused neither
+    assert reqs.ttft.notna().tolist() == [True, False]  # the running one's first token is kept
     _pool_whole(engine)
 
 
@@ -105,7 +107,7 @@ def test_shutdown_drains_or_aborts(tiny, drain):
     if drain:
         assert list(reqs.status) == ["finished"] * 3 and all(len(s.tokens()) == 60 for s in sinks)
     else:
-        assert set(reqs.reject_reason) == {"aborted: server shutdown"}
+        assert set(reqs.reject_reason) == {"aborted: server shutdown"} and set(reqs.status) == {"aborted"}
         assert all(s.outs[-1].aborted for s in sinks)
     _pool_whole(engine)
 
