@@ -21,6 +21,7 @@ from analysis.parallel import run_tasks
 from analysis.plots import save_figure
 from analysis.rate_study import RateStudy
 from analysis.report import Report
+from policies.metrics import headline_latency, headline_mean_normalized_latency
 from sim.run import SimConfig, build_cost_model, num_blocks_for, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
@@ -61,7 +62,7 @@ def _block_size_run(cfg: SimConfig, timed: Trace, rate: float) -> dict:
     allocated = it[["kv_token_states", "kv_internal_frag"]].sum(axis=1).clip(lower=1)
     seqs, ctx = REFERENCE_DECODE
     return {"rate": rate, "block_size": cfg.block_size, "num_gpu_blocks": num_blocks_for(cfg)[0],
-            "mean_normalized_latency": s["mean_normalized_latency"], "ttft_mean": s["ttft"]["mean"],
+            "mean_normalized_latency": headline_mean_normalized_latency(s), "ttft_mean": headline_latency(s, "ttft")["mean"],
             "throughput": s["request_throughput"], "preemptions": s["num_preemptions"],
             "rejected": s["num_rejected"], "mean_batched_seqs": s["mean_batched_seqs"],
             # time-averaged share of allocated slots left empty in partly filled blocks

@@ -8,7 +8,9 @@ Two steps, each fitting what its data can tell:
    the client's TTFT add and output lag) by simulation in the loop: every unsaturated measured stage
    is rebuilt (analysis/measurements.py), simulated over its first `max_duration_s` seconds of
    arrivals, and scipy's least_squares moves the parameters (in log space) to minimise a soft-L1 loss
-   of log(predicted / measured) over TTFT mean/p90, E2E mean/p90 and time per output token.
+   of log(predicted / measured) over TTFT mean/p90, E2E mean/p90 and time per output token (and, for
+   a per-request run, TTFT p10/p50, per-request time per output token p50/p90 and the mean running and
+   waiting requests over its ticks: analysis/request_runs.py).
 
 Stages the measurement marks overloaded, and stages overloaded by the one rule of
 analysis/measurements.py `is_overloaded` (completions below the offered rate, or a mean TTFT above
@@ -30,11 +32,13 @@ from typing import Any
 
 import numpy as np
 
+from analysis.kernel_profiles import fit_profiles, is_profile_tree
 from analysis.measurements import (
+    REQUEST_RUN_METRICS,
     Experiment,
     Stage,
     StageResult,
-    client_overhead,
+    client_terms,
     simulate_stage,
     stage_config,
     stage_result,
@@ -42,6 +46,7 @@ from analysis.measurements import (
 )
 from analysis.operator_fit import fit_operators
 from analysis.plots import save_figure
+from analysis.request_runs import is_request_run, run_files
 from sim.calibrated import CalibratedCostModel, CalibrationParams
 from sim.run import run_simulation
 from sim.specs import get_hardware, get_model
@@ -88,7 +93,10 @@ def split_stages(experiments: Sequence[Experiment], by: str = "model") -> tuple[
     for e in experiments:
         for s in e.stages:
             ref = StageRef(e, s, e.model_id if by == "model" else e.name)
-            (over if e.overloaded_by_source or s.overloaded else fit).append(ref)
+            # a per-request run is replayed whole, arrival by arrival: its latencies, queueing included,
+            # are what the replay must reproduce, however overloaded the engine was
+            queued = (e.overloaded_by_source or s.overloaded) and s.measured_run is None
+            (over if queued else fit).append(ref)
     return fit, over
 
 
@@ -118,7 +126,7 @@ def _simulate_warm(ref: StageRef, cfg: Any, model: CalibratedCostModel, seed: in
     t0 = time.perf_counter()
     trace = stage_workload(ref.exp, ref.stage, seed, duration_s)
     res = run_simulation(replace(cfg, seed=seed), trace, model)
-    return stage_result(ref.exp, ref.stage, trace, res, client_overhead(model), t0, skip=skip)
+    return stage_result(ref.exp, ref.stage, trace, res, client_terms(model), t0, skip=skip)
 
 
 def _simulate_job(job: tuple) -> StageResult:
@@ -133,7 +141,14 @@ def simulate_all(refs: Sequence[StageRef], params: CalibrationParams, hardware: 
     return list(pool.map(_simulate_job, jobs))
 
 
-def log_errors(results: Sequence[StageResult], metrics: Sequence[str] = FIT_METRICS) -> np.ndarray:
+def fit_metrics() -> tuple[str, ...]:
+    """Every metric a fit weighs: FIT_METRICS, and a per-request run's distribution and gauges
+    (measurements.REQUEST_RUN_METRICS) where a stage measured them (others are skipped)."""
+    return FIT_METRICS + REQUEST_RUN_METRICS
+
+
+def log_errors(results: Sequence[StageResult], metrics: Sequence[str] | None = None) -> np.ndarray:
+    metrics = metrics or fit_metrics()
     out = []
     for r in results:
         for m in metrics:
@@ -145,8 +160,9 @@ def log_errors(results: Sequence[StageResult], metrics: Sequence[str] = FIT_METR
     return np.asarray(out)
 
 
-def error_table(results: Sequence[StageResult], metrics: Sequence[str] = FIT_METRICS) -> dict[str, Any]:
-    """Median absolute relative error per metric, and each stage's errors."""
+def error_table(results: Sequence[StageResult], metrics: Sequence[str] | None = None) -> dict[str, Any]:
+    """Median absolute relative error per metric (default `fit_metrics()`), and each stage's errors."""
+    metrics = metrics or fit_metrics()
     per: dict[str, list[float]] = {m: [] for m in metrics}
     stages = []
     for r in results:
@@ -167,7 +183,8 @@ def error_table(results: Sequence[StageResult], metrics: Sequence[str] = FIT_MET
 
 def fit_engine(refs: Sequence[StageRef], start: CalibrationParams, hardware: str, names: Sequence[str] = ENGINE_PARAMS,
                seed: int = 0, max_duration_s: float | None = 40.0, max_evals: int = 8,
-               pool: ProcessPoolExecutor | None = None, log: Callable[[str], None] = print) -> CalibrationParams:
+               pool: ProcessPoolExecutor | None = None, log: Callable[[str], None] = print,
+               tolerance: float | None = None, outcome: dict[str, Any] | None = None) -> CalibrationParams:
     """The parameters `names` that best explain the stages (least squares on clipped log errors,
     soft-L1 loss, parameters searched in log space within `_BOUNDS`); the others stay as `start`.
 
@@ -209,9 +226,17 @@ def fit_engine(refs: Sequence[StageRef], start: CalibrationParams, hardware: str
 
     if not outer:  # client terms only: one simulation
         return fit_client(simulate_all(refs, start, hardware, seed, max_duration_s, pool), start, inner)[0]
-    res = least_squares(resid, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.05, diff_step=0.03,
-                        max_nfev=max_evals, x_scale=1.0)
+    # tolerance: converged once a step moves the (log) parameters by less than that share, or the
+    # loss by less than a tenth of it; else the solver stops after max_evals steps wherever it is
+    # (and finite differences of 1% rather than 3%: near the optimum a coarse slope stops it short)
+    tol = {"xtol": tolerance, "ftol": tolerance / 10, "gtol": 1e-12, "diff_step": 0.01} if tolerance else {
+        "diff_step": 0.03}
+    res = least_squares(resid, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.05, max_nfev=max_evals, x_scale=1.0,
+                        **tol)
     log(f"  {count[0]} evaluations, {res.message}")
+    if outcome is not None:
+        outcome.update(evaluations=count[0], steps=int(res.nfev), converged=bool(res.status > 0),
+                       message=str(res.message), tolerance=tolerance)
     if not inner:
         return params_at(res.x)
     # the client terms fitted at the solution (the best evaluation's, if the solver ended elsewhere)
@@ -226,12 +251,11 @@ def fit_client(results: Sequence[StageResult], params: CalibrationParams,
     simulated), and the log errors there: (params with them set, residuals)."""
     from scipy.optimize import least_squares
 
-
     def with_client(u: np.ndarray) -> CalibrationParams:
         return replace(params, **{n: float(v) for n, v in zip(names, np.exp(x0 + u), strict=True)})
 
     def resid(x: np.ndarray) -> np.ndarray:
-        client = client_overhead(with_client(x))
+        client = client_terms(with_client(x))
         return log_errors([r.with_client(client) for r in results])
 
     if not names:
@@ -256,6 +280,9 @@ def operator_params(directory: str | Path | None, hardware: str) -> tuple[Calibr
     if directory is None:
         return CalibrationParams(), {"note": "no operator profiles: operator terms are the priors"}
     hw = get_hardware(hardware)
+    if is_profile_tree(directory):  # vLLM layer-wise profiles (llmservingsim's profiler/perf/<GPU>)
+        params, report = fit_profiles(directory, hw)
+        return replace(CalibrationParams(), **params), report
     gpu = hw.name.split("-")[0]
     params, report = fit_operators(directory, hw, gpu)
     return replace(CalibrationParams(), **params), report
@@ -263,7 +290,7 @@ def operator_params(directory: str | Path | None, hardware: str) -> tuple[Calibr
 
 def leave_one_out(refs: Sequence[StageRef], start: CalibrationParams, hardware: str, names: Sequence[str],
                   seed: int, max_duration_s: float | None, eval_duration_s: float | None, max_evals: int,
-                  pool: ProcessPoolExecutor | None, log: Callable[[str], None]) -> dict[str, Any]:
+                  pool: ProcessPoolExecutor | None, log: Callable[[str], None], tolerance: float | None = None) -> dict[str, Any]:
     """Refit without each group; predict the group. Median errors over all held-out stages."""
     groups = sorted({r.group for r in refs})
     held: list[StageResult] = []
@@ -274,11 +301,25 @@ def leave_one_out(refs: Sequence[StageRef], start: CalibrationParams, hardware: 
         if not train:
             continue
         log(f"leave out {g}: fit on {len(train)} stages, predict {len(test)}")
-        params = fit_engine(train, start, hardware, names, seed, max_duration_s, max_evals, pool, log)
+        params = fit_engine(train, start, hardware, names, seed, max_duration_s, max_evals, pool, log, tolerance)
         results = simulate_all(test, params, hardware, seed, eval_duration_s, pool)
         held.extend(results)
         per_group[g] = {"params": {n: getattr(params, n) for n in names}, **error_table(results)}
     return {"groups": per_group, "median_abs_error": error_table(held)["median_abs_error"]}
+
+
+def source_files(paths: Sequence[str | Path]) -> list[Path]:
+    """The files measurements were read from: a file itself; a per-request run folder's files
+    (analysis/request_runs.py `run_files`); every file directly in another folder (a pagesim run)."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if is_request_run(p):
+            out += run_files(p)
+        elif p.is_dir():
+            out += sorted(f for f in p.iterdir() if f.is_file())
+        else:
+            out.append(p)
+    return out
 
 
 def sha256(path: str | Path) -> str:
@@ -329,4 +370,6 @@ def engine_description(experiments: Sequence[Experiment]) -> dict[str, Any]:
     return {"source": e.source, "policy": e.policy, "block_size": e.block_size, "chunked_prefill": e.chunked_prefill,
             "prefix_caching": e.prefix_caching, "max_num_batched_tokens": e.max_num_batched_tokens,
             "max_num_seqs": e.max_num_seqs, "models": sorted({x.model_id for x in experiments}),
-            "tp": sorted({x.tp for x in experiments})}
+            "tp": sorted({x.tp for x in experiments}),
+            **({"vllm_version": versions} if (versions := sorted({x.engine_version for x in experiments
+                                                               if x.engine_version})) else {})}

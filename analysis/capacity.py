@@ -21,6 +21,7 @@ from analysis.plots import save_figure
 from analysis.rate_study import RateStudy
 from analysis.report import Report
 from analysis.seeds import rate_line, seeded, seeded_report, seeds_note
+from policies.metrics import headline_latency, headline_mean_normalized_latency
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
@@ -46,8 +47,8 @@ def min_replicas(trace: Trace, base: SimConfig, attainment: float = 0.9, max_rep
         if n not in rows:
             s = run_simulation(dataclasses.replace(base, replicas=n), trace).summary
             rows[n] = {"replicas": n, "slo_attainment": s["slo_attainment"], "meets": meets(s, attainment),
-                       "ttft_p90": s["ttft"]["p90"], "tpot_p90": s["tpot"]["p90"],
-                       "mean_normalized_latency": s["mean_normalized_latency"],
+                       "ttft_p90": headline_latency(s, "ttft")["p90"], "tpot_p90": headline_latency(s, "tpot")["p90"],
+                       "mean_normalized_latency": headline_mean_normalized_latency(s),
                        "prefix_hit_tokens": s["prefix_hit_tokens"], "wall_s": s["wall_time_s"]}
             if on_run is not None:
                 on_run(rows[n])

@@ -16,6 +16,7 @@ from analysis.plots import rate_panels
 from analysis.rate_study import RateStudy
 from analysis.report import Report
 from analysis.sweep import headline
+from policies.metrics import headline_latency
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
@@ -51,7 +52,7 @@ def disagg_study(trace: Trace, base: SimConfig, gpus: int, rates: Sequence[float
 
 def _run(cfg: SimConfig, timed: Trace, setup: str, rate: float) -> dict:
     s = run_simulation(cfg, timed).summary
-    return {"setup": setup, "rate": rate, **headline(s), "tpot_mean": s["tpot"]["mean"],
+    return {"setup": setup, "rate": rate, **headline(s), "tpot_mean": headline_latency(s, "tpot")["mean"],
             "slo_attainment": s["slo_attainment"]}
 
 

@@ -30,6 +30,8 @@ from analysis.measurements import (
 from analysis.parallel import Workers, run_tasks
 from analysis.plots import save_figure
 from analysis.report import Report
+from analysis.request_runs import RequestRunReport, add_request_run, stage_reports
+from sim.calibrated import load_calibration
 from sim.run import num_blocks_for
 
 DEFAULT_HARDWARE = "h100-sxm"
@@ -63,6 +65,18 @@ def unfit_experiments(experiments: Sequence[Experiment], calibration: str | None
         except ValueError as e:
             unfit[exp.name] = str(e)
     return unfit
+
+
+def engine_warnings(experiments: Sequence[Experiment], calibration: str | None) -> list[str]:
+    """A warning line for each experiment whose engine version the calibration was not fitted on
+    (both must say theirs: a per-request run's meta.json, a calibration's engine.vllm_version)."""
+    if not calibration:
+        return []
+    cal = load_calibration(calibration)
+    fitted = (cal.meta.get("engine") or {}).get("vllm_version") or []
+    return [f"warning: calibration {cal.name} was fitted on vLLM {', '.join(fitted)}; {e.name} ran vLLM "
+            f"{e.engine_version}: its engine terms may not hold there"
+            for e in experiments if fitted and e.engine_version and e.engine_version not in fitted]
 
 
 def _simulate(exp: Experiment, index: int, hardware: str, calibration: str | None, max_duration_s: float | None,
@@ -195,17 +209,15 @@ def fidelity_figure(table: pd.DataFrame, path: str | Path, title: str = "") -> P
     return save_figure(fig, path)
 
 
-# --- command line --------------------------------------------------------------------------------
-
-
 # ---- the study `pagesim fidelity` runs ----
 
 @dataclass
 class FidelityStudy:
     """A fidelity study's configuration: the measurement files (or pagesim run folders) and where
     their models' configs are, the calibration (None: the roofline cost model), the GPU to simulate
-    on (None: each experiment's own), the seconds of each stage simulated (None: all), the seed, and
-    where the runs go."""
+    on (None: each experiment's own), the seconds of each stage simulated (None: all), the seed,
+    where the runs go, and the server settings `vllm bench serve` results do not record
+    (analysis/bench_settings.py; None: each file's own or its sidecar's)."""
 
     measurements: list[str]
     models_dirs: list[str] | None = None
@@ -214,6 +226,7 @@ class FidelityStudy:
     max_duration: float | None = None
     seed: int = 0
     workers: Workers = field(default_factory=Workers)
+    server: dict[str, Any] | None = None
 
     @property
     def cost(self) -> str:
@@ -222,11 +235,13 @@ class FidelityStudy:
 
 @dataclass
 class FidelityPlan:
-    """The experiments read, and those that cannot be simulated as measured (name -> why)."""
+    """The experiments read, those that cannot be simulated as measured (name -> why), and warnings
+    about the calibration (`engine_warnings`)."""
 
     study: FidelityStudy
     experiments: list[Experiment]
     unfit: dict[str, str]
+    warnings: list[str] = field(default_factory=list)
 
     def intro(self) -> Report:
         """What will be simulated, and what will not and why."""
@@ -238,6 +253,7 @@ class FidelityPlan:
         if unsaid and not study.hardware:
             report.say(f"note: {len(unsaid)} experiments do not say their hardware ({', '.join(unsaid[:3])}"
                        f"{', ...' if len(unsaid) > 3 else ''}): simulated on {DEFAULT_HARDWARE} (--hardware to choose)")
+        report.say(*self.warnings)
         report.say(*(f"not simulated: {name}: {why}" for name, why in self.unfit.items()))
         return report
 
@@ -252,22 +268,33 @@ def plan_fidelity(study: FidelityStudy) -> FidelityPlan:
     """Read the measurements and check which experiments can be simulated, before any simulation."""
     if study.max_duration is not None and not study.max_duration > 0:
         raise ValueError(f"--max-duration must be > 0, got {study.max_duration}")
-    experiments = load_measurements(study.measurements, study.models_dirs)
-    return FidelityPlan(study, experiments, unfit_experiments(experiments, study.calibration, study.hardware))
+    experiments = load_measurements(study.measurements, study.models_dirs, study.server)
+    return FidelityPlan(study, experiments, unfit_experiments(experiments, study.calibration, study.hardware),
+                        engine_warnings(experiments, study.calibration))
 
 
-def run_fidelity(plan: FidelityPlan) -> pd.DataFrame:
-    """Every stage of every experiment that can be simulated: one row per (stage, metric)."""
+@dataclass
+class FidelityOutcome:
+    """A fidelity study's results: one row per (stage, metric), and the per-request runs' comparisons
+    (analysis/request_runs.py), in order."""
+
+    table: pd.DataFrame
+    request_runs: list[RequestRunReport]
+
+
+def run_fidelity(plan: FidelityPlan) -> FidelityOutcome:
+    """Every stage of every experiment that can be simulated."""
     study, experiments = plan.study, plan.fit()
     results = fidelity_results(experiments, study.calibration, study.hardware, max_duration_s=study.max_duration,
                                seed=study.seed, **study.workers.options())
-    return results_table(results, experiments)
+    return FidelityOutcome(results_table(results, experiments), stage_reports(experiments, results))
 
 
-def fidelity_report(plan: FidelityPlan, table: pd.DataFrame, wall_s: float) -> Report:
+def fidelity_report(plan: FidelityPlan, outcome: FidelityOutcome, wall_s: float) -> Report:
     """fidelity.csv, fidelity.json (the summary and the study's settings), fidelity.png, the table
-    and the summary."""
-    study, unfit = plan.study, plan.unfit
+    and the summary; each per-request run's comparison under request_runs/<n>/, their errors in
+    request_runs.json."""
+    study, unfit, table = plan.study, plan.unfit, outcome.table
     summary = fidelity_summary(table)
     meta = {"measurements": [str(m) for m in study.measurements], "calibration": study.calibration,
             "hardware": study.hardware, "max_duration_s": study.max_duration, "seed": study.seed, "wall_s": wall_s,
@@ -281,4 +308,8 @@ def fidelity_report(plan: FidelityPlan, table: pd.DataFrame, wall_s: float) -> R
         report.say(f"not simulated ({len(unfit)} experiments, in fidelity.json): {', '.join(unfit)}")
     report.wrote("fidelity.csv", "fidelity.json", "fidelity.png",
                  before=f"\n{len(table)} comparisons; wall time {wall_s:.1f} s; ")
+    for i, run in enumerate(outcome.request_runs):
+        add_request_run(report, run, f"request_runs/{i}", f"{run.name} ({study.cost})")
+    if outcome.request_runs:
+        report.json("request_runs.json", [r.summary() for r in outcome.request_runs], default=float)
     return report

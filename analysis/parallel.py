@@ -39,8 +39,9 @@ def run_tasks(fn: Callable[..., Any], tasks: Sequence[tuple], jobs: int = 1,
               on_done: Callable[[int, Any], None] | None = None, executor: str = "process",
               address: str | None = None, progress: bool | None = None) -> list[Any]:
     """`fn(*task)` for every task, results in task order. `fn` must be a module-level function
-    (it is pickled to the workers). `on_done(i, result)` is called in this process as each task
-    finishes: in task order when run serially, in completion order otherwise.
+    (it is pickled to the workers). `on_done(i, result)` is called in this process in task order,
+    for each task as soon as it and every task before it have finished (so that rows printed as a
+    study runs come in the same order however many workers run it).
 
     executor "process": `jobs` worker processes on this machine, at most one per CPU (1: in this
     process). executor "ray": each task a Ray task on the cluster at `address` (None: a local Ray, started here if none
@@ -53,13 +54,17 @@ def run_tasks(fn: Callable[..., Any], tasks: Sequence[tuple], jobs: int = 1,
     if address and executor != "ray":
         raise ValueError("a Ray address applies to --executor ray only")
     results: list[Any] = [None] * len(tasks)
+    done = [False] * len(tasks)
+    reported = 0  # tasks before this one have been given to on_done
     bar = _progress_bar(len(tasks), progress)
 
     def finish(i: int, result: Any) -> None:
-        results[i] = result
-        if on_done is not None:
+        nonlocal reported
+        results[i], done[i] = result, True
+        while on_done is not None and reported < len(tasks) and done[reported]:
             with bar.external_write_mode() if bar is not None else nullcontext():
-                on_done(i, result)  # the rows a caller prints go above the bar, not through it
+                on_done(reported, results[reported])  # the rows a caller prints go above the bar, not through it
+            reported += 1
         if bar is not None:
             bar.update()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +23,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-import seaborn as sns
 
 from analysis.parallel import Workers, run_tasks
 from analysis.plots import save_figure
 from analysis.report import Report
-from policies.metrics import per_client
+from analysis.seeds import ci_table, few_seeds_note, rate_line, seeds_note
+from policies.metrics import headline_latency, headline_mean_normalized_latency, per_client
 from policies.registry import resolve_policy
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals, load_trace
@@ -78,13 +79,13 @@ def policy_study(spec: str, base: SimConfig, policies: Sequence[str], rates: Seq
     `jobs` worker processes, or `executor` "ray" at `address`, run the simulations (same table)."""
     for p in policies:
         resolve_policy(p)  # a bad name fails before any simulation
-    tasks = []
-    for rate in rates:
-        for seed in range(seeds):
-            trace = workload(spec, num_requests, seed, rate)
-            for p in policies:
+    traces = {(rate, seed): workload(spec, num_requests, seed, rate) for rate in rates for seed in range(seeds)}
+    tasks = []  # the table's order, policy by policy: by rate, then by seed
+    for p in policies:
+        for rate in rates:
+            for seed in range(seeds):
                 cfg = dataclasses.replace(base, policy=p, policy_options=(options or {}).get(p, {}), seed=seed)
-                tasks.append((cfg, trace, rate))
+                tasks.append((cfg, traces[rate, seed], rate))
     return pd.DataFrame(run_tasks(_one_run, tasks, jobs, None if on_result is None else (lambda i, r: on_result(r)),
                                   executor, address))
 
@@ -96,8 +97,9 @@ def _one_run(cfg: SimConfig, trace: Trace, rate: float) -> dict:
     clients, fairness = per_client(res.requests, cfg.slo_ttft, cfg.slo_tpot)
     return {"policy": cfg.policy, "rate": rate, "seed": cfg.seed, "requests": s["num_requests"],
             "rejected": s["num_rejected"], "throughput": s["request_throughput"],
-            "mean_normalized_latency": s["mean_normalized_latency"], "ttft_mean": s["ttft"]["mean"],
-            "ttft_p90": s["ttft"]["p90"], "e2e_mean": s["e2e_latency"]["mean"], "goodput": s["goodput"],
+            "mean_normalized_latency": headline_mean_normalized_latency(s),
+            "ttft_mean": headline_latency(s, "ttft")["mean"], "ttft_p90": headline_latency(s, "ttft")["p90"],
+            "e2e_mean": headline_latency(s, "e2e_latency")["mean"], "goodput": s["goodput"],
             "slo_attainment": s["slo_attainment"],
             "min_client_attainment": float(clients.slo_attainment.min()) if len(clients) else float("nan"),
             "jain_service": fairness["jain_service"], "max_service_gap": fairness["max_service_gap"],
@@ -105,31 +107,23 @@ def _one_run(cfg: SimConfig, trace: Trace, rate: float) -> dict:
 
 
 def summary_table(table: pd.DataFrame) -> pd.DataFrame:
-    """Mean and 95% confidence half-width (t distribution over seeds) per (policy, rate)."""
-    from scipy import stats  # deferred: scipy is slow to import and only the summary needs it
-
-    rows = []
-    for (policy, rate), g in table.groupby(["policy", "rate"], sort=False):
-        row: dict[str, Any] = {"policy": policy, "rate": rate, "seeds": len(g)}
-        for m in METRICS:
-            x = g[m].dropna().to_numpy(float)
-            row[m] = float(x.mean()) if len(x) else float("nan")
-            half = stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x)) if len(x) > 1 else float("nan")
-            row[f"{m}_ci95"] = float(half)
-        rows.append(row)
-    return pd.DataFrame(rows)
+    """Mean and 95% interval over seeds per (policy, rate) of each figure metric (analysis.seeds.ci_table:
+    the interval the figure draws, bounded where the metric is)."""
+    return ci_table(table, ["policy", "rate"], list(METRICS))
 
 
 def policy_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
-    """One panel per metric against rate, a line per policy, 95% CI bands across seeds."""
+    """One panel per metric against rate, a line per policy: with seeds, the mean and its 95% interval
+    (the one policies_summary.csv gives)."""
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (metric, label) in zip(axes.flat, METRICS.items()):
-        sns.lineplot(data=table, x="rate", y=metric, hue="policy", marker="o", errorbar=("ci", 95), ax=ax,
-                     legend=ax is axes.flat[0])
+        for policy, g in table.groupby("policy", sort=False):
+            rate_line(ax, g, metric, policy)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(label)
-        if metric == "mean_normalized_latency":
+        if metric == "mean_normalized_latency" and (table[metric] > 0).all():
             ax.set_yscale("log")
+    axes.flat[0].legend()
     fig.suptitle(title)
     return save_figure(fig, path, dpi=110)
 
@@ -165,7 +159,9 @@ def policy_report(study: PolicyStudy, table: pd.DataFrame) -> Report:
     report.table("policies.csv", table)
     report.table("policies_summary.csv", summary_table(table))
     report.figure("policies.png", lambda path: policy_plot(
-        table, path, f"{study.spec}, {study.num_requests} requests, {study.title}; "
-                     f"95% CI over {study.seeds} seeds"))
+        table, path, f"{study.spec}, {study.num_requests} requests, {study.title}" + seeds_note(study.seeds)))
+    note = few_seeds_note(study.seeds)
+    if note:
+        warnings.warn(note, stacklevel=2)
     report.wrote("policies.csv", "policies_summary.csv", "policies.png")
     return report

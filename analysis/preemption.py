@@ -20,6 +20,7 @@ import pandas as pd
 
 from analysis.plots import save_figure
 from analysis.report import Report
+from policies.metrics import headline_mean_normalized_latency
 from policies.plan import StepComposition
 from sim.cost_model import RooflineCostModel
 from sim.run import SimConfig, run_simulation
@@ -58,7 +59,7 @@ def end_to_end(trace: Trace, base: SimConfig, block_sizes: Sequence[int] = BLOCK
         for mode in ("recompute", "swap"):
             cfg = dataclasses.replace(base, policy="vllm", block_size=bs, preemption=mode)
             s = run_simulation(cfg, trace).summary
-            row = {"block_size": bs, "preemption": mode, "mean_normalized_latency": s["mean_normalized_latency"],
+            row = {"block_size": bs, "preemption": mode, "mean_normalized_latency": headline_mean_normalized_latency(s),
                    "preemptions": s["num_preemptions"], "throughput": s["request_throughput"],
                    "finished": s["num_finished"], "rejected": s["num_rejected"]}
             rows.append(row)

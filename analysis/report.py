@@ -32,6 +32,12 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("first arrival to last finish (s)", "duration_s", "{:,.1f}"),
     ("wall time (s)", "wall_time_s", "{:.2f}"),
 )
+# shown when a run has client latencies (a cost model with client terms): after the server's TTFT...
+CLIENT_ROWS: tuple[tuple[str, str, str], ...] = (
+    ("client TTFT mean / p90 (s)", "client_ttft.mean|client_ttft.p90", "{:.3f}"),
+    ("client TPOT mean / p90 (s)", "client_tpot.mean|client_tpot.p90", "{:.4f}"),
+    ("client e2e latency mean / p90 (s)", "client_e2e_latency.mean|client_e2e_latency.p90", "{:.2f}"),
+)
 
 
 def _get(summary: dict[str, Any], path: str) -> Any:
@@ -54,14 +60,24 @@ def _cell(summary: dict[str, Any], paths: str, fmt: str) -> str:
 def summary_table(summaries: dict[str, dict[str, Any]]) -> str:
     """Summaries side by side, one column per run."""
     names = list(summaries)
-    label_w = max(len(r[0]) for r in ROWS)
-    cells = [[_cell(summaries[n], path, fmt) for n in names] for _, path, fmt in ROWS]
+    rows = _rows(summaries.values())
+    label_w = max(len(r[0]) for r in rows)
+    cells = [[_cell(summaries[n], path, fmt) for n in names] for _, path, fmt in rows]
     widths = [max(len(n), *(len(row[i]) for row in cells)) for i, n in enumerate(names)]
     lines = ["  ".join([" " * label_w] + [n.rjust(w) for n, w in zip(names, widths)])]
     lines.append("  ".join(["-" * label_w] + ["-" * w for w in widths]))
-    for (label, _, _), row in zip(ROWS, cells):
+    for (label, _, _), row in zip(rows, cells):
         lines.append("  ".join([label.ljust(label_w)] + [c.rjust(w) for c, w in zip(row, widths)]))
     return "\n".join(lines)
+
+
+def _rows(summaries: Iterable[dict[str, Any]]) -> tuple[tuple[str, str, str], ...]:
+    """ROWS, with the client's latencies after the server's e2e row when a run has them (goodput,
+    judged on them, then says so)."""
+    if not any("client_ttft" in s for s in summaries):
+        return ROWS
+    at = [r[1] for r in ROWS].index("goodput")
+    return (*ROWS[:at], *CLIENT_ROWS, ("goodput, client latencies (req/s)", "goodput", "{:.3f}"), *ROWS[at + 1:])
 
 
 def rejection_lines(requests: pd.DataFrame, examples: int = 1) -> list[str]:

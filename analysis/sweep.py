@@ -14,6 +14,7 @@ from analysis.plots import latency_vs_rate, memory_breakdown
 from analysis.rate_study import RateStudy
 from analysis.report import Report
 from analysis.seeds import seeded, seeded_report, seeds_note
+from policies.metrics import headline_latency, headline_mean_normalized_latency
 from policies.registry import PAGED_ONLY_DEFAULTS
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
@@ -60,9 +61,11 @@ def _sweep_run(cfg: SimConfig, timed: Trace, rate: float, with_memory: bool,
 
 def headline(s: dict) -> dict:
     """The numbers a sweep row keeps from a run's summary."""
-    return {"throughput": s["request_throughput"], "mean_normalized_latency": s["mean_normalized_latency"],
-            "ttft_mean": s["ttft"]["mean"], "ttft_p90": s["ttft"]["p90"], "tpot_p90": s["tpot"]["p90"],
-            "e2e_p90": s["e2e_latency"]["p90"], "goodput": s["goodput"], "preemptions": s["num_preemptions"],
+    ttft = headline_latency(s, "ttft")
+    return {"throughput": s["request_throughput"], "mean_normalized_latency": headline_mean_normalized_latency(s),
+            "ttft_mean": ttft["mean"], "ttft_p90": ttft["p90"], "tpot_p90": headline_latency(s, "tpot")["p90"],
+            "e2e_p90": headline_latency(s, "e2e_latency")["p90"], "goodput": s["goodput"],
+            "preemptions": s["num_preemptions"],
             "rejected": s["num_rejected"], "kv_token_state_fraction": s["kv_token_state_fraction"],
             "mean_batched_seqs": s["mean_batched_seqs"], "prefix_hit_tokens": s["prefix_hit_tokens"],
             "wall_s": s["wall_time_s"]}

@@ -17,8 +17,11 @@ import argparse
 import dataclasses
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from analysis.bench_settings import server_options
+from analysis.measurement_formats import read_settings
 from analysis.parallel import EXECUTORS, Workers
 from analysis.seeds import seed_workloads
 from pagesim.argtypes import (
@@ -177,6 +180,26 @@ def workers(args: argparse.Namespace) -> Workers:
     return Workers(args.jobs, getattr(args, "executor", "process"), getattr(args, "ray_address", None))
 
 
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The server settings `vllm bench serve` result files do not record (analysis/bench_settings.py)."""
+    g = p.add_argument_group("server settings of `vllm bench serve` result files (they record none; also read from "
+                             "<result>.server.json beside each file)")
+    g.add_argument("--server-settings", metavar="FILE", help="a JSON object of vLLM argument names: "
+                   "tensor_parallel_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, "
+                   "max_model_len, gpu_memory_utilization, block_size, hardware")
+    g.add_argument("--tp", type=positive_int, help="the server's tensor_parallel_size")
+    g.add_argument("--max-num-seqs", type=positive_int)
+    g.add_argument("--max-num-batched-tokens", type=positive_int)
+    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--max-model-len", type=positive_int)
+
+
+def server_settings(args: argparse.Namespace) -> dict[str, Any]:
+    file = read_settings(Path(args.server_settings)) if args.server_settings else None
+    return server_options(args.tp, args.max_num_seqs, args.max_num_batched_tokens, args.prefix_caching,
+                          args.max_model_len, file)
+
+
 def add_seeds_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=positive_int, default=1,
                    help="repeat the study with seeds --seed, --seed+1, ...: each re-draws a synthetic workload and "
@@ -282,8 +305,13 @@ def study_workloads(args: argparse.Namespace, draw: Callable[[int], Trace] | Non
 
 
 def study_title(args: argparse.Namespace) -> str:
-    """What a study's cost model prices, for its header and figure titles."""
-    return f"{args.model}, profile {args.profile}" if args.profile else f"{args.model} on {args.hardware}"
+    """What a study's cost model prices, for its header and figure titles; a calibration's client
+    terms make every latency and SLO figure the client's (policies/client_latency.py), which it says."""
+    if getattr(args, "profile", None):
+        return f"{args.model}, profile {args.profile}"
+    calibration = getattr(args, "calibration", None)
+    where = f"{args.model} on {args.hardware}"
+    return f"{where}, calibration {calibration} (client-side latencies)" if calibration else where
 
 
 def require_backend():

@@ -30,12 +30,13 @@ class RowPrinter:
 
 
 def write_report(report: Report, out: str | Path | None) -> None:
-    """Write the report's files into `out` (made if missing), then print its lines. Without `out`
-    (an optional --out not given) nothing is written and the lines naming written files are left out."""
+    """Write the report's files into `out` (made if missing; a name may hold subfolders, made too),
+    then print its lines. Without `out` (an optional --out not given) nothing is written and the
+    lines naming written files are left out."""
     folder = None if out is None else Path(out)
     if folder is not None and report.files:
-        folder.mkdir(parents=True, exist_ok=True)
         for name, write in report.files.items():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
             write(folder / name)
     for line in report.lines:
         if not isinstance(line, Wrote):

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import numpy as np
 import pandas as pd
 
+from policies.client_latency import has_client_latencies
 from policies.memory import MemoryBreakdown
 from policies.plan import StepComposition
 from policies.request import SequenceGroup
@@ -143,16 +144,25 @@ def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
     })
 
 
+def latency_column(requests: pd.DataFrame, name: str) -> str:
+    """The column SLOs and headline figures judge latency `name` (ttft, tpot, e2e_latency,
+    normalized_latency) by: the client's (client_<name>) when the run has client latencies, else the
+    server's."""
+    client = f"client_{name}"
+    return client if client in requests.columns else name
+
+
 def meets_slo(requests: pd.DataFrame, slo_ttft: float | None = None, slo_tpot: float | None = None) -> pd.Series:
     """Per request: finished within its own SLO class (columns slo_ttft / slo_tpot where set), else
-    within the run's SLOs (None: no target)."""
+    within the run's SLOs (None: no target). Judged on the client's latencies when the table has
+    them (`latency_column`)."""
     ok = requests.status == "finished"
     for col, default in (("ttft", slo_ttft), ("tpot", slo_tpot)):
         target = requests[f"slo_{col}"] if f"slo_{col}" in requests else pd.Series(np.nan, index=requests.index)
         if default is not None:
             target = target.fillna(default)
         has = target.notna()
-        value = requests[col]
+        value = requests[latency_column(requests, col)]
         met = (value <= target) | (value.isna() if col == "tpot" else False)
         ok &= ~has | met
     return ok
@@ -173,7 +183,9 @@ def per_client(requests: pd.DataFrame, slo_ttft: float | None = None, slo_tpot: 
     index over the service each received there (`jain_service`: the mean over such slices; NaN when
     no slice has two) and the largest difference between two of them (`max_service_gap`). Fairness
     of service is what a fair scheduler (VTC) equalizes among clients that compete for the engine;
-    totals over the run would measure demand instead, equal under every policy."""
+    totals over the run would measure demand instead, equal under every policy. Latencies are the
+    client's when the table has them."""
+    ttft, e2e = latency_column(requests, "ttft"), latency_column(requests, "e2e_latency")
     r = requests.assign(client=requests.client.fillna("").astype(str) if "client" in requests else "")
     ok = meets_slo(r, slo_ttft, slo_tpot)
     fin = r.status == "finished"
@@ -188,8 +200,8 @@ def per_client(requests: pd.DataFrame, slo_ttft: float | None = None, slo_tpot: 
         rows.append({"client": client, "requests": len(g), "finished": int(g._fin.sum()),
                      "rejected": int((~g._fin).sum()), "slo_attainment": float(g._ok.mean()),
                      "goodput": float(g._ok.sum()) / span, "service": float(g._service.sum()),
-                     "ttft_mean": float(done.ttft.mean()) if len(done) else float("nan"),
-                     "e2e_mean": float(done.e2e_latency.mean()) if len(done) else float("nan")})
+                     "ttft_mean": float(done[ttft].mean()) if len(done) else float("nan"),
+                     "e2e_mean": float(done[e2e].mean()) if len(done) else float("nan")})
     table = pd.DataFrame(rows)
     jains, gap = [], 0.0
     if len(table) > 1 and fin.any():
@@ -284,8 +296,39 @@ def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float 
         "kv_token_state_fraction": time_avg(kv.kv_token_states / allocated.clip(lower=1)),
         "kv_usage": time_avg(allocated / total.clip(lower=1)),
         "prefix_hit_tokens": int(requests.prefix_hit_tokens.sum()),
+        **_client_latency_summary(done),
         **_client_summary(requests, slo_ttft, slo_tpot),
     }
+
+
+def _client_latency_summary(done: pd.DataFrame) -> dict:
+    """The client's latencies beside the server's, when the run has them (a cost model with client
+    terms: policies/client_latency.py); and which ones SLO attainment and goodput judged."""
+    if not has_client_latencies(done):
+        return {}
+    return {"client_ttft": _stats(done.client_ttft), "client_tpot": _stats(done.client_tpot),
+            "client_e2e_latency": _stats(done.client_e2e_latency),
+            "client_normalized_latency": _stats(done.client_normalized_latency),
+            "client_mean_normalized_latency": float(done.client_normalized_latency.mean()) if len(done) else float(
+                "nan"),
+            "latency_basis": "client: ttft, tpot, e2e_latency are the server's; client_* add the cost model's "
+                             "client terms; slo_attainment, goodput and per_client use client_*"}
+
+
+def headline_latency(summary: dict, name: str) -> dict[str, float]:
+    """A run summary's stats of latency `name` (ttft, tpot, e2e_latency, normalized_latency) as
+    studies report them: the client's when the run has them, else the server's."""
+    return summary.get(f"client_{name}", summary[name])
+
+
+def headline_mean_normalized_latency(summary: dict) -> float:
+    """`headline_latency`'s rule for the mean normalized latency."""
+    return summary.get("client_mean_normalized_latency", summary["mean_normalized_latency"])
+
+
+def latency_basis(summary: dict) -> str:
+    """'client' when a run summary's headline latencies are the client's, else 'server'."""
+    return "client" if "client_ttft" in summary else "server"
 
 
 def _client_summary(requests: pd.DataFrame, slo_ttft: float | None, slo_tpot: float | None) -> dict:

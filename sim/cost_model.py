@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from policies.client_latency import ClientTerms
 from policies.plan import StepComposition
 from sim.moe import LayerShapes, distinct_experts_table
 from sim.specs import HardwareSpec, ModelSpec
@@ -32,6 +33,11 @@ class CostModel(ABC):
     @abstractmethod
     def swap_time(self, num_blocks: int, block_size: int) -> float:
         """Seconds to move `num_blocks` KV blocks of `block_size` tokens between CPU and GPU."""
+
+    def client_terms(self) -> ClientTerms | None:
+        """What a client measures beyond this model's server times (policies/client_latency.py), or
+        None: the model prices the server only, and runs report server latencies alone."""
+        return None
 
     def decode_step_time(self, num_seqs: int, context_tokens: int) -> float:
         """`step_time` of one pure-decode iteration (subclasses may skip building the composition)."""

@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 import simpy
 
+from policies.client_latency import ClientTerms, client_columns, client_timestamps, sent_known
 from policies.metrics import request_frame, summarize
 from policies.request import Request, SamplingParams, SequenceGroup
 from policies.router import LeastLoadedRouter, Router
@@ -126,6 +127,7 @@ def run_disaggregated(cfg: SimConfig, trace: Trace, cost_model: CostModel | None
         iterations = pd.concat([r.log.frame().assign(pool="prefill", replica=r.index) for r in prefill]
                                + [r.log.frame().assign(pool="decode", replica=r.index) for r in decode],
                                ignore_index=True)
+        requests = _client_view(requests, iterations, prefill, cost.client_terms())
         summary = summarize(requests, iterations, cfg.slo_ttft, cfg.slo_tpot)
     moved = requests.transfer_s.dropna()
     summary.update(num_gpu_blocks=gpu_blocks, num_cpu_blocks=cpu_blocks,
@@ -138,6 +140,25 @@ def run_disaggregated(cfg: SimConfig, trace: Trace, cost_model: CostModel | None
         "decode_recomputed_tokens": int(requests.decode_recomputed_tokens.sum()),
     }
     return SimResult(requests, iterations, summary, cfg)
+
+
+def _client_view(requests: pd.DataFrame, iterations: pd.DataFrame, prefill: list[Replica],
+                 terms: ClientTerms | None) -> pd.DataFrame:
+    """The client's latencies: the first token sent after the iterations of the prefill replica that
+    made it, the last after the decode replica's (a single output token: the prefill replica's)."""
+    if terms is None:
+        return requests
+    first, last = client_timestamps(requests, None, 0.0)
+    if terms.output_lag_steps > 0:
+        lag, empty = terms.output_lag_steps, iterations.iloc[:0]
+        pools = dict(tuple(iterations.groupby("pool")))
+        origin = {g.request.request_id: r.index for r in prefill for g in r.scheduler.done}
+        made_on = requests.request_id.map(origin).to_numpy()
+        decoded = requests.decode_replica.notna().to_numpy()
+        first = sent_known(first, pools.get("prefill", empty), lag, made_on)
+        last = np.where(decoded, sent_known(last, pools.get("decode", empty), lag, requests.decode_replica.to_numpy()),
+                        sent_known(last, pools.get("prefill", empty), lag, made_on))
+    return client_columns(requests, first, last, terms)
 
 
 def _check(cfg: SimConfig) -> tuple[int, int]:

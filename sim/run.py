@@ -8,7 +8,7 @@ import dataclasses
 import gc
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 import simpy
 
+from policies.client_latency import ClientTerms, with_client_latencies
 from policies.metrics import request_frame, summarize
 from policies.registry import make_scheduler, scheduler_options
 from policies.request import Request, SamplingParams
@@ -224,6 +225,16 @@ def build_cost_model(cfg: SimConfig) -> CostModel:
     return ProfiledCostModel.from_profile(profile, sim_block_size=cfg.block_size)
 
 
+def run_client_terms(cost_models: Iterable[CostModel]) -> ClientTerms | None:
+    """The client terms of a run's cost models (one per kind of hardware), None when they carry none.
+    Replicas priced by models with different client terms are refused: one client measures a run."""
+    terms = {m.client_terms() for m in cost_models}
+    if len(terms) > 1:
+        raise ValueError(f"the run's cost models carry different client terms ({sorted(map(str, terms))}); "
+                         "one client measures a run")
+    return terms.pop() if terms else None
+
+
 def _spec_name(model: str) -> str:
     try:
         return get_model(model).name
@@ -303,6 +314,7 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
         requests, iterations = _tables(replicas)
         if len(requests) != len(feed.requests):
             raise AssertionError(f"{len(feed.requests)} requests in, {len(requests)} out")
+        requests = with_client_latencies(requests, iterations, run_client_terms(costs.values()))
         summary = summarize(requests, iterations, cfg.slo_ttft, cfg.slo_tpot)
     summary["num_gpu_blocks"] = gpu_blocks
     summary["num_cpu_blocks"] = cpu_blocks

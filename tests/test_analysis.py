@@ -202,3 +202,18 @@ def test_columns_widen_to_the_longest_name_so_plug_in_routers_stay_aligned():
     # short names keep the default width; other columns are untouched
     assert cols.widened("router", ["vllm"]).header() == cols.header()
     assert cols.widened("rate", ["x" * 9]).row({"router": "a", "rate": 1.0}).endswith("     1.00")
+
+
+def _sleep_then(k: int, seconds: float) -> int:
+    import time
+    time.sleep(seconds)
+    return k
+
+
+def test_run_tasks_reports_in_task_order_whatever_finishes_first():
+    from analysis.parallel import run_tasks
+    seen = []
+    # the first task finishes last: its row still comes first, the others right after it
+    results = run_tasks(_sleep_then, [(0, 0.6), (1, 0.0), (2, 0.0), (3, 0.0)], jobs=2,
+                        on_done=lambda i, r: seen.append((i, r)))
+    assert results == [0, 1, 2, 3] and seen == [(0, 0), (1, 1), (2, 2), (3, 3)]

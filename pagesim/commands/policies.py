@@ -9,7 +9,7 @@ from typing import Any
 from analysis import policy_study
 from analysis.policy_study import PolicyStudy, policy_report, run_policy_study
 from pagesim.argtypes import out_dir, positive_float, positive_int, rate
-from pagesim.cli_args import add_executor_args, workers
+from pagesim.cli_args import add_executor_args, study_title, workers
 from pagesim.report_writer import write_report
 from policies.registry import parse_policy_args
 from sim.run import SimConfig
@@ -66,13 +66,13 @@ def study(args: argparse.Namespace) -> PolicyStudy:
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, calibration=args.calibration)
     return PolicyStudy(args.trace, args.num_requests, base, args.policies, args.rates, args.seeds, options,
-                       workers(args), f"{args.model} on {args.hardware}")
+                       workers(args), study_title(args))
 
 
 def command(args: argparse.Namespace) -> int:
     s = study(args)
     print(f"policies: {args.num_requests} requests of {args.trace} x {len(args.rates)} rates x {args.seeds} seeds, "
-          f"{', '.join(args.policies)}, {args.model} on {args.hardware}")
+          f"{', '.join(args.policies)}, {s.title}")
     print(f"{'policy':<12} {'rate':>6} {'seed':>4} {'req/s':>7} {'norm lat':>9} {'TTFT p90':>9} {'SLO ok':>7} "
           f"{'Jain':>6} {'wall s':>7}")
     write_report(policy_report(s, run_policy_study(s, on_row=print_row)), args.out)
