@@ -39,6 +39,8 @@ import numpy as np
 from backend.text_tokens import ByteChunkTokenizer, load_tokenizer, output_vocabulary
 from pagesim.argtypes import fraction, non_negative_float, non_negative_int, positive_float, positive_int
 from pagesim.cli_args import sim_config
+from policies.client_latency import ClientTerms
+from sim.cost_model import CostModel
 from sim.emulated import EmulatedExecutor, OutputLengthModel, PacedClock
 from sim.run import build_cost_model, num_blocks_for, replica_scheduler
 from sim.specs import get_model
@@ -189,15 +191,12 @@ def build_replicas(args: argparse.Namespace) -> list[Replica]:
     return replicas
 
 
-def _client_terms(args: argparse.Namespace, cost) -> tuple[float, int]:
-    """(--frontend-delay in emulated seconds, --output-lag-steps): given, or the calibration's."""
-    params = getattr(cost, "params", None)  # a calibrated cost model's CalibrationParams
-    frontend = args.frontend_delay
-    if frontend is None:
-        frontend = float(getattr(params, "client_ttft_s", 0.0))
-    lag = args.output_lag_steps
-    if lag is None:
-        lag = round(float(getattr(params, "client_output_lag_steps", 0.0)))
+def _client_terms(args: argparse.Namespace, cost: CostModel) -> tuple[float, int]:
+    """(--frontend-delay in emulated seconds, --output-lag-steps): given, or the cost model's client
+    terms (a calibration's; none for a profile: 0 and 0)."""
+    terms = cost.client_terms() or ClientTerms()
+    frontend = terms.ttft_s if args.frontend_delay is None else args.frontend_delay
+    lag = round(terms.output_lag_steps) if args.output_lag_steps is None else args.output_lag_steps
     args.frontend_delay, args.output_lag_steps = frontend, lag  # as run: the summary's config says so
     return frontend, lag
 
