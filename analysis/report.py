@@ -68,6 +68,8 @@ def summary_table(summaries: dict[str, dict[str, Any]]) -> str:
     lines.append("  ".join(["-" * label_w] + ["-" * w for w in widths]))
     for (label, _, _), row in zip(rows, cells):
         lines.append("  ".join([label.ljust(label_w)] + [c.rjust(w) for c, w in zip(row, widths)]))
+    if any(s.get("num_requests") and s.get("goodput", 0) is None for s in summaries.values()):
+        lines.append("(goodput '-': no SLO given (--slo-ttft, --slo-tpot), so there is nothing to count it against)")
     return "\n".join(lines)
 
 

@@ -107,16 +107,17 @@ def _numeric(column: pd.Series) -> bool:
     return len(values) > 0 and pd.to_numeric(values, errors="coerce").notna().all()
 
 
-def rate_line(ax: Any, data: pd.DataFrame, y: str, label: str, x: str = "rate") -> None:
+def rate_line(ax: Any, data: pd.DataFrame, y: str, label: str, x: str = "rate", **style: Any) -> None:
     """One line of `y` against `x`: with a seed column, the mean over seeds and its 95% interval as a
-    band (`mean_interval`, the interval the summary table gives); without, the points as they are."""
+    band (`mean_interval`, the interval the summary table gives); without, the points as they are.
+    `style`: matplotlib line properties (color, linestyle)."""
     if "seed" not in data:
-        ax.plot(data[x], data[y], marker="o", label=label)
+        ax.plot(data[x], data[y], marker="o", label=label, **style)
         return
     bounds = metric_bounds(y, _values(data[y]))
     points = [(at, *mean_interval(_values(g[y]).astype(float), bounds)) for at, g in data.groupby(x, sort=True)]
     xs, means, lows, highs = (np.array(v, dtype=float) for v in zip(*points))
-    line, = ax.plot(xs, means, marker="o", label=label)
+    line, = ax.plot(xs, means, marker="o", label=label, **style)
     ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.2, linewidth=0)
 
 

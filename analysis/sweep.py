@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from analysis.parallel import run_tasks
-from analysis.plots import latency_vs_rate, memory_breakdown
+from analysis.plots import latency_vs_rate, memory_breakdown, serving_panels
 from analysis.rate_study import RateStudy
 from analysis.report import Report
 from analysis.seeds import seeded, seeded_report, seeds_note
@@ -63,7 +63,8 @@ def headline(s: dict) -> dict:
     """The numbers a sweep row keeps from a run's summary."""
     ttft = headline_latency(s, "ttft")
     return {"throughput": s["request_throughput"], "mean_normalized_latency": headline_mean_normalized_latency(s),
-            "ttft_mean": ttft["mean"], "ttft_p90": ttft["p90"], "tpot_p90": headline_latency(s, "tpot")["p90"],
+            "ttft_mean": ttft["mean"], "ttft_p50": ttft["p50"], "ttft_p90": ttft["p90"],
+            "tpot_p50": headline_latency(s, "tpot")["p50"], "tpot_p90": headline_latency(s, "tpot")["p90"],
             "e2e_p90": headline_latency(s, "e2e_latency")["p90"], "goodput": s["goodput"],
             "preemptions": s["num_preemptions"],
             "rejected": s["num_rejected"], "kv_token_state_fraction": s["kv_token_state_fraction"],
@@ -113,10 +114,12 @@ def sweep_report(result: SweepTables) -> Report:
     report = seeded_report(table, "sweep.csv", ["policy", "rate"], "mean_normalized_latency")
     report.figure("latency_vs_rate.png", lambda path: latency_vs_rate(
         table, path, f"{study.trace.name}, {study.title}" + seeds_note(study.seeds)))
+    report.figure("serving.png", lambda path: serving_panels(
+        table, path, f"{study.trace.name}, {study.title}" + seeds_note(study.seeds)))
     report.figure("memory_breakdown.png", lambda path: memory_breakdown(
         result.memory, path, f"KV memory at {max(study.rates)} req/s"))
     best = max_sustainable_rate(table, study.latency_limit)
     report.say(f"\nhighest swept rate with mean normalized latency <= {study.latency_limit} s/token: "
                + ", ".join(f"{p} {r:g}" for p, r in best.items()))
-    report.wrote("sweep.csv", "latency_vs_rate.png", "memory_breakdown.png")
+    report.wrote("sweep.csv", "latency_vs_rate.png", "serving.png", "memory_breakdown.png")
     return report

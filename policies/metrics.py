@@ -257,12 +257,14 @@ def _stats(x: pd.Series) -> dict[str, float]:
 def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float | None = None,
               slo_tpot: float | None = None) -> dict:
     """The headline numbers. Throughput is over the span from the first arrival to the last
-    finish; goodput counts finished requests meeting both SLOs (when given)."""
+    finish; goodput counts finished requests meeting both SLOs (null when no SLO applies)."""
     done = requests[requests.status == "finished"]
     start = float(requests.arrival.min()) if len(requests) else 0.0
     end = float(done.finish_time.max()) if len(done) else start
     span = max(end - start, 1e-12)
     ok = done[meets_slo(done, slo_ttft, slo_tpot)]
+    has_slo = slo_ttft is not None or slo_tpot is not None or any(
+        c in requests and requests[c].notna().any() for c in ("slo_ttft", "slo_tpot"))
     busy = float(iterations.duration.sum()) if len(iterations) else 0.0
     weights = iterations.duration if busy else None
     kv = iterations[["kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag", "kv_free"]]
@@ -285,9 +287,12 @@ def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float 
         "e2e_latency": _stats(done.e2e_latency),
         "normalized_latency": _stats(done.normalized_latency),
         "mean_normalized_latency": float(done.normalized_latency.mean()) if len(done) else float("nan"),
-        "goodput": len(ok) / span,
-        # the share of all requests (rejected ones count as missing) that finished within the SLOs
-        "slo_attainment": len(ok) / len(requests) if len(requests) else float("nan"),
+        # finished requests within the SLOs per second, and their share of all requests (rejected ones
+        # count as missing); null when no SLO applies (none given, no request of an SLO class), where
+        # they would only repeat the throughput and the finished fraction
+        "goodput": len(ok) / span if has_slo else None,
+        "slo_attainment": (len(ok) / len(requests) if len(requests) else float("nan")) if has_slo else None,
+        "finished_fraction": len(done) / len(requests) if len(requests) else float("nan"),
         "slo": {"ttft": slo_ttft, "tpot": slo_tpot},
         "num_preemptions": int(requests.num_preemptions.sum()),
         "num_iterations": len(iterations),
