@@ -110,9 +110,9 @@ def serving_panels(table: pd.DataFrame, path: str | Path, title: str = "", by: s
     handles += [plt.Line2D([], [], color="0.3"), plt.Line2D([], [], color="0.3", linestyle=":"),
                 plt.Line2D([], [], color="0.3", linewidth=1, alpha=0.6)]
     labels += ["p50", "p90", f"saturation (throughput < {SATURATED:.0%} of offered)"]
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 7), frameon=False)
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
     fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)

@@ -283,7 +283,7 @@ def run_validation(trace: Any, cfg: Any, out: str | Path, live: Any = None, live
                    given_profile_validation=given_summary)
     (out / "validation.json").write_text(json.dumps(summary, indent=1) + "\n")
     validation_plot(live_requests, sim.requests, out / "validation.png",
-                    f"{trace.name}, {len(trace)} requests, {cfg.policy}: live vs simulated ({decision.path})")
+                    f"{trace.name}, {len(trace)} requests, {cfg.policy}: live vs simulated ({Path(decision.path).stem})")
     return result
 
 

@@ -13,6 +13,15 @@ done, rejected by the scheduler, or aborted.
 
 Per-request timestamps and per-iteration rows are recorded as `backend.replay.serve` records them, so
 `tables()` gives the same requests / iterations tables as `pagesim live`.
+
+Time comes from a `StepClock`: `WallClock` (the default) measures each iteration on the wall clock;
+an emulated engine (`pagesim serve --emulate`, sim.emulated.PacedClock) plans each one from the
+executor's priced duration and waits for the wall clock to get there before releasing its tokens.
+The replica's executor holds no scheduler and is told about a served request only through its two
+hooks (`ServedExecutor`: `register` before the scheduler sees it, `release` once it has ended):
+`LiveExecutor` or sim.emulated.EmulatedExecutor, both built through policies.replica_config.build_replica. With `output_lag_steps` k > 0 a step's outputs are held until k more
+steps have ended (vLLM V1 sends a step's outputs while the next one runs), and sent at once when
+the engine has nothing left to run or a request ends early.
 """
 
 from __future__ import annotations
@@ -22,16 +31,18 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import pandas as pd
 
-from backend.live_executor import LiveExecutor
 from policies.metrics import request_frame
+from policies.plan import StepResult
 from policies.request import Request, Sequence, SequenceGroup
 from policies.scheduler import Scheduler
-from policies.step import ReplicaStep
+from policies.step import ReplicaStep, ServedExecutor
 
 
 @dataclass
@@ -56,6 +67,49 @@ class EngineRequest:
     sink: Callable[[RequestOutput], None]
     stop: tuple[str, ...] = ()
     seed: int | None = None
+
+
+class StepClock(Protocol):
+    """Engine time, and when iterations start, end and release their tokens."""
+
+    def start(self) -> None: ...          # time 0 is now
+
+    def now(self) -> float: ...           # engine seconds since start
+
+    def begin(self, now: float, newest_arrival: float) -> float: ...  # the next iteration's start
+
+    def end(self, start: float, result: StepResult) -> float: ...     # its end (may set result.duration)
+
+    def idle(self) -> None: ...           # nothing ran at the last begin
+
+    def wait(self, end: float, step: float) -> float: ...  # block until its tokens may go out; the lag
+
+
+class WallClock:
+    """The live loop's clock: engine time is wall time; an iteration lasts what it measured."""
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def begin(self, now: float, newest_arrival: float) -> float:
+        return now
+
+    def end(self, start: float, result: StepResult) -> float:
+        end = self.now()
+        result.duration = end - start  # measured: the model, scheduling and bookkeeping
+        return end
+
+    def idle(self) -> None:
+        return
+
+    def wait(self, end: float, step: float) -> float:
+        return 0.0
 
 
 class EngineObserver:
@@ -85,16 +139,20 @@ class _Live:
 
 
 class AsyncEngine:
-    """Owns a live replica (a scheduler and a LiveExecutor) and steps it in a thread; see the
-    module docstring. It tells the executor about a request only through `register` / `release`.
+    """Owns a served replica (a scheduler and a ServedExecutor: live or emulated) and steps it in a
+    thread; see the module docstring. It tells the executor about a request only through
+    `register` / `release`.
     Invariant: every request submitted is, once the engine has stopped, in `scheduler.done`."""
 
     def __init__(self, replica: ReplicaStep, tokenizer=None, observer: EngineObserver | None = None,
-                 debug: bool = False) -> None:
+                 debug: bool = False, clock: StepClock | None = None, output_lag_steps: int = 0) -> None:
         self.replica = replica
         self.scheduler: Scheduler = replica.scheduler
-        self.executor: LiveExecutor = replica.executor
+        self.executor: ServedExecutor = replica.executor
         self.tokenizer = tokenizer
+        self.timing: StepClock = clock or WallClock()
+        self.output_lag_steps = output_lag_steps
+        self._held: deque[list[tuple[Callable, RequestOutput]]] = deque()  # outputs of the last steps, unsent
         self.observer = observer or EngineObserver()
         self.debug = debug  # check the block pool after every step
         self.log = self.replica.log
@@ -104,20 +162,20 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._count_lock = threading.Lock()
         self._outstanding = 0
-        self._t0 = time.perf_counter()
+        self._newest_arrival = 0.0  # of the requests added so far: no iteration starts before it
         self._stopping: bool | None = None  # None: serving; True: drain then stop; False: abort all and stop
         self._thread = threading.Thread(target=self._run, name="pagesim-engine", daemon=True)
 
     # ---------------------------------------------------------------- caller side (any thread)
     def clock(self) -> float:
-        """Seconds since the engine was made: the time base of every timestamp it records."""
-        return time.perf_counter() - self._t0
+        """Engine seconds since the engine started: the time base of every timestamp it records."""
+        return self.timing.now()
 
     def new_request_id(self) -> int:
         return next(self._ids)
 
     def start(self) -> None:
-        self._t0 = time.perf_counter()
+        self.timing.start()
         self._thread.start()
 
     def submit(self, req: EngineRequest) -> None:
@@ -161,6 +219,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
+                if not self.scheduler.has_unfinished():
+                    self._flush()  # idle: nothing follows that a held output would wait for
                 self._read_inbox(block=not self.scheduler.has_unfinished())
                 if self._stopping is not None and not self.scheduler.has_unfinished():
                     break
@@ -198,13 +258,14 @@ class AsyncEngine:
     def _add(self, req: EngineRequest) -> None:
         r = req.request
         stop = (lambda seq, token: self._hits_stop(req.stop, seq, token)) if req.stop and self.tokenizer else None
-        try:  # a seed torch refuses (outside int64) fails this request alone, not the engine
-            self.executor.register(r.request_id, req.seed, stop)
+        try:  # a seed the executor refuses fails this request alone, not the engine
+            self.executor.register(r, req.seed, stop)
         except ValueError as e:
             with self._count_lock:
                 self._outstanding -= 1
             req.sink(RequestOutput(r.request_id, {}, finished=True, error=str(e)))
             return
+        self._newest_arrival = max(self._newest_arrival, r.arrival)
         live = self._live[r.request_id] = _Live(req, [0] * r.sampling.n)
         group = self.scheduler.add_request(r)
         if group.rejected is not None:  # refused on arrival
@@ -221,29 +282,42 @@ class AsyncEngine:
 
     def _step(self) -> None:
         sched = self.scheduler
-        now = self.clock()
+        now = self.timing.begin(self.clock(), self._newest_arrival)
         step = self.replica.begin(now)  # the loop's one iteration, as the simulator runs it
         plan = step.plan
         for gid, reason in plan.rejected:
             group = next(g for g in reversed(sched.done) if g.group_id == gid)
             self._end(group, self._live[gid], error=reason)
         if step.idle:
+            self.timing.idle()
+            self._flush()
             if not plan.rejected:  # nothing can run until something arrives or a policy's wait ends
                 wait = min(max(sched.wake_time(now) - now, 0.0), 0.05)
                 self._read_inbox(block=True, timeout=wait or 0.001)
             return
         sampling = {ss.seq_id: sched.seqs[ss.seq_id].group for ss in plan.seqs if ss.samples}
-        end = self.clock()
-        step.result.duration = end - now  # measured wall time
+        end = self.timing.end(now, step.result)  # live: measured wall time; emulated: the priced time
         finished = self.replica.complete(step, end)
         self.observer.on_step(sched, step.result.duration, len(plan.preempted))
+        self.timing.wait(end, step.result.duration)  # emulated: tokens go out when the wall clock gets there
         done = {g.group_id for g in finished}
-        for group in {g.group_id: g for g in sampling.values()}.values():
-            self._publish(group, end, group.group_id in done)
+        self._held.append([self._publish(group, end, group.group_id in done)
+                           for group in {g.group_id: g for g in sampling.values()}.values()])
+        while len(self._held) > self.output_lag_steps:
+            self._deliver(self._held.popleft())
         if self.debug:
             self._check_pool()
 
-    def _publish(self, group: SequenceGroup, now: float, finished: bool) -> None:
+    def _deliver(self, outputs: list[tuple[Callable, RequestOutput]]) -> None:
+        for sink, out in outputs:
+            sink(out)
+
+    def _flush(self) -> None:
+        while self._held:
+            self._deliver(self._held.popleft())
+
+    def _publish(self, group: SequenceGroup, now: float, finished: bool) -> tuple[Callable, RequestOutput]:
+        """The step's output for `group` (its new tokens, finish reasons) and the sink it goes to."""
         live = self._live[group.group_id]
         choices = sorted(group.seqs + group.finished_seqs, key=lambda s: s.seq_id)
         if len(live.sent) < len(choices):
@@ -266,14 +340,16 @@ class AsyncEngine:
         finished_ids = {s.seq_id for s in group.finished_seqs}
         for i, s in enumerate(choices):
             if s.seq_id in finished_ids:
-                out.finish_reasons[i] = "length" if s.output_len >= group.request.max_output else "stop"
+                # "length": it reached max_tokens (an emulated request may stop before, at its drawn length)
+                out.finish_reasons[i] = "length" if s.output_len >= group.request.sampling.max_tokens else "stop"
         if finished:
             out.finished = True
             self._forget(group)
             self.observer.on_end(group, "length" if set(out.finish_reasons.values()) == {"length"} else "stop")
-        live.req.sink(out)
+        return live.req.sink, out
 
     def _end(self, group: SequenceGroup, live: _Live, error: str, aborted: bool = False) -> None:
+        self._flush()  # what it was sent before goes first
         self._forget(group)
         self.observer.on_end(group, "abort" if aborted else "rejected")
         live.req.sink(RequestOutput(group.group_id, {}, finished=True, error=error, aborted=aborted))
@@ -291,6 +367,7 @@ class AsyncEngine:
         group.request.prompt_token_ids = None
 
     def _fail_all(self, message: str) -> None:
+        self._flush()
         for live in list(self._live.values()):
             live.req.sink(RequestOutput(live.req.request.request_id, {}, finished=True, error=message))
         self._live.clear()

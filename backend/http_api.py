@@ -57,6 +57,7 @@ class ServeOptions:
     created: int = 0            # when the server started (unix seconds), for /v1/models
     max_body_bytes: int = 8 << 20  # a larger request body is answered 413 before it is read whole
     body_timeout: float | None = 30.0  # seconds for a call's whole body to arrive, else 408 (None: no limit)
+    frontend_delay_s: float = 0.0  # wall seconds a call waits before it is read (an emulated frontend's cost)
 
 
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it samples greedily
@@ -260,6 +261,8 @@ class OpenAIServer:
         return await self._generate(request, parse_chat)
 
     async def _generate(self, request: HttpRequest, parse) -> Response:
+        if self.options.frontend_delay_s > 0:
+            await asyncio.sleep(self.options.frontend_delay_s)
         arrival = self.engine.clock()
         try:
             call = await self._accept(request, parse, arrival)

@@ -15,6 +15,8 @@ engine or an emulated one; only the HTTP API and the engine's shutdown are used 
   body reads still waiting get 503, and `grace` seconds after that every connection is closed. A
   second signal does all of that at once. `run()` returns in every case, so the caller writes its
   tables; it should do so in a `finally`, as `pagesim serve` does, in case the HTTP layer fails.
+- `serve_together`: several BoundedServers on one event loop (`pagesim serve --emulate --replicas N`;
+  one server is the case N = 1): a signal reaches every one, so each drains and is cut off as above.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import contextlib
 import json
 import logging
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -119,28 +122,19 @@ class BoundedServer(uvicorn.Server):
         self.shutdown_timeout, self.grace = shutdown_timeout, grace
         self.signals = 0
         self.cut = False
+        self.own_signals = True  # False: the caller routes SIGINT / SIGTERM to handle_exit
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        """SIGINT and SIGTERM call `handle_exit` as event loop callbacks (loop.add_signal_handler,
-        as vLLM's server does, instead of uvicorn's signal.signal handlers that run between any two
-        bytecodes); the handlers found before are back afterwards. Only the main thread gets
-        signals: elsewhere (a server in a test's thread) `handle_exit` is called directly."""
+        """SIGINT and SIGTERM call `handle_exit` (see `loop_signals`); not when `own_signals` is
+        False (`serve_together` routes them to every server it runs)."""
         self._loop = asyncio.get_running_loop()
-        if threading.current_thread() is not threading.main_thread():
+        if not self.own_signals:
             yield
             return
-        sigs = (signal.SIGINT, signal.SIGTERM)
-        before = {sig: signal.getsignal(sig) for sig in sigs}
-        for sig in sigs:
-            self._loop.add_signal_handler(sig, self.handle_exit, sig, None)
-        try:
+        with loop_signals(self._loop, self.handle_exit):
             yield
-        finally:
-            for sig in sigs:
-                self._loop.remove_signal_handler(sig)
-                signal.signal(sig, before[sig])
 
     def handle_exit(self, sig, frame) -> None:
         """A shutdown signal (thread-safe: it sets flags and hands the rest to the event loop)."""
@@ -196,3 +190,43 @@ def http_server(api: OpenAIServer, engine: AsyncEngine, metrics, host: str, port
     protocol = partial(GuardedHttpProtocol, header_timeout=header_timeout, on_header_timeout=header_timed_out)
     config = uvicorn.Config(api.app(), host=host, port=port, http=protocol, log_level="warning", access_log=False)
     return BoundedServer(config, api, engine, drain=drain, shutdown_timeout=shutdown_timeout)
+
+
+@contextlib.contextmanager
+def loop_signals(loop: asyncio.AbstractEventLoop, handle_exit: Callable[[int, None], None]) -> Iterator[None]:
+    """SIGINT and SIGTERM call `handle_exit(sig, None)` as event loop callbacks (loop.add_signal_handler,
+    as vLLM's server does, instead of uvicorn's signal.signal handlers that run between any two
+    bytecodes); the handlers found before are back afterwards. Only the main thread gets signals:
+    elsewhere (a server in a test's thread) `handle_exit` is called directly."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    before = {sig: signal.getsignal(sig) for sig in sigs}
+    for sig in sigs:
+        loop.add_signal_handler(sig, handle_exit, sig, None)
+    try:
+        yield
+    finally:
+        for sig in sigs:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, before[sig])
+
+
+def serve_together(servers: list[BoundedServer], sockets: list[socket.socket] | None = None) -> None:
+    """Run `servers` on one event loop until every one has stopped; `sockets`: each server's
+    listening socket, bound by the caller (else each binds its config's port). A SIGINT / SIGTERM
+    goes to every server (the first drains them all, the second cuts them all off)."""
+    def handle_exit(sig, frame) -> None:
+        for server in servers:
+            server.handle_exit(sig, frame)
+
+    async def serve_all() -> None:
+        for server in servers:
+            server.own_signals = False
+        with loop_signals(asyncio.get_running_loop(), handle_exit):
+            await asyncio.gather(*(server.serve(sockets=None if sockets is None else [sock])
+                                   for server, sock in zip(servers, sockets or [None] * len(servers))))
+
+    with asyncio.Runner(loop_factory=servers[0].config.get_loop_factory()) as runner:  # as uvicorn's own run
+        runner.run(serve_all())

@@ -23,12 +23,9 @@ from backend.sampler import BeamSearcher, Sampler, log_softmax
 from backend.sampler import SamplingParams as RowParams
 from policies.plan import ScheduledSeq, SeqOutcome, StepComposition, StepPlan, StepResult
 from policies.replica_config import ReplicaConfig, build_replica
+from policies.request import Request, SequenceGroup
 from policies.request import Sequence as Seq
-from policies.request import SequenceGroup
-from policies.step import ReplicaStep
-
-# stop(seq, token) -> True when `token` ends the sequence early (a served request's stop strings)
-StopCheck = Callable[[Seq, int], bool]
+from policies.step import ReplicaStep, StopCheck
 
 
 # ---- models ---------------------------------------------------------------------------------------
@@ -86,9 +83,11 @@ class LiveExecutor:
         self._generators: dict[int, torch.Generator] = {}  # group id -> the request's own seeded generator
         self._stops: dict[int, StopCheck] = {}              # group id -> its stop check
 
-    def register(self, group_id: int, seed: int | None = None, stop: StopCheck | None = None) -> None:
-        """Give a request its own sampling generator, seeded with `seed`, and its stop check.
-        ValueError (naming the seed) when torch refuses the seed, e.g. outside int64."""
+    def register(self, request: Request, seed: int | None = None, stop: StopCheck | None = None) -> None:
+        """Give a served request its own sampling generator, seeded with `seed`, and its stop check
+        (an engine hook, before the scheduler sees the request). ValueError (naming the seed) when
+        torch refuses the seed, e.g. outside int64."""
+        group_id = request.request_id
         if seed is not None:
             try:
                 self._generators[group_id] = torch.Generator(device=self.runner.device).manual_seed(seed)

@@ -306,13 +306,24 @@ def study_workloads(args: argparse.Namespace, draw: Callable[[int], Trace] | Non
 
 
 def study_title(args: argparse.Namespace) -> str:
-    """What a study's cost model prices, for its header and figure titles; a calibration's client
-    terms make every latency and SLO figure the client's (policies/client_latency.py), which it says."""
+    """What a study's cost model prices, for its header and figure titles (files by their names, not
+    their paths); a calibration's client terms make every latency and SLO figure the client's
+    (policies/client_latency.py), which it says."""
+    model = shown_name(args.model)
     if getattr(args, "profile", None):
-        return f"{args.model}, profile {args.profile}"
+        return f"{model}, profile {shown_name(args.profile)}"
     calibration = getattr(args, "calibration", None)
-    where = f"{args.model} on {args.hardware}"
-    return f"{where}, calibration {calibration} (client-side latencies)" if calibration else where
+    where = f"{model} on {shown_name(args.hardware)}"
+    return f"{where}, calibration {shown_name(calibration)} (client-side latencies)" if calibration else where
+
+
+def shown_name(spec: str) -> str:
+    """A model, hardware, profile or calibration as a title shows it: a file by its name (a HF config
+    by its folder's), never the path it was read from."""
+    path = Path(spec)
+    if len(path.parts) < 2 and path.suffix != ".json":
+        return spec  # a shipped name
+    return path.parent.name if path.name == "config.json" and path.parent.name else path.stem
 
 
 def require_backend():

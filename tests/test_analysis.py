@@ -229,3 +229,14 @@ def test_saturation_is_where_achieved_throughput_falls_behind_the_offered_rate()
     assert np.isnan(saturation_rate(g.assign(throughput=g.rate)))  # keeps up everywhere
     seeded = pd.DataFrame({"rate": [2.0, 2.0], "seed": [0, 1], "throughput": [1.9, 1.5]})
     assert saturation_rate(seeded) == 2.0  # the mean over seeds, 1.7, is behind
+
+
+def test_titles_name_files_not_their_paths():
+    import argparse
+
+    from pagesim.cli_args import study_title
+    args = argparse.Namespace(model="/somewhere/models/acme-7b/config.json", hardware="h100-sxm", profile=None,
+                              calibration="/tmp/fits/my-cal.json")
+    assert study_title(args) == "acme-7b on h100-sxm, calibration my-cal (client-side latencies)"
+    assert study_title(argparse.Namespace(model="opt-13b", hardware="a100-40gb", profile="/p/q/cpu.json")) \
+        == "opt-13b, profile cpu"
