@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from policies.plan import StepResult
-from policies.request import Request, SamplingParams
 from policies.replica_config import build_replica
+from policies.request import Request, SamplingParams
 from policies.trace_requests import requests_from_trace
 from sim.emulated import EmulatedExecutor, OutputLengthModel, PacedClock
 from sim.run import SimConfig, build_cost_model, run_simulation
