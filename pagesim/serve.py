@@ -174,13 +174,18 @@ def _build_engine(args: argparse.Namespace):
     from backend.model_runner import ModelRunner
 
     config = replica_config(args)  # first: a bad option fails before the model loads
+    t0 = time.perf_counter()
     model = load_model(args.model, seed=args.seed)
+    loaded = time.perf_counter()
     if model.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer; serve needs one (use smollm2-135m)")
     cfg = model.config
     runner = ModelRunner(cfg, model.weights, args.device, attention=args.attention, num_gpu_blocks=config.num_gpu_blocks,
                          num_cpu_blocks=config.num_cpu_blocks, block_size=config.block_size)
     replica = build_live_replica(config, runner, [cfg.eos_token_id], seed=args.seed)  # warms the model up
+    # where the start-up time goes (a slow start is the weights' read, or compiling the kernels)
+    print(f"pagesim serve: model read in {loaded - t0:.1f} s; cache allocated and warmed up (kernels compiled, "
+          f"first steps run) in {time.perf_counter() - loaded:.1f} s", flush=True)
     # the longest request served: the model's context, or what the KV cache holds if less (so that
     # a chat request without max_tokens, given what the context leaves, still fits the cache)
     usable = replica.scheduler.capacity_tokens or runner.num_gpu_blocks * config.block_size
