@@ -14,6 +14,7 @@ from pagesim.cli_args import (
     live_options,
     load_workload,
     require_backend,
+    warn_if_busy,
 )
 from pagesim.report_writer import write_run
 
@@ -37,9 +38,11 @@ def run(args: argparse.Namespace):
     require_backend()
     from backend.replay import serve_trace  # deferred: the backend imports torch
 
+    load = warn_if_busy("pagesim live")
+
     req_df, it_df, summary = serve_trace(live_options(args), trace, args.n, args.beam_width,
                                          realtime=not args.no_realtime, progress=not args.quiet)
-    summary.update(trace=trace.name, config={k: v for k, v in vars(args).items() if k != "func"})
+    summary.update(trace=trace.name, machine_load=load, config={k: v for k, v in vars(args).items() if k != "func"})
     return req_df, it_df, summary
 
 

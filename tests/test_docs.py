@@ -128,3 +128,20 @@ def test_aliases_are_resolved_said_and_recorded(tmp_path: Path, capsys: pytest.C
     assert "model 'llama3-8b' is llama-3-8b" in err and "hardware 'h100' is h100-sxm" in err
     config = json.loads((tmp_path / "summary.json").read_text())["config"]
     assert (config["model"], config["hardware"]) == ("llama-3-8b", "h100-sxm")
+
+
+def test_a_live_run_on_a_busy_machine_is_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import sys
+
+    from pagesim.cli_args import warn_if_busy
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # its thread count is another check's
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.2, 8.0, 7.0))
+    with pytest.warns(UserWarning, match=r"pagesim live: this machine is busy \(load average 9.2 on 2 CPUs\)"):
+        assert warn_if_busy("pagesim live")["load_1min"] == 9.2
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert warn_if_busy("pagesim live")["cpus"] == 2  # quiet: nothing said
