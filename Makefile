@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 SIM_OK  := $(VENV)/.sim-installed
 FULL_OK := $(VENV)/.full-installed
 
-.PHONY: setup setup-sim demo test bench lint gpu-wheels clean
+.PHONY: setup setup-sim demo test test-deep bench lint gpu-wheels clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,8 +29,20 @@ setup: $(FULL_OK)
 demo: $(SIM_OK)
 	$(BIN)/pagesim demo
 
+# The whole suite on TEST_JOBS processes (pytest-xdist); a file's tests stay on one process, so a module's
+# server or model is started once and its tests keep their order.
+TEST_JOBS ?= 2
 test: $(FULL_OK)
-	$(BIN)/python -m pytest tests -p no:cacheprovider -rs
+	$(BIN)/python -m pytest tests -p no:cacheprovider -rs -n $(TEST_JOBS) --dist loadfile
+
+# The long fuzz, for changes to the scheduler or the skip-ahead windows: 500 examples a test on each seed.
+FUZZ_SEEDS ?= 11 12 13
+test-deep: $(FULL_OK)
+	for s in $(FUZZ_SEEDS); do \
+		PAGESIM_FUZZ_EXAMPLES=500 PAGESIM_FUZZ_SEED=$$s $(BIN)/python -m pytest tests/test_fastpath_fuzz.py \
+			tests/test_policies_properties.py -p no:cacheprovider --hypothesis-profile deep --hypothesis-seed $$s \
+			|| exit 1; \
+	done
 
 bench: $(FULL_OK)
 	$(BIN)/python -m benchmarks.run_all

@@ -10,7 +10,6 @@ preemptions grow.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,10 +17,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.cli_args import add_study_args, sim_config, study_title, study_trace
-from analysis.parallel import executor_options, run_tasks
-from analysis.report import Columns
-from pagesim.argtypes import out_dir, positive_int
+from analysis.parallel import run_tasks
+from analysis.plots import save_figure
+from analysis.rate_study import RateStudy
+from analysis.report import Report
+from policies.metrics import headline_latency, headline_mean_normalized_latency
 from sim.run import SimConfig, build_cost_model, num_blocks_for, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
@@ -62,7 +62,7 @@ def _block_size_run(cfg: SimConfig, timed: Trace, rate: float) -> dict:
     allocated = it[["kv_token_states", "kv_internal_frag"]].sum(axis=1).clip(lower=1)
     seqs, ctx = REFERENCE_DECODE
     return {"rate": rate, "block_size": cfg.block_size, "num_gpu_blocks": num_blocks_for(cfg)[0],
-            "mean_normalized_latency": s["mean_normalized_latency"], "ttft_mean": s["ttft"]["mean"],
+            "mean_normalized_latency": headline_mean_normalized_latency(s), "ttft_mean": headline_latency(s, "ttft")["mean"],
             "throughput": s["request_throughput"], "preemptions": s["num_preemptions"],
             "rejected": s["num_rejected"], "mean_batched_seqs": s["mean_batched_seqs"],
             # time-averaged share of allocated slots left empty in partly filled blocks
@@ -111,37 +111,18 @@ def block_size_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> P
     ax2.set_title(f"at {first.rate.iloc[0]:g} req/s")
     ax2.grid(alpha=0.3)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
-# ---- the command: `pagesim block-size` ----
+# ---- the study `pagesim block-size` runs ----
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    bsz = sub.add_parser("block-size", help="one trace at each block size, the KV capacity held fixed (simulated)",
-                         description="The vLLM paper's Figure 18b: mean normalized latency against block size at "
-                                     "one or more rates, with what moves it (internal fragmentation, decode time per "
-                                     "sequence). Writes block_size.csv and block_size.png to --out. Small blocks cost "
-                                     "more only under a profile measured at several block sizes "
-                                     "(`pagesim profile --block-sizes`).")
-    add_study_args(bsz, "sharegpt-like", [2.0])
-    bsz.add_argument("--block-sizes", type=positive_int, nargs="+", default=list(BLOCK_SIZES))
-    bsz.add_argument("--kv-tokens", type=positive_int, help="KV cache capacity in tokens at every block size (needed with "
-                                                   "--profile; default: what --model leaves on --hardware)")
-    bsz.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
-    bsz.add_argument("--out", type=out_dir, required=True)
-    bsz.set_defaults(func=command)
+@dataclass(kw_only=True)
+class BlockSizeStudy(RateStudy):
+    """A block-size study's configuration (each run sets its own block size and the cache's
+    blocks): the block sizes, and the KV capacity in tokens (None: what the hardware leaves)."""
 
-
-@dataclass
-class BlockSizeStudy:
-    """A block-size study as its arguments define it: the trace and the configuration every run
-    starts from (each run sets its own block size and the cache's blocks)."""
-
-    trace: Trace
-    base: SimConfig
+    block_sizes: list[int]
+    kv_tokens: int | None = None
 
 
 @dataclass
@@ -150,55 +131,22 @@ class BlockSizeTables:
     table: pd.DataFrame  # one row per (rate, block size)
 
 
-def prepare(args: argparse.Namespace) -> BlockSizeStudy:
-    if args.num_gpu_blocks is not None:
-        raise ValueError("--num-gpu-blocks: a block-size study holds the capacity in tokens; use --kv-tokens")
-    if args.profile and not args.kv_tokens:
-        raise ValueError("--kv-tokens: a profiled study needs the KV capacity in tokens (a profile does not say it)")
-    trace = study_trace(args)
-    return BlockSizeStudy(trace, sim_config(args))
-
-
-def run(args: argparse.Namespace, study: BlockSizeStudy | None = None,
-        on_row: Callable[[dict], None] | None = None) -> BlockSizeTables:
+def run_block_sizes(study: BlockSizeStudy, on_row: Callable[[dict], None] | None = None) -> BlockSizeTables:
     """The block-size table; `on_row(row)` as each run finishes."""
-    study = study or prepare(args)
-    table = block_size_sweep(study.trace, study.base, args.block_sizes, args.rates, args.kv_tokens, on_row=on_row,
-                             jobs=args.jobs, **executor_options(args))
+    table = block_size_sweep(study.trace, study.base, study.block_sizes, study.rates, study.kv_tokens, on_row=on_row,
+                             **study.workers.options())
     return BlockSizeTables(study, table)
 
 
-def command(args: argparse.Namespace) -> int:
-    study = prepare(args)
-    print_header(args, study)
-    write_report(args, run(args, study, on_row=print_row))
-    return 0
-
-
-def print_header(args: argparse.Namespace, study: BlockSizeStudy) -> None:
-    print(f"block size: {len(study.trace)} requests of {study.trace.name}, {study_title(args)}, "
-          + (f"{args.kv_tokens:,} KV tokens" if args.kv_tokens else "KV capacity from the hardware spec"))
-    print(COLUMNS.header())
-
-
-COLUMNS = Columns(("rate", "rate", ">6g"), ("block", "block_size", ">6"), ("blocks", "num_gpu_blocks", ">8,"),
-                  ("norm lat", "mean_normalized_latency", ">9.4f"), ("req/s", "throughput", ">7.3f"),
-                  ("preempt", "preemptions", ">8"), ("batch", "mean_batched_seqs", ">6.1f"),
-                  ("frag", "internal_frag", ">6.1%"), ("ref ms", "reference_decode_ms", ">7.2f"))
-
-
-def print_row(r: dict) -> None:
-    print(COLUMNS.row(r), flush=True)
-
-
-def write_report(args: argparse.Namespace, result: BlockSizeTables) -> None:
+def block_size_report(result: BlockSizeTables) -> Report:
     """block_size.csv, block_size.png, and the best block sizes per rate."""
-    table = result.table
-    print("ref ms: the cost model's decode step of 16 sequences of 512 tokens at that block size")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out / "block_size.csv", index=False)
-    block_size_plot(table, out / "block_size.png", f"{result.study.trace.name}, {study_title(args)}")
-    print("within 1% of the lowest mean normalized latency: "
-          + "; ".join(f"{r:g} req/s: block size {', '.join(map(str, bs))}" for r, bs in best_block_sizes(table).items()))
-    print(f"wrote {out}/block_size.csv, block_size.png")
+    table, study = result.table, result.study
+    report = Report()
+    report.table("block_size.csv", table)
+    report.figure("block_size.png", lambda path: block_size_plot(table, path, f"{study.trace.name}, {study.title}"))
+    report.say("ref ms: the cost model's decode step of 16 sequences of 512 tokens at that block size",
+               "within 1% of the lowest mean normalized latency: "
+               + "; ".join(f"{r:g} req/s: block size {', '.join(map(str, bs))}"
+                           for r, bs in best_block_sizes(table).items()))
+    report.wrote("block_size.csv", "block_size.png")
+    return report

@@ -8,7 +8,9 @@ Two steps, each fitting what its data can tell:
    the client's TTFT add and output lag) by simulation in the loop: every unsaturated measured stage
    is rebuilt (analysis/measurements.py), simulated over its first `max_duration_s` seconds of
    arrivals, and scipy's least_squares moves the parameters (in log space) to minimise a soft-L1 loss
-   of log(predicted / measured) over TTFT mean/p90, E2E mean/p90 and time per output token.
+   of log(predicted / measured) over TTFT mean/p90, E2E mean/p90 and time per output token (and, for
+   a per-request run, TTFT p10/p50, per-request time per output token p50/p90 and the mean running and
+   waiting requests over its ticks: analysis/request_runs.py).
 
 Stages the measurement marks overloaded, and stages overloaded by the one rule of
 analysis/measurements.py `is_overloaded` (completions below the offered rate, or a mean TTFT above
@@ -19,25 +21,35 @@ out (--leave-one-out model|experiment: refit without each group, predict it).
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
 import hashlib
 import math
-import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from sim.calibrated import CalibratedCostModel, Calibration, CalibrationParams, save_calibration
+from analysis.kernel_profiles import fit_profiles, is_profile_tree
+from analysis.measurements import (
+    REQUEST_RUN_METRICS,
+    Experiment,
+    Stage,
+    StageResult,
+    client_terms,
+    simulate_stage,
+    stage_config,
+    stage_result,
+    stage_workload,
+)
+from analysis.operator_fit import fit_operators
+from analysis.plots import save_figure
+from analysis.request_runs import is_request_run, run_files
+from sim.calibrated import CalibratedCostModel, CalibrationParams
+from sim.run import run_simulation
 from sim.specs import get_hardware, get_model
-
-if TYPE_CHECKING:  # the simulation stack loads when a calibration runs, not when the CLI parses
-    from analysis.measurements import Experiment, Stage, StageResult
 
 ENGINE_PARAMS = ("iteration_overhead_s", "per_seq_s", "attn_mem_eff", "prefill_attn_eff", "client_ttft_s",
                  "client_output_lag_steps", "gemm_m_half", "allreduce_latency_s")
@@ -81,7 +93,10 @@ def split_stages(experiments: Sequence[Experiment], by: str = "model") -> tuple[
     for e in experiments:
         for s in e.stages:
             ref = StageRef(e, s, e.model_id if by == "model" else e.name)
-            (over if e.overloaded_by_source or s.overloaded else fit).append(ref)
+            # a per-request run is replayed whole, arrival by arrival: its latencies, queueing included,
+            # are what the replay must reproduce, however overloaded the engine was
+            queued = (e.overloaded_by_source or s.overloaded) and s.measured_run is None
+            (over if queued else fit).append(ref)
     return fit, over
 
 
@@ -95,7 +110,6 @@ def simulate_ref(ref: StageRef, params: CalibrationParams, hardware: str, seed: 
     (whose prompts meet a cold prefix cache) is left out of the latencies: a measured stage of
     minutes repeats each prompt tens of times, so its figures are those of a warm cache, which a
     short cold window would misstate (its TTFT most of all)."""
-    from analysis.measurements import simulate_stage, stage_config
     exp, stage = ref.exp, ref.stage
     cfg = stage_config(exp, stage, hardware)
     model = CalibratedCostModel(get_model(cfg.model), get_hardware(cfg.hardware), params, tp=cfg.tp)
@@ -109,12 +123,10 @@ def simulate_ref(ref: StageRef, params: CalibrationParams, hardware: str, seed: 
 def _simulate_warm(ref: StageRef, cfg: Any, model: CalibratedCostModel, seed: int, duration_s: float,
                    skip: int) -> StageResult:
     """simulate_stage over `duration_s`, latencies over the requests after the first `skip`."""
-    from analysis.measurements import client_overhead, stage_result, stage_workload
-    from sim.run import run_simulation
     t0 = time.perf_counter()
     trace = stage_workload(ref.exp, ref.stage, seed, duration_s)
     res = run_simulation(replace(cfg, seed=seed), trace, model)
-    return stage_result(ref.exp, ref.stage, trace, res, client_overhead(model), t0, skip=skip)
+    return stage_result(ref.exp, ref.stage, trace, res, client_terms(model), t0, skip=skip)
 
 
 def _simulate_job(job: tuple) -> StageResult:
@@ -129,7 +141,14 @@ def simulate_all(refs: Sequence[StageRef], params: CalibrationParams, hardware: 
     return list(pool.map(_simulate_job, jobs))
 
 
-def log_errors(results: Sequence[StageResult], metrics: Sequence[str] = FIT_METRICS) -> np.ndarray:
+def fit_metrics() -> tuple[str, ...]:
+    """Every metric a fit weighs: FIT_METRICS, and a per-request run's distribution and gauges
+    (measurements.REQUEST_RUN_METRICS) where a stage measured them (others are skipped)."""
+    return FIT_METRICS + REQUEST_RUN_METRICS
+
+
+def log_errors(results: Sequence[StageResult], metrics: Sequence[str] | None = None) -> np.ndarray:
+    metrics = metrics or fit_metrics()
     out = []
     for r in results:
         for m in metrics:
@@ -141,8 +160,9 @@ def log_errors(results: Sequence[StageResult], metrics: Sequence[str] = FIT_METR
     return np.asarray(out)
 
 
-def error_table(results: Sequence[StageResult], metrics: Sequence[str] = FIT_METRICS) -> dict[str, Any]:
-    """Median absolute relative error per metric, and each stage's errors."""
+def error_table(results: Sequence[StageResult], metrics: Sequence[str] | None = None) -> dict[str, Any]:
+    """Median absolute relative error per metric (default `fit_metrics()`), and each stage's errors."""
+    metrics = metrics or fit_metrics()
     per: dict[str, list[float]] = {m: [] for m in metrics}
     stages = []
     for r in results:
@@ -163,7 +183,8 @@ def error_table(results: Sequence[StageResult], metrics: Sequence[str] = FIT_MET
 
 def fit_engine(refs: Sequence[StageRef], start: CalibrationParams, hardware: str, names: Sequence[str] = ENGINE_PARAMS,
                seed: int = 0, max_duration_s: float | None = 40.0, max_evals: int = 8,
-               pool: ProcessPoolExecutor | None = None, log: Callable[[str], None] = print) -> CalibrationParams:
+               pool: ProcessPoolExecutor | None = None, log: Callable[[str], None] = print,
+               tolerance: float | None = None, outcome: dict[str, Any] | None = None) -> CalibrationParams:
     """The parameters `names` that best explain the stages (least squares on clipped log errors,
     soft-L1 loss, parameters searched in log space within `_BOUNDS`); the others stay as `start`.
 
@@ -205,9 +226,17 @@ def fit_engine(refs: Sequence[StageRef], start: CalibrationParams, hardware: str
 
     if not outer:  # client terms only: one simulation
         return fit_client(simulate_all(refs, start, hardware, seed, max_duration_s, pool), start, inner)[0]
-    res = least_squares(resid, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.05, diff_step=0.03,
-                        max_nfev=max_evals, x_scale=1.0)
+    # tolerance: converged once a step moves the (log) parameters by less than that share, or the
+    # loss by less than a tenth of it; else the solver stops after max_evals steps wherever it is
+    # (and finite differences of 1% rather than 3%: near the optimum a coarse slope stops it short)
+    tol = {"xtol": tolerance, "ftol": tolerance / 10, "gtol": 1e-12, "diff_step": 0.01} if tolerance else {
+        "diff_step": 0.03}
+    res = least_squares(resid, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.05, max_nfev=max_evals, x_scale=1.0,
+                        **tol)
     log(f"  {count[0]} evaluations, {res.message}")
+    if outcome is not None:
+        outcome.update(evaluations=count[0], steps=int(res.nfev), converged=bool(res.status > 0),
+                       message=str(res.message), tolerance=tolerance)
     if not inner:
         return params_at(res.x)
     # the client terms fitted at the solution (the best evaluation's, if the solver ended elsewhere)
@@ -222,13 +251,11 @@ def fit_client(results: Sequence[StageResult], params: CalibrationParams,
     simulated), and the log errors there: (params with them set, residuals)."""
     from scipy.optimize import least_squares
 
-    from analysis.measurements import client_overhead
-
     def with_client(u: np.ndarray) -> CalibrationParams:
         return replace(params, **{n: float(v) for n, v in zip(names, np.exp(x0 + u), strict=True)})
 
     def resid(x: np.ndarray) -> np.ndarray:
-        client = client_overhead(with_client(x))
+        client = client_terms(with_client(x))
         return log_errors([r.with_client(client) for r in results])
 
     if not names:
@@ -252,8 +279,10 @@ def operator_params(directory: str | Path | None, hardware: str) -> tuple[Calibr
     """Step 1: the operator terms fitted to kernel times (the defaults when no directory is given)."""
     if directory is None:
         return CalibrationParams(), {"note": "no operator profiles: operator terms are the priors"}
-    from analysis.operator_fit import fit_operators
     hw = get_hardware(hardware)
+    if is_profile_tree(directory):  # vLLM layer-wise profiles (llmservingsim's profiler/perf/<GPU>)
+        params, report = fit_profiles(directory, hw)
+        return replace(CalibrationParams(), **params), report
     gpu = hw.name.split("-")[0]
     params, report = fit_operators(directory, hw, gpu)
     return replace(CalibrationParams(), **params), report
@@ -261,7 +290,7 @@ def operator_params(directory: str | Path | None, hardware: str) -> tuple[Calibr
 
 def leave_one_out(refs: Sequence[StageRef], start: CalibrationParams, hardware: str, names: Sequence[str],
                   seed: int, max_duration_s: float | None, eval_duration_s: float | None, max_evals: int,
-                  pool: ProcessPoolExecutor | None, log: Callable[[str], None]) -> dict[str, Any]:
+                  pool: ProcessPoolExecutor | None, log: Callable[[str], None], tolerance: float | None = None) -> dict[str, Any]:
     """Refit without each group; predict the group. Median errors over all held-out stages."""
     groups = sorted({r.group for r in refs})
     held: list[StageResult] = []
@@ -272,11 +301,25 @@ def leave_one_out(refs: Sequence[StageRef], start: CalibrationParams, hardware: 
         if not train:
             continue
         log(f"leave out {g}: fit on {len(train)} stages, predict {len(test)}")
-        params = fit_engine(train, start, hardware, names, seed, max_duration_s, max_evals, pool, log)
+        params = fit_engine(train, start, hardware, names, seed, max_duration_s, max_evals, pool, log, tolerance)
         results = simulate_all(test, params, hardware, seed, eval_duration_s, pool)
         held.extend(results)
         per_group[g] = {"params": {n: getattr(params, n) for n in names}, **error_table(results)}
     return {"groups": per_group, "median_abs_error": error_table(held)["median_abs_error"]}
+
+
+def source_files(paths: Sequence[str | Path]) -> list[Path]:
+    """The files measurements were read from: a file itself; a per-request run folder's files
+    (analysis/request_runs.py `run_files`); every file directly in another folder (a pagesim run)."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if is_request_run(p):
+            out += run_files(p)
+        elif p.is_dir():
+            out += sorted(f for f in p.iterdir() if f.is_file())
+        else:
+            out.append(p)
+    return out
 
 
 def sha256(path: str | Path) -> str:
@@ -284,89 +327,6 @@ def sha256(path: str | Path) -> str:
 
 
 # --- the command -----------------------------------------------------------------------------------
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from pagesim.argtypes import non_negative_float, out_file, positive_float, positive_int, seed
-    p = subparsers.add_parser(
-        "calibrate", help="fit the calibrated roofline of a hardware x engine pair to measurements",
-        description="Fit the calibrated roofline's operator terms to kernel times (--operators) and its engine "
-                    "terms to measured serving runs by simulating them; write the calibration (JSON), its "
-                    "errors in sample and left out, and a predicted-vs-measured plot beside it.")
-    p.add_argument("--measurements", nargs="+", required=True, help="measurement files (analysis/measurements.py)")
-    p.add_argument("--hardware", required=True, help="the GPU the measurements ran on (a hardware spec name)")
-    p.add_argument("--models-dir", action="append", help="folder of config.json files for the measured models")
-    p.add_argument("--operators", default=None,
-                   help="folder of per-operator kernel times (<gpu>_<model>_mlp.csv, <gpu>_dgx_all_reduce.csv); "
-                        "default ../shared/calibration/vidur-operators when it exists")
-    p.add_argument("--out", required=True, type=out_file,
-                   help="calibration file to write (.json); the plot goes beside it")
-    p.add_argument("--name", help="the calibration's name (default: the file's stem)")
-    p.add_argument("--leave-one-out", choices=("model", "experiment"), default="model",
-                   help="refit without each model (default) or experiment and predict it")
-    p.add_argument("--no-leave-one-out", action="store_true", help="skip the left-out fits")
-    p.add_argument("--max-duration", type=positive_float, default=40.0,
-                   help="seconds of each stage's arrivals simulated while fitting (default 40)")
-    p.add_argument("--eval-duration", type=non_negative_float, default=300.0,
-                   help="seconds of arrivals simulated for the reported errors (default 300; 0: whole stages)")
-    p.add_argument("--max-evals", type=positive_int, default=8,
-                   help="least-squares steps per fit (default 8; each simulates every stage 1 + parameters times)")
-    p.add_argument("--jobs", type=positive_int, default=2, help="stages simulated at once (worker processes, default 2)")
-    p.add_argument("--seed", type=seed, default=0)
-    p.set_defaults(func=run)
-    return p
-
-
-def run(args: argparse.Namespace) -> int:
-    from analysis.measurements import load_measurements
-
-    hardware = get_hardware(args.hardware).name
-    experiments = load_measurements(args.measurements, args.models_dir)
-    operators = args.operators
-    default_ops = Path("../shared/calibration/vidur-operators")
-    if operators is None and default_ops.is_dir():
-        operators = str(default_ops)
-    start, op_report = operator_params(operators, hardware)
-    print(f"operator terms from {operators or 'priors'}: " + ", ".join(
-        f"{k} {v:.3g}" for k, v in op_report.items() if isinstance(v, float)))
-    fit_refs, over_refs = split_stages(experiments, args.leave_one_out)
-    print(f"{len(fit_refs)} stages to fit, {len(over_refs)} overloaded to check")
-    eval_s = args.eval_duration or None
-    pool = ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
-    try:
-        params = fit_engine(fit_refs, start, hardware, ENGINE_PARAMS, args.seed, args.max_duration, args.max_evals, pool)
-        print("fitted: " + ", ".join(f"{n} {getattr(params, n):.4g}" for n in ENGINE_PARAMS))
-        in_sample = simulate_all(fit_refs, params, hardware, args.seed, eval_s, pool)
-        overloaded = simulate_all(over_refs, params, hardware, args.seed, eval_s, pool)
-        loo = None if args.no_leave_one_out else leave_one_out(
-            fit_refs, start, hardware, ENGINE_PARAMS, args.seed, args.max_duration, eval_s, args.max_evals, pool, print)
-    finally:
-        if pool is not None:
-            pool.shutdown()
-    ins = error_table(in_sample)
-    checks = [{"stage": f"{r.experiment}#{r.stage}", "rate": r.rate, "measured_ttft_mean": r.measured.get("ttft_mean"),
-               "predicted_ttft_mean": r.predicted.get("ttft_mean"), "predicted_throughput": r.predicted_throughput,
-               "predicted_overloaded": r.predicted_overloaded}
-              for r in overloaded]
-    meta = {
-        "engine": _engine_description(experiments),
-        "sources": [{"path": str(p), "sha256": sha256(p)} for p in [*args.measurements, *op_report.get("files", [])]],
-        "operators": {k: v for k, v in op_report.items() if k != "files"},
-        "fit": {"engine_params": list(ENGINE_PARAMS), "metrics": list(FIT_METRICS), "seed": args.seed,
-                "fit_duration_s": args.max_duration, "eval_duration_s": eval_s, "in_sample": ins,
-                "overloaded_checks": checks, "leave_one_out": loo, "leave_one_out_by": args.leave_one_out},
-        "command": "pagesim " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["calibrate"] else "pagesim calibrate",
-        "pagesim_version": _version(), "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-    }
-    cal = Calibration(params, hardware, args.name or Path(args.out).stem, meta)
-    path = save_calibration(cal, args.out)
-    plot = calibration_plot(in_sample, (loo or {}).get("groups"), Path(path).with_suffix(".png"), cal.name)
-    _print_errors("in sample", ins["median_abs_error"])
-    if loo:
-        _print_errors(f"leave one {args.leave_one_out} out", loo["median_abs_error"])
-    for c in checks:
-        print(f"overloaded {c['stage']}: simulated {'overloaded' if c['predicted_overloaded'] else 'NOT overloaded'}")
-    print(f"wrote {path} and {plot}")
-    return 0
 
 
 def calibration_plot(in_sample: Sequence[StageResult], left_out: dict | None, path: str | Path,
@@ -396,10 +356,7 @@ def calibration_plot(in_sample: Sequence[StageResult], left_out: dict | None, pa
     axes[0].set_ylabel("predicted (s)", fontsize=8)
     axes[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path, dpi=110)
 
 
 def _scatter(ax: Any, pts: list, marker: str, label: str) -> None:
@@ -408,21 +365,11 @@ def _scatter(ax: Any, pts: list, marker: str, label: str) -> None:
         ax.scatter(*zip(*pts, strict=True), marker=marker, s=18, label=label)
 
 
-def _print_errors(what: str, med: dict[str, float | None]) -> None:
-    print(f"{what}: median |error| " + ", ".join(f"{m} {v:.1%}" for m, v in med.items() if v is not None))
-
-
-def _engine_description(experiments: Sequence[Experiment]) -> dict[str, Any]:
+def engine_description(experiments: Sequence[Experiment]) -> dict[str, Any]:
     e = experiments[0]
     return {"source": e.source, "policy": e.policy, "block_size": e.block_size, "chunked_prefill": e.chunked_prefill,
             "prefix_caching": e.prefix_caching, "max_num_batched_tokens": e.max_num_batched_tokens,
             "max_num_seqs": e.max_num_seqs, "models": sorted({x.model_id for x in experiments}),
-            "tp": sorted({x.tp for x in experiments})}
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-        return version("pagesim")
-    except Exception:  # not installed: the version is unknown, not an error
-        return "unknown"
+            "tp": sorted({x.tp for x in experiments}),
+            **({"vllm_version": versions} if (versions := sorted({x.engine_version for x in experiments
+                                                               if x.engine_version})) else {})}

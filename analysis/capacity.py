@@ -9,7 +9,6 @@ bisects between the last miss and the first hit; it assumes that adding a replic
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,19 +16,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.cli_args import (
-    add_seeds_arg,
-    add_study_args,
-    router_name,
-    sim_config,
-    study_title,
-    study_workloads,
-)
-from analysis.parallel import executor_options, run_tasks
-from analysis.report import Columns
-from analysis.seeds import rate_line, seed_cell, seeded, seeds_note, write_seed_summary
-from pagesim.argtypes import fraction, out_dir, positive_float, positive_int
-from policies.router import ROUTERS
+from analysis.parallel import run_tasks
+from analysis.plots import save_figure
+from analysis.rate_study import RateStudy
+from analysis.report import Report
+from analysis.seeds import rate_line, seeded, seeded_report, seeds_note
+from policies.metrics import headline_latency, headline_mean_normalized_latency
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
@@ -55,8 +47,8 @@ def min_replicas(trace: Trace, base: SimConfig, attainment: float = 0.9, max_rep
         if n not in rows:
             s = run_simulation(dataclasses.replace(base, replicas=n), trace).summary
             rows[n] = {"replicas": n, "slo_attainment": s["slo_attainment"], "meets": meets(s, attainment),
-                       "ttft_p90": s["ttft"]["p90"], "tpot_p90": s["tpot"]["p90"],
-                       "mean_normalized_latency": s["mean_normalized_latency"],
+                       "ttft_p90": headline_latency(s, "ttft")["p90"], "tpot_p90": headline_latency(s, "tpot")["p90"],
+                       "mean_normalized_latency": headline_mean_normalized_latency(s),
                        "prefix_hit_tokens": s["prefix_hit_tokens"], "wall_s": s["wall_time_s"]}
             if on_run is not None:
                 on_run(rows[n])
@@ -131,44 +123,20 @@ def capacity_plot(answers: pd.DataFrame, path: str | Path, title: str = "") -> P
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title(title, fontsize=9, wrap=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
-# ---- the command: `pagesim capacity` ----
+# ---- the study `pagesim capacity` runs ----
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    cap = sub.add_parser("capacity", help="the fewest replicas that serve a trace within latency SLOs (simulated)",
-                         description="Capacity planning: for each router and rate, the fewest replicas with at least "
-                                     "--attainment of the requests within --slo-ttft and --slo-tpot (doubling, then "
-                                     "bisecting). Writes capacity.csv (the answers), capacity_runs.csv (every "
-                                     "configuration simulated) and capacity.png to --out.")
-    add_study_args(cap, "sharegpt-like", [10.0, 20.0, 40.0])
-    add_seeds_arg(cap)
-    cap.add_argument("--routers", nargs="+", default=["least-loaded"], type=router_name, metavar="ROUTER",
-                     help=f"routers to plan for: {', '.join(ROUTERS)}, or package.module:Class (default least-loaded)")
-    cap.add_argument("--slo-ttft", type=positive_float, help="TTFT SLO, seconds")
-    cap.add_argument("--slo-tpot", type=positive_float, help="TPOT SLO, seconds")
-    cap.add_argument("--attainment", type=fraction, default=0.9, help="share of requests within the SLOs (default 0.9)")
-    cap.add_argument("--max-replicas", type=positive_int, default=64)
-    cap.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree of each replica (GPUs = replicas x tp)")
-    cap.add_argument("--prefix-caching", action="store_true")
-    cap.add_argument("--chunked-prefill", action="store_true")
-    cap.add_argument("--max-num-batched-tokens", type=positive_int, default=4096)
-    cap.add_argument("--out", type=out_dir, required=True)
-    cap.set_defaults(func=command)
+@dataclass(kw_only=True)
+class CapacityStudy(RateStudy):
+    """A capacity search's configuration (the SLOs in its base): the routers, the share of requests
+    that must meet the SLOs, the most replicas tried, and the SLOs in words ("TTFT <= 1 s")."""
 
-
-@dataclass
-class CapacityStudy:
-    """A capacity search as its arguments define it: the workload (one trace, or one per seed), its
-    first trace, and the configuration (with the SLOs) every search starts from."""
-
-    workload: Trace | list[Trace]
-    trace: Trace
-    base: SimConfig
+    routers: list[str]
+    attainment: float = 0.9
+    max_replicas: int = 64
+    slo: str = ""
 
 
 @dataclass
@@ -178,72 +146,22 @@ class CapacityTables:
     tried: pd.DataFrame    # every configuration simulated
 
 
-def prepare(args: argparse.Namespace) -> CapacityStudy:
-    if args.slo_ttft is None and args.slo_tpot is None:
-        raise ValueError("--slo-ttft and/or --slo-tpot: capacity is the fewest replicas meeting an SLO")
-    workload, trace = study_workloads(args)
-    return CapacityStudy(workload, trace, sim_config(args))
-
-
-def run(args: argparse.Namespace, study: CapacityStudy | None = None,
-        on_result: Callable[[dict], None] | None = None,
-        on_run: Callable[[dict], None] | None = None) -> CapacityTables:
+def run_capacity(study: CapacityStudy, on_result: Callable[[dict], None] | None = None,
+                 on_run: Callable[[dict], None] | None = None) -> CapacityTables:
     """The capacity tables; `on_run(row)` for each configuration simulated, `on_result(row)` for
     each answer."""
-    study = study or prepare(args)
-    answers, tried = capacity_table(study.workload, study.base, args.routers, args.rates, args.attainment,
-                                    args.max_replicas, on_result=on_result, on_run=on_run, jobs=args.jobs,
-                                    **executor_options(args))
+    answers, tried = capacity_table(study.workload, study.base, study.routers, study.rates, study.attainment,
+                                    study.max_replicas, on_result=on_result, on_run=on_run,
+                                    **study.workers.options())
     return CapacityTables(study, answers, tried)
 
 
-def command(args: argparse.Namespace) -> int:
-    study = prepare(args)
-    cols = columns(args)
-    print_header(args, study, cols)
-    write_report(args, run(args, study, on_result=lambda r: print_answer(args, r), on_run=lambda r: print_row(r, cols)))
-    return 0
-
-
-def _slo(args: argparse.Namespace) -> str:
-    return " and ".join(s for s in (args.slo_ttft and f"TTFT <= {args.slo_ttft:g} s",
-                                    args.slo_tpot and f"TPOT <= {args.slo_tpot:g} s") if s)
-
-
-def print_header(args: argparse.Namespace, study: CapacityStudy, cols: Columns) -> None:
-    print(f"capacity: {len(study.trace)} requests of {study.trace.name} on {study_title(args)}, "
-          f"{args.attainment:.0%} of requests within {_slo(args)}")
-    print(cols.header() + (f" {'seed':>5}" if args.seeds > 1 else ""))
-
-
-COLUMNS = Columns(("router", "router", "<16"), ("rate", "rate", ">6g"), ("replicas", "replicas", ">8"),
-                  ("in SLO", "slo_attainment", ">7.1%"), ("p90 TTFT", "ttft_p90", ">9.3f"),
-                  ("p90 TPOT", "tpot_p90", ">9.4f"), ("wall s", "wall_s", ">7.2f"))
-
-
-def columns(args: argparse.Namespace) -> Columns:
-    """The table's columns, the router column as wide as the longest router named."""
-    return COLUMNS.widened("router", args.routers)
-
-
-def print_row(r: dict, cols: Columns) -> None:
-    print(cols.row(r) + seed_cell(r), flush=True)
-
-
-def print_answer(args: argparse.Namespace, r: dict) -> None:
-    n = r["min_replicas"]
-    print(f"  -> {r['router']} at {r['rate']:g} req/s" + (f", seed {r['seed']}" if "seed" in r else "") + ": "
-          + (f"{n} replicas ({r['gpus']} GPUs)" if n is not None else f"more than {args.max_replicas} replicas"),
-          flush=True)
-
-
-def write_report(args: argparse.Namespace, result: CapacityTables) -> None:
+def capacity_report(result: CapacityTables) -> Report:
     """capacity.csv, capacity_runs.csv (and capacity_summary.csv with seeds), capacity.png."""
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    result.answers.to_csv(out / "capacity.csv", index=False)
-    result.tried.to_csv(out / "capacity_runs.csv", index=False)
-    write_seed_summary(result.answers, ["router", "rate"], out / "capacity_summary.csv", "min_replicas")
-    capacity_plot(result.answers, out / "capacity.png",
-                  f"{result.study.trace.name}, {study_title(args)}, {_slo(args)}" + seeds_note(args.seeds))
-    print(f"wrote {out}/capacity.csv, capacity_runs.csv, capacity.png")
+    study = result.study
+    report = seeded_report(result.answers, "capacity.csv", ["router", "rate"], "min_replicas")
+    report.table("capacity_runs.csv", result.tried)
+    report.figure("capacity.png", lambda path: capacity_plot(
+        result.answers, path, f"{study.trace.name}, {study.title}, {study.slo}" + seeds_note(study.seeds)))
+    report.wrote("capacity.csv", "capacity_runs.csv", "capacity.png")
+    return report

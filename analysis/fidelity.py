@@ -11,25 +11,28 @@ simulation and measurement agree on which stages were overloaded.
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from analysis.measurement_files import load_measurements
 from analysis.measurements import (
     LATENCY_METRICS,
     Experiment,
     StageResult,
-    load_measurements,
     simulate_stage,
     stage_config,
 )
-from analysis.parallel import add_executor_args, executor_options, run_tasks
+from analysis.parallel import Workers, run_tasks
+from analysis.plots import save_figure
+from analysis.report import Report
+from analysis.request_runs import RequestRunReport, add_request_run, stage_reports
+from sim.calibrated import load_calibration
+from sim.run import num_blocks_for
 
 DEFAULT_HARDWARE = "h100-sxm"
 METRIC_LABELS = {"ttft_mean": "TTFT mean", "ttft_p90": "TTFT p90", "e2e_mean": "E2E mean", "e2e_p90": "E2E p90",
@@ -54,8 +57,6 @@ def unfit_experiments(experiments: Sequence[Experiment], calibration: str | None
     """Experiment name -> why it cannot be simulated as measured (its model's weights leave no KV
     cache on its GPUs in pagesim's memory model, a block size that leaves no whole block, a
     calibration that cannot be read...), for those that cannot; checked before any simulation."""
-    from sim.run import num_blocks_for
-
     unfit = {}
     for exp in experiments:
         try:
@@ -64,6 +65,18 @@ def unfit_experiments(experiments: Sequence[Experiment], calibration: str | None
         except ValueError as e:
             unfit[exp.name] = str(e)
     return unfit
+
+
+def engine_warnings(experiments: Sequence[Experiment], calibration: str | None) -> list[str]:
+    """A warning line for each experiment whose engine version the calibration was not fitted on
+    (both must say theirs: a per-request run's meta.json, a calibration's engine.vllm_version)."""
+    if not calibration:
+        return []
+    cal = load_calibration(calibration)
+    fitted = (cal.meta.get("engine") or {}).get("vllm_version") or []
+    return [f"warning: calibration {cal.name} was fitted on vLLM {', '.join(fitted)}; {e.name} ran vLLM "
+            f"{e.engine_version}: its engine terms may not hold there"
+            for e in experiments if fitted and e.engine_version and e.engine_version not in fitted]
 
 
 def _simulate(exp: Experiment, index: int, hardware: str, calibration: str | None, max_duration_s: float | None,
@@ -193,77 +206,110 @@ def fidelity_figure(table: pd.DataFrame, path: str | Path, title: str = "") -> P
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
-# --- command line --------------------------------------------------------------------------------
+# ---- the study `pagesim fidelity` runs ----
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from pagesim.argtypes import out_dir, positive_float, positive_int, seed
-    p = subparsers.add_parser(
-        "fidelity", help="simulate measured serving runs and report the simulator's error on each",
-        description="Simulate every stage of the measured experiments (the vllm-h100 measurements.json format, "
-                    "`vllm bench serve --save-result` files, pagesim run folders) and print measured vs predicted "
-                    "TTFT mean/p90, E2E mean/p90/p99 and time per output token with the error of each, and the "
-                    "median and mean absolute error. Writes fidelity.csv, fidelity.json and fidelity.png to --out.")
-    p.add_argument("--measurements", nargs="+", required=True, metavar="FILE",
-                   help="measurement files or pagesim run folders")
-    p.add_argument("--calibration", help="a calibration file or shipped name (default: the roofline cost model)")
-    p.add_argument("--hardware", help=f"GPU spec to simulate on (default: each experiment's own, else "
-                                      f"{DEFAULT_HARDWARE})")
-    p.add_argument("--models-dir", action="append", metavar="DIR",
-                   help="folder of HF config.json files for model ids (repeatable; default ../shared/models beside "
-                        "the repository and the working directory)")
-    p.add_argument("--max-duration", type=positive_float, metavar="S",
-                   help="simulate only each stage's first S seconds of arrivals (default: the whole stage)")
-    p.add_argument("--seed", type=seed, default=0)
-    p.add_argument("--jobs", type=positive_int, default=1,
-                   help="simulations run at once in worker processes (default 1; the results are the same)")
-    add_executor_args(p)
-    p.add_argument("--out", type=out_dir, default="runs/fidelity", help="output folder (default runs/fidelity)")
-    p.set_defaults(func=run)
-    return p
+@dataclass
+class FidelityStudy:
+    """A fidelity study's configuration: the measurement files (or pagesim run folders) and where
+    their models' configs are, the calibration (None: the roofline cost model), the GPU to simulate
+    on (None: each experiment's own), the seconds of each stage simulated (None: all), the seed,
+    where the runs go, and the server settings `vllm bench serve` results do not record
+    (analysis/bench_settings.py; None: each file's own or its sidecar's)."""
+
+    measurements: list[str]
+    models_dirs: list[str] | None = None
+    calibration: str | None = None
+    hardware: str | None = None
+    max_duration: float | None = None
+    seed: int = 0
+    workers: Workers = field(default_factory=Workers)
+    server: dict[str, Any] | None = None
+
+    @property
+    def cost(self) -> str:
+        return f"calibration {self.calibration}" if self.calibration else "the roofline cost model"
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.max_duration is not None and not args.max_duration > 0:
-        raise ValueError(f"--max-duration must be > 0, got {args.max_duration}")
-    t0 = time.perf_counter()
-    experiments = load_measurements(args.measurements, args.models_dir)
-    n = sum(len(e.stages) for e in experiments)
-    cost = f"calibration {args.calibration}" if args.calibration else "the roofline cost model"
-    print(f"{len(experiments)} experiments, {n} stages; simulating with {cost}"
-          + (f", first {args.max_duration:g} s of each stage" if args.max_duration else ""))
-    unsaid = [e.name for e in experiments if not e.hardware]
-    if unsaid and not args.hardware:
-        print(f"note: {len(unsaid)} experiments do not say their hardware ({', '.join(unsaid[:3])}"
-              f"{', ...' if len(unsaid) > 3 else ''}): simulated on {DEFAULT_HARDWARE} (--hardware to choose)")
-    unfit = unfit_experiments(experiments, args.calibration, args.hardware)
-    for name, why in unfit.items():
-        print(f"not simulated: {name}: {why}")
-    if len(unfit) == len(experiments):
-        raise ValueError("no experiment can be simulated as measured (see the lines above)")
-    experiments = [e for e in experiments if e.name not in unfit]
-    results = fidelity_results(experiments, args.calibration, args.hardware, args.jobs, args.max_duration, args.seed,
-                                 **executor_options(args))
-    table = results_table(results, experiments)
+@dataclass
+class FidelityPlan:
+    """The experiments read, those that cannot be simulated as measured (name -> why), and warnings
+    about the calibration (`engine_warnings`)."""
+
+    study: FidelityStudy
+    experiments: list[Experiment]
+    unfit: dict[str, str]
+    warnings: list[str] = field(default_factory=list)
+
+    def intro(self) -> Report:
+        """What will be simulated, and what will not and why."""
+        study, experiments = self.study, self.experiments
+        report = Report()
+        report.say(f"{len(experiments)} experiments, {sum(len(e.stages) for e in experiments)} stages; simulating "
+                   f"with {study.cost}" + (f", first {study.max_duration:g} s of each stage" if study.max_duration else ""))
+        unsaid = [e.name for e in experiments if not e.hardware]
+        if unsaid and not study.hardware:
+            report.say(f"note: {len(unsaid)} experiments do not say their hardware ({', '.join(unsaid[:3])}"
+                       f"{', ...' if len(unsaid) > 3 else ''}): simulated on {DEFAULT_HARDWARE} (--hardware to choose)")
+        report.say(*self.warnings)
+        report.say(*(f"not simulated: {name}: {why}" for name, why in self.unfit.items()))
+        return report
+
+    def fit(self) -> list[Experiment]:
+        """The experiments to simulate; raises when there are none."""
+        if len(self.unfit) == len(self.experiments):
+            raise ValueError("no experiment can be simulated as measured (see the lines above)")
+        return [e for e in self.experiments if e.name not in self.unfit]
+
+
+def plan_fidelity(study: FidelityStudy) -> FidelityPlan:
+    """Read the measurements and check which experiments can be simulated, before any simulation."""
+    if study.max_duration is not None and not study.max_duration > 0:
+        raise ValueError(f"--max-duration must be > 0, got {study.max_duration}")
+    experiments = load_measurements(study.measurements, study.models_dirs, study.server)
+    return FidelityPlan(study, experiments, unfit_experiments(experiments, study.calibration, study.hardware),
+                        engine_warnings(experiments, study.calibration))
+
+
+@dataclass
+class FidelityOutcome:
+    """A fidelity study's results: one row per (stage, metric), and the per-request runs' comparisons
+    (analysis/request_runs.py), in order."""
+
+    table: pd.DataFrame
+    request_runs: list[RequestRunReport]
+
+
+def run_fidelity(plan: FidelityPlan) -> FidelityOutcome:
+    """Every stage of every experiment that can be simulated."""
+    study, experiments = plan.study, plan.fit()
+    results = fidelity_results(experiments, study.calibration, study.hardware, max_duration_s=study.max_duration,
+                               seed=study.seed, **study.workers.options())
+    return FidelityOutcome(results_table(results, experiments), stage_reports(experiments, results))
+
+
+def fidelity_report(plan: FidelityPlan, outcome: FidelityOutcome, wall_s: float) -> Report:
+    """fidelity.csv, fidelity.json (the summary and the study's settings), fidelity.png, the table
+    and the summary; each per-request run's comparison under request_runs/<n>/, their errors in
+    request_runs.json."""
+    study, unfit, table = plan.study, plan.unfit, outcome.table
     summary = fidelity_summary(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out / "fidelity.csv", index=False)
-    wall = time.perf_counter() - t0
-    meta = {"measurements": [str(m) for m in args.measurements], "calibration": args.calibration,
-            "hardware": args.hardware, "max_duration_s": args.max_duration, "seed": args.seed, "wall_s": wall,
+    meta = {"measurements": [str(m) for m in study.measurements], "calibration": study.calibration,
+            "hardware": study.hardware, "max_duration_s": study.max_duration, "seed": study.seed, "wall_s": wall_s,
             "not_simulated": unfit}
-    (out / "fidelity.json").write_text(json.dumps({**meta, **summary}, indent=1, default=float) + "\n")
-    fidelity_figure(table, out / "fidelity.png", f"pagesim fidelity ({cost})")
-    print(format_table(table))
-    print()
-    print(format_summary(summary))
+    report = Report()
+    report.table("fidelity.csv", table)
+    report.json("fidelity.json", {**meta, **summary}, default=float)
+    report.figure("fidelity.png", lambda path: fidelity_figure(table, path, f"pagesim fidelity ({study.cost})"))
+    report.say(format_table(table), "", format_summary(summary))
     if unfit:
-        print(f"not simulated ({len(unfit)} experiments, in fidelity.json): {', '.join(unfit)}")
-    print(f"\n{len(table)} comparisons; wall time {wall:.1f} s; wrote {out}/fidelity.csv, fidelity.json, fidelity.png")
-    return 0
+        report.say(f"not simulated ({len(unfit)} experiments, in fidelity.json): {', '.join(unfit)}")
+    report.wrote("fidelity.csv", "fidelity.json", "fidelity.png",
+                 before=f"\n{len(table)} comparisons; wall time {wall_s:.1f} s; ")
+    for i, run in enumerate(outcome.request_runs):
+        add_request_run(report, run, f"request_runs/{i}", f"{run.name} ({study.cost})")
+    if outcome.request_runs:
+        report.json("request_runs.json", [r.summary() for r in outcome.request_runs], default=float)
+    return report

@@ -2,12 +2,15 @@
 
 - the vllm-h100 `measurements.json` (../shared/calibration/vllm-h100/README.md): experiments, each
   with a shared_prefix workload and stages of constant load, client-measured latencies;
-- a `vllm bench serve --save-result` JSON file (one object, or several appended): one stage at
-  request_rate (burstiness 1 Poisson, inf constant, else Gamma), engine settings from its
-  --metadata keys where given (tensor_parallel_size, max_num_seqs, max_num_batched_tokens, ...);
+- a `vllm bench serve --save-result` JSON file (one object, or several appended; vLLM 0.8's
+  benchmark_serving.py too): one stage at request_rate (burstiness 1 Poisson, inf constant, else
+  Gamma), engine settings from its --metadata keys where given (tensor_parallel_size,
+  max_num_seqs, max_num_batched_tokens, ...), a sidecar file or options (analysis/bench_settings.py);
   with --save-detailed its input_lens/output_lens are replayed;
 - a pagesim run folder (`requests.csv` + `summary.json` of `pagesim simulate` or `pagesim live`):
-  one stage replaying the recorded requests at their recorded arrivals.
+  one stage replaying the recorded requests at their recorded arrivals;
+- a per-request benchmark run folder (`meta.json` + `requests.jsonl` + `timeseries.csv`, the
+  llmservingsim layout): analysis/request_runs.py.
 
 Every malformed input raises ValueError "<file>: <field path>: <what is wrong>".
 """
@@ -23,6 +26,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from analysis.bench_settings import check_settings, e2e_from_requests
 from analysis.measurements import LOAD_TYPES, Experiment, Latency, SharedPrefix, Stage
 from specs import get_hardware, load_model, resolve_model_name
 from traces import SYNTHETIC, load_trace, make_synthetic
@@ -109,31 +113,7 @@ def _number(text: str) -> Any:
         return text
 
 
-def load_file(path: Path, models_dirs: Sequence[str | Path] | None = None) -> list[Experiment]:
-    """The experiments of one measurements file or pagesim run folder (format told by content)."""
-    if path.is_dir() or (path.name in ("requests.csv", "summary.json") and (path.parent / "requests.csv").is_file()):
-        return [_pagesim_run(path if path.is_dir() else path.parent, models_dirs)]
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file or run folder")
-    objects = _json_objects(path)
-    if len(objects) == 1 and isinstance(objects[0], dict) and "experiments" in objects[0]:
-        f = Fields(objects[0], path)
-        hardware = _source_hardware(objects[0].get("source"))
-        return [_vllm_h100_experiment(e, models_dirs, hardware) for e in f.items("experiments")]
-    if len(objects) == 1:
-        from analysis.benchmark_results import is_guidellm, load_guidellm  # it builds on this module
-        if is_guidellm(objects[0]):
-            return load_guidellm(path, models_dirs)
-    if all(isinstance(o, dict) and "request_rate" in o for o in objects):
-        many = len(objects) > 1
-        return [_vllm_bench(Fields(o, path, f"[{i}]" if many else ""), f"{path.stem}" + (f"#{i}" if many else ""),
-                            models_dirs) for i, o in enumerate(objects)]
-    raise ValueError(f"{path}: not a measurements file: expected an object with \"experiments\" (vllm-h100 "
-                     "measurements.json), a `vllm bench serve` result (with \"request_rate\"), a guidellm result, "
-                     "or a pagesim run folder (requests.csv + summary.json)")
-
-
-def _json_objects(path: Path) -> list[Any]:
+def json_objects(path: Path) -> list[Any]:
     """The JSON values in the file: one, or several written one after another (--append-result)."""
     try:
         text = path.read_text()
@@ -155,6 +135,12 @@ def _json_objects(path: Path) -> list[Any]:
     return out
 
 
+def read_settings(path: Path) -> dict[str, Any]:
+    """A server settings file (analysis/bench_settings.py): one JSON object of vLLM argument names."""
+    objects = json_objects(path)
+    return check_settings(objects[0] if len(objects) == 1 else objects, path)
+
+
 def default_models_dirs() -> list[Path]:
     """Where HF model ids are looked up when no --models-dir is given: ../shared/models beside the
     repository and beside the working directory, those that exist."""
@@ -171,7 +157,7 @@ def resolve_model(model_id: str, models_dirs: Sequence[str | Path] | None = None
     return resolve_model_name(model_id, dirs)  # raises for an unknown model, or a config it cannot read
 
 
-def _model(f: Fields, key: str, models_dirs: Sequence[str | Path] | None) -> tuple[str, str]:
+def model_field(f: Fields, key: str, models_dirs: Sequence[str | Path] | None) -> tuple[str, str]:
     model_id = f.str(key)
     try:
         return model_id, resolve_model(model_id, models_dirs)
@@ -179,7 +165,7 @@ def _model(f: Fields, key: str, models_dirs: Sequence[str | Path] | None) -> tup
         raise f.error(key, str(exc)) from None
 
 
-def _tp(f: Fields, key: str, model: str) -> int:
+def tp_field(f: Fields, key: str, model: str) -> int:
     """The measured tensor parallelism, which must split the model's heads (refused here naming the
     file's field, not later as if the user had passed --tp)."""
     tp = f.int(key, 1, minimum=1)
@@ -192,7 +178,7 @@ def _tp(f: Fields, key: str, model: str) -> int:
 
 # --- vllm-h100 measurements.json ------------------------------------------------------------------
 
-def _source_hardware(source: Any) -> str | None:
+def source_hardware(source: Any) -> str | None:
     """The hardware spec the file's free-text `source.hardware` names ("NVIDIA H100 80GB HBM3 (SXM),
     one node; ..."), from its leading words; None when it names none."""
     text = source.get("hardware") if isinstance(source, dict) else None
@@ -204,8 +190,8 @@ def _source_hardware(source: Any) -> str | None:
         return None
 
 
-def _vllm_h100_experiment(e: Fields, models_dirs: Sequence[str | Path] | None, hardware: str | None) -> Experiment:
-    model_id, model = _model(e, "model_id", models_dirs)
+def vllm_h100_experiment(e: Fields, models_dirs: Sequence[str | Path] | None, hardware: str | None) -> Experiment:
+    model_id, model = model_field(e, "model_id", models_dirs)
     sp = e.sub("shared_prefix")
     workload = SharedPrefix(sp.int("num_groups", minimum=1), sp.int("num_prompts_per_group", minimum=1),
                             sp.int("system_prompt_len"), sp.int("question_len"), sp.int("output_len", minimum=1))
@@ -216,14 +202,14 @@ def _vllm_h100_experiment(e: Fields, models_dirs: Sequence[str | Path] | None, h
         raise e.error("ignore_eos", "false: outputs of unknown length cannot be replayed")
     stages = tuple(_vllm_h100_stage(s, load, workload.output_len) for s in e.items("stages"))
     return Experiment(
-        name=e.str("name"), model_id=model_id, model=model, tp=_tp(e, "tp", model), stages=stages,
+        name=e.str("name"), model_id=model_id, model=model, tp=tp_field(e, "tp", model), stages=stages,
         workload=workload, workload_name=e.str("workload", "shared_prefix"),
         max_model_len=e.int("max_model_len", None, minimum=1),
         max_num_batched_tokens=e.int("max_num_batched_tokens", None, minimum=1),
         max_num_seqs=e.int("max_num_seqs", None, minimum=1), block_size=e.int("block_size", 16, minimum=1),
         prefix_caching=e.bool("enable_prefix_caching", True), chunked_prefill=e.bool("enable_chunked_prefill", True),
         gpu_memory_utilization=e.num("gpu_memory_utilization", 0.9, strict=True),
-        hardware=_hardware(e, "hardware") or hardware,
+        hardware=hardware_field(e, "hardware") or hardware,
         overloaded_by_source=e.bool("overload_excluded_by_source", False), source=e.file)
 
 
@@ -250,8 +236,8 @@ def _opt(v: float | None, scale: float = 1.0) -> float | None:
 
 # --- vllm bench serve --save-result ---------------------------------------------------------------
 
-def _vllm_bench(f: Fields, name: str, models_dirs: Sequence[str | Path] | None) -> Experiment:
-    model_id, model = _model(f, "model_id", models_dirs)
+def vllm_bench(f: Fields, name: str, models_dirs: Sequence[str | Path] | None) -> Experiment:
+    model_id, model = model_field(f, "model_id", models_dirs)
     rate = f.raw("request_rate")
     if rate == "inf" or rate == math.inf:
         raise f.error("request_rate", "'inf' (every request at once) is not supported: give a finite rate")
@@ -269,24 +255,36 @@ def _vllm_bench(f: Fields, name: str, models_dirs: Sequence[str | Path] | None) 
         index=0, rate=rate, duration_s=n / rate, load_type=load, burstiness=cv,
         ttft=Latency(f.num("mean_ttft_ms") / 1e3, _opt(f.num("p90_ttft_ms", None), 1e-3),
                      _opt(f.num("p99_ttft_ms", None), 1e-3)),
-        e2e=Latency(f.num("mean_e2el_ms") / 1e3, _opt(f.num("p90_e2el_ms", None), 1e-3),
-                    _opt(f.num("p99_e2el_ms", None), 1e-3)),
+        e2e=_bench_e2e(f),
         output_len=total_out / completed,
         prompt_len_mean=f.num(_first(f, "total_input_tokens", "total_input")) / completed,
         throughput_rps=f.num("request_throughput", None), successes=completed,
         failures=f.int("failed", n - completed), requests=_bench_requests(f, n, completed, total_out))
     return Experiment(
-        name=name, model_id=model_id, model=model, tp=_tp(f, _first(f, "tensor_parallel_size", "tp"), model),
+        name=name, model_id=model_id, model=model, tp=tp_field(f, _first(f, "tensor_parallel_size", "tp"), model),
         stages=(stage,), workload_name=str(f.raw("dataset_name", "vllm-bench")),
         max_model_len=f.int("max_model_len", None, minimum=1),
         max_num_batched_tokens=f.int("max_num_batched_tokens", None, minimum=1),
         max_num_seqs=f.int("max_num_seqs", None, minimum=1), block_size=f.int("block_size", 16, minimum=1),
         prefix_caching=f.bool("enable_prefix_caching", True),
         gpu_memory_utilization=f.num("gpu_memory_utilization", 0.9, strict=True),
-        hardware=_hardware(f, "hardware"), source=f.file)
+        hardware=hardware_field(f, "hardware"), source=f.file)
 
 
-def _hardware(f: Fields, key: str) -> str | None:
+def _bench_e2e(f: Fields) -> Latency:
+    """The E2E summary, or (older files: vLLM 0.8's benchmark_serving.py has no *_e2el_ms) one
+    derived from the per-request ttfts and itls."""
+    if f.has("mean_e2el_ms") or not (f.has("ttfts") and f.has("itls")):
+        if not f.has("mean_e2el_ms"):
+            raise f.error("mean_e2el_ms", "missing, and no per-request ttfts and itls to derive it from")
+        return Latency(f.num("mean_e2el_ms") / 1e3, _opt(f.num("p90_e2el_ms", None), 1e-3),
+                       _opt(f.num("p99_e2el_ms", None), 1e-3))
+    where = f"{f.file}" + (f": {f.path}" if f.path else "")
+    mean, p90, p99 = e2e_from_requests(f.raw("ttfts"), f.raw("itls"), where)
+    return Latency(mean / 1e3, p90 / 1e3, p99 / 1e3)
+
+
+def hardware_field(f: Fields, key: str) -> str | None:
     if not f.has(key):
         return None
     name = f.str(key)
@@ -341,16 +339,16 @@ def _int_list(f: Fields, key: str, n: int) -> np.ndarray:
 
 # --- pagesim run folder ---------------------------------------------------------------------------
 
-def _pagesim_run(folder: Path, models_dirs: Sequence[str | Path] | None) -> Experiment:
+def pagesim_run(folder: Path, models_dirs: Sequence[str | Path] | None) -> Experiment:
     summary_path, requests_path = folder / "summary.json", folder / "requests.csv"
     for p in (summary_path, requests_path):
         if not p.is_file():
             raise ValueError(f"{p}: missing (a pagesim run folder holds requests.csv and summary.json)")
-    objects = _json_objects(summary_path)
+    objects = json_objects(summary_path)
     s = Fields(objects[0], summary_path)
     cfg = s.sub("config")
     frame = _requests_frame(requests_path)
-    model_id, model = _model(cfg, "model", models_dirs)
+    model_id, model = model_field(cfg, "model", models_dirs)
     done = frame[frame.status == "finished"]
     if not len(done):
         raise ValueError(f"{requests_path}: no finished request: nothing was measured")
@@ -373,20 +371,27 @@ def _pagesim_run(folder: Path, models_dirs: Sequence[str | Path] | None) -> Expe
         prefix_caching=cfg.bool("prefix_caching", False), chunked_prefill=cfg.bool("chunked_prefill", False),
         gpu_memory_utilization=cfg.num("gpu_memory_utilization", 0.9, strict=True), num_gpu_blocks=gpu_blocks,
         policy=cfg.str("policy", "vllm"), preemption=cfg.str("preemption", "recompute"),
-        hardware=_hardware(cfg, "hardware"), source=str(folder))
+        hardware=hardware_field(cfg, "hardware"), source=str(folder))
 
 
 _RUN_COLUMNS = ("arrival", "prompt_len", "output_len", "ttft", "e2e_latency", "status")
 
 
-def _requests_frame(path: Path) -> pd.DataFrame:
+def read_csv_columns(path: Path, columns: Sequence[str], hint: str) -> pd.DataFrame:
+    """A CSV file holding (at least) `columns`; else ValueError naming the file, the missing
+    columns and `hint`."""
     try:
         frame = pd.read_csv(path)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not a CSV file ({exc})") from None
-    missing = [c for c in _RUN_COLUMNS if c not in frame]
+    missing = [c for c in columns if c not in frame]
     if missing:
-        raise ValueError(f"{path}: missing columns {', '.join(missing)} (a pagesim requests table has them)")
+        raise ValueError(f"{path}: missing columns {', '.join(missing)} ({hint})")
+    return frame
+
+
+def _requests_frame(path: Path) -> pd.DataFrame:
+    frame = read_csv_columns(path, _RUN_COLUMNS, "a pagesim requests table has them")
     frame = frame.sort_values("arrival", kind="stable", ignore_index=True)
     for c in ("arrival", "prompt_len", "output_len"):
         if frame[c].isna().any() or not np.isfinite(frame[c].to_numpy(np.float64)).all():

@@ -24,14 +24,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from policies.client_latency import ClientTerms, with_client_latencies
 from sim.cost_model import CostModel
 from sim.run import SimConfig, build_cost_model, run_simulation
 from sim.specs import get_hardware
@@ -40,6 +39,10 @@ from traces.synthetic import grouped_prefix
 from traces.trace import Trace
 
 LATENCY_METRICS = ("ttft_mean", "ttft_p90", "e2e_mean", "e2e_p90", "e2e_p99", "tpot")
+# what a per-request run measures beyond a stage summary (analysis/request_runs.py): the low-load and
+# middle TTFT, the per-request time per output token, and the engine's mean running and waiting
+# requests over the run's ticks
+REQUEST_RUN_METRICS = ("ttft_p10", "ttft_p50", "tpot_p50", "tpot_p90", "running_mean", "waiting_mean")
 OVERLOAD_FRACTION = 0.9
 QUEUED_TTFT_S = 1.0  # a mean TTFT above this means requests queued: the load was not carried
 
@@ -51,6 +54,7 @@ def is_overloaded(throughput_rps: float | None, rate: float, ttft_mean: float | 
     queued = ttft_mean is not None and ttft_mean > QUEUED_TTFT_S
     return bool(slow or queued)
 LOAD_TYPES = ("constant", "poisson", "gamma")
+NO_CLIENT_TERMS = ClientTerms()
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,8 @@ class Stage:
     successes: int = 0
     failures: int = 0
     requests: Trace | None = None
+    # a per-request run's own measurements (analysis.request_runs.MeasuredRun): per request and over time
+    measured_run: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def tpot(self) -> float:
@@ -106,9 +112,11 @@ class Stage:
         return is_overloaded(self.throughput_rps, self.rate, self.ttft.mean)
 
     def metrics(self) -> dict[str, float | None]:
-        """The measured `LATENCY_METRICS` (None where the source did not report one)."""
-        return {"ttft_mean": self.ttft.mean, "ttft_p90": self.ttft.p90, "e2e_mean": self.e2e.mean,
-                "e2e_p90": self.e2e.p90, "e2e_p99": self.e2e.p99, "tpot": self.tpot}
+        """The measured `LATENCY_METRICS` (None where the source did not report one), and a
+        per-request run's `REQUEST_RUN_METRICS`."""
+        out = {"ttft_mean": self.ttft.mean, "ttft_p90": self.ttft.p90, "e2e_mean": self.e2e.mean,
+               "e2e_p90": self.e2e.p90, "e2e_p99": self.e2e.p99, "tpot": self.tpot}
+        return out if self.measured_run is None else {**out, **self.measured_run.metrics()}
 
 
 @dataclass(frozen=True)
@@ -140,19 +148,7 @@ class Experiment:
     hardware: str | None = None
     overloaded_by_source: bool = False
     source: str = ""
-
-
-@dataclass(frozen=True)
-class ClientOverhead:
-    """What a client-side latency holds beyond the server's: a fixed add to TTFT (and so to E2E),
-    a per-output-token add (after the first token) to E2E, and an output lag: a token reaches the
-    client `output_lag_steps` engine iterations after the one that produced it (an engine that
-    processes and sends a step's outputs while the next step runs), so the lag costs whatever those
-    iterations take, and nothing once the engine goes idle (see `lagged_times`)."""
-
-    ttft_s: float = 0.0
-    per_output_token_s: float = 0.0
-    output_lag_steps: float = 0.0
+    engine_version: str | None = None  # the serving engine's version, where the source says it (vLLM's)
 
 
 @dataclass
@@ -177,12 +173,13 @@ class StageResult:
     iterations: pd.DataFrame | None = dataclasses.field(default=None, repr=False, compare=False)
     backlog_grew: bool = dataclasses.field(default=False, repr=False, compare=False)  # steady_state's verdict
 
-    def with_client(self, client: ClientOverhead) -> StageResult:
-        """The same simulated run seen by another client (ClientOverhead): the server's times do not
+    def with_client(self, client: ClientTerms) -> StageResult:
+        """The same simulated run seen by another client (ClientTerms): the server's times do not
         depend on the client terms, so nothing is simulated again."""
         if self.requests is None:
             raise ValueError(f"{self.experiment}#{self.stage}: the simulated requests were not kept")
-        predicted = predicted_metrics(self.requests, client, self.iterations)
+        # the server-side figures (a per-request run's gauges) do not depend on the client
+        predicted = {**self.predicted, **predicted_metrics(self.requests, client, self.iterations)}
         return dataclasses.replace(self, predicted=predicted, predicted_overloaded=self.backlog_grew or is_overloaded(
             None, self.rate, predicted["ttft_mean"]))
 
@@ -190,20 +187,6 @@ class StageResult:
 def time_per_output_token(e2e_mean: float, ttft_mean: float, output_len: float) -> float:
     """(mean E2E - mean TTFT) / (output_len - 1); NaN for single-token outputs."""
     return (e2e_mean - ttft_mean) / (output_len - 1) if output_len > 1 else math.nan
-
-
-def load_measurements(paths: str | Path | Sequence[str | Path],
-                      models_dirs: Sequence[str | Path] | None = None) -> list[Experiment]:
-    """Every experiment in the files (or pagesim run folders) given, in order; the format of each is
-    told by its content. Malformed input raises ValueError naming the file and the field."""
-    from analysis.measurement_formats import load_file
-
-    if isinstance(paths, (str, Path)):
-        paths = [paths]
-    out: list[Experiment] = []
-    for p in paths:
-        out.extend(load_file(Path(p), models_dirs))
-    return out
 
 
 # --- a stage rebuilt for the simulator -------------------------------------------------------------
@@ -281,88 +264,49 @@ def stage_config(exp: Experiment, stage: Stage, hardware: str | None = None, cal
 
 # --- simulated next to measured -------------------------------------------------------------------
 
-def client_overhead(client: Any) -> ClientOverhead:
-    """A ClientOverhead from None (zero), a ClientOverhead, a dict (ttft_s, per_output_token_s), or
-    an object with calibration parameters (client_ttft_s, client_per_output_token_s) or a `params`
-    attribute holding them (a calibrated cost model or calibration)."""
+def client_terms(client: Any) -> ClientTerms:
+    """ClientTerms from None (zero), a ClientTerms, a dict (ttft_s, per_output_token_s,
+    output_lag_steps), or a cost model (its `client_terms()`; zero when it has none), or an object
+    with calibration parameters (client_ttft_s, ...) or a `params` attribute holding them."""
     if client is None:
-        return ClientOverhead()
-    if isinstance(client, ClientOverhead):
+        return ClientTerms()
+    if isinstance(client, ClientTerms):
         return client
     if isinstance(client, dict):
         unknown = set(client) - {"ttft_s", "per_output_token_s", "output_lag_steps"}
         if unknown:
             raise ValueError(f"client: unknown keys {sorted(unknown)}; known: ttft_s, per_output_token_s, "
                              "output_lag_steps")
-        return ClientOverhead(**{k: float(v) for k, v in client.items()})
+        return ClientTerms(**{k: float(v) for k, v in client.items()})
+    if isinstance(client, CostModel):
+        return client.client_terms() or ClientTerms()
     params = getattr(client, "params", client)
     if hasattr(params, "client_ttft_s"):
-        return ClientOverhead(float(params.client_ttft_s), float(getattr(params, "client_per_output_token_s", 0.0)),
-                              float(getattr(params, "client_output_lag_steps", 0.0)))
-    raise ValueError(f"client: expected a dict, a ClientOverhead or calibration parameters, got {type(client).__name__}")
+        return ClientTerms(float(params.client_ttft_s), float(getattr(params, "client_per_output_token_s", 0.0)),
+                           float(getattr(params, "client_output_lag_steps", 0.0)))
+    raise ValueError(f"client: expected a dict, ClientTerms, a cost model or calibration parameters, "
+                     f"got {type(client).__name__}")
 
 
-def lagged_times(times: np.ndarray, iterations: pd.DataFrame, lag_steps: float) -> np.ndarray:
-    """When tokens produced at `times` (each the end of an iteration) are sent, `lag_steps` iterations
-    later: the end of the n-th following iteration, plus the fraction f of the one after it
-    (lag = n + f). Only back-to-back iterations count: once the engine is idle it has nothing to
-    overlap with, so whatever is still owed is sent at once. One replica's iterations."""
-    times = np.asarray(times, dtype=np.float64)
-    if lag_steps <= 0 or not len(times) or iterations.empty:
-        return times
-    start = iterations.start.to_numpy(np.float64)
-    order = np.argsort(start, kind="stable")
-    start = start[order]
-    end = start + iterations.duration.to_numpy(np.float64)[order]
-    # iteration i + 1 continues a busy period when it starts where i ended (float slack of 1 ns)
-    joined = np.append(start[1:] <= end[:-1] + 1e-9, False)
-    at = np.searchsorted(end, times - 1e-9, side="left")  # the iteration that produced each token
-    sent = times.copy()
-    whole, frac = int(lag_steps), lag_steps - int(lag_steps)
-    live = at < len(end)
-    for m in range(whole + (frac > 0)):
-        nxt = at + 1
-        live &= nxt < len(end)
-        live[live] &= joined[at[live]]
-        share = 1.0 if m < whole else frac
-        idx = np.where(live, nxt, 0)
-        sent = np.where(live, sent + share * (end[idx] - sent), sent)
-        at = np.where(live, nxt, at)
-    return sent
-
-
-def predicted_metrics(requests: pd.DataFrame, client: ClientOverhead = ClientOverhead(),
+def predicted_metrics(requests: pd.DataFrame, client: ClientTerms = NO_CLIENT_TERMS,
                       iterations: pd.DataFrame | None = None) -> dict[str, float]:
     """`LATENCY_METRICS` of a simulated requests table, as a client would measure them: the client's
     TTFT add on TTFT and E2E, its per-token add on E2E, and its output lag (over `iterations`, the
-    run's iteration table; needed when the lag is not zero) on the first and last tokens."""
-    done = requests[requests.status == "finished"]
-    out = done.output_len.to_numpy(np.float64)
-    arrival = done.arrival.to_numpy(np.float64)
-    first, last = done.first_token_time.to_numpy(np.float64), done.finish_time.to_numpy(np.float64)
-    if client.output_lag_steps > 0:
-        if iterations is None:
-            raise ValueError("an output lag needs the run's iteration table")
-        first, last = _lagged(done, first, iterations, client), _lagged(done, last, iterations, client)
-    ttft = first - arrival + client.ttft_s
-    e2e = last - arrival + client.ttft_s + client.per_output_token_s * np.maximum(out - 1, 0)
+    run's iteration table; needed when the lag is not zero) on the first and last tokens
+    (policies/client_latency.py, the same columns every run reports)."""
+    done = with_client_latencies(requests[requests.status == "finished"], iterations, client)
     if not len(done):
-        return dict.fromkeys(LATENCY_METRICS, math.nan)
-    p_ttft, p_e2e = np.percentile(ttft, 90), np.percentile(e2e, [90, 99])
-    return {"ttft_mean": float(ttft.mean()), "ttft_p90": float(p_ttft), "e2e_mean": float(e2e.mean()),
+        return dict.fromkeys(LATENCY_METRICS + REQUEST_RUN_METRICS[:4], math.nan)
+    ttft, e2e = done.client_ttft.to_numpy(np.float64), done.client_e2e_latency.to_numpy(np.float64)
+    out = done.output_len.to_numpy(np.float64)
+    p_ttft, p_e2e = np.percentile(ttft, [10, 50, 90]), np.percentile(e2e, [90, 99])
+    tpot = done.client_tpot.dropna().to_numpy(np.float64)
+    p_tpot = np.percentile(tpot, [50, 90]) if len(tpot) else (math.nan, math.nan)
+    return {"ttft_mean": float(ttft.mean()), "ttft_p90": float(p_ttft[2]), "e2e_mean": float(e2e.mean()),
             "e2e_p90": float(p_e2e[0]), "e2e_p99": float(p_e2e[1]),
-            "tpot": time_per_output_token(float(e2e.mean()), float(ttft.mean()), float(out.mean()))}
-
-
-def _lagged(done: pd.DataFrame, times: np.ndarray, iterations: pd.DataFrame, client: ClientOverhead) -> np.ndarray:
-    if "replica" not in iterations.columns or "replica" not in done.columns:
-        return lagged_times(times, iterations, client.output_lag_steps)
-    out = times.copy()
-    replica = done.replica.to_numpy()
-    for r, its in iterations.groupby("replica"):
-        mine = replica == r
-        out[mine] = lagged_times(times[mine], its, client.output_lag_steps)
-    return out
+            "tpot": time_per_output_token(float(e2e.mean()), float(ttft.mean()), float(out.mean())),
+            "ttft_p10": float(p_ttft[0]), "ttft_p50": float(p_ttft[1]), "tpot_p50": float(p_tpot[0]),
+            "tpot_p90": float(p_tpot[1])}
 
 
 @dataclass(frozen=True)
@@ -405,17 +349,16 @@ def simulate_stage(exp: Experiment, stage: Stage, cfg: SimConfig, cost_model: Co
                    seed: int = 0, max_duration_s: float | None = None, client: Any = None) -> StageResult:
     """Simulate the stage under `cfg` (see `stage_config`) and compare with what was measured.
     `cost_model` replaces the one cfg names (built once by a caller that simulates many stages);
-    `client` (see `client_overhead`) defaults to the cost model's client terms when it has them
+    `client` (see `client_terms`) defaults to the cost model's client terms when it has them
     (a calibrated model), else none. Deterministic for a given seed."""
     t0 = time.perf_counter()
     trace = stage_workload(exp, stage, seed, max_duration_s)
     cost_model = cost_model or build_cost_model(cfg)
     res = run_simulation(dataclasses.replace(cfg, seed=seed), trace, cost_model)
-    over = client_overhead(client if client is not None else _model_client(cost_model))
-    return stage_result(exp, stage, trace, res, over, t0)
+    return stage_result(exp, stage, trace, res, client_terms(client if client is not None else cost_model), t0)
 
 
-def stage_result(exp: Experiment, stage: Stage, trace: Trace, res: Any, client: ClientOverhead, t0: float,
+def stage_result(exp: Experiment, stage: Stage, trace: Trace, res: Any, client: ClientTerms, t0: float,
                  skip: int = 0) -> StageResult:
     """A simulated run of the stage (`res`, a SimResult of `trace`) set beside the measurement:
     latencies as the client would see them over the requests after the first `skip`, and the one
@@ -423,6 +366,8 @@ def stage_result(exp: Experiment, stage: Stage, trace: Trace, res: Any, client: 
     steady = steady_state(res.requests)
     requests = res.requests[res.requests.request_id >= skip] if skip else res.requests
     predicted = predicted_metrics(requests, client, res.iterations)
+    if stage.measured_run is not None:  # the simulated engine's gauges at the run's ticks
+        predicted.update(stage.measured_run.predicted_gauges(res.iterations))
     return StageResult(
         experiment=exp.name, stage=stage.index, rate=stage.rate, measured=stage.metrics(), predicted=predicted,
         measured_overloaded=exp.overloaded_by_source or stage.overloaded,
@@ -430,8 +375,3 @@ def stage_result(exp: Experiment, stage: Stage, trace: Trace, res: Any, client: 
         measured_throughput=stage.throughput_rps, predicted_throughput=steady.completion_rate, num_requests=len(trace),
         simulated_s=float(trace.arrival[-1] - trace.arrival[0]) if len(trace) else 0.0,
         wall_s=time.perf_counter() - t0, requests=requests, iterations=res.iterations, backlog_grew=steady.overloaded)
-
-
-def _model_client(cost_model: CostModel | None) -> Any:
-    params = getattr(cost_model, "params", None)
-    return params if hasattr(params, "client_ttft_s") else None

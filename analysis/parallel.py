@@ -14,18 +14,34 @@ import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 EXECUTORS = ("process", "ray")
 RAY_MISSING = "--executor ray needs Ray: pip install 'pagesim[cluster]'"
 
 
+@dataclass(frozen=True)
+class Workers:
+    """Where a study's simulations run: `jobs` worker processes, or Ray tasks on the cluster at
+    `address` (run_tasks says how each is used)."""
+
+    jobs: int = 1
+    executor: str = "process"
+    address: str | None = None
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments a study function passes on to run_tasks."""
+        return {"jobs": self.jobs, "executor": self.executor, "address": self.address}
+
+
 def run_tasks(fn: Callable[..., Any], tasks: Sequence[tuple], jobs: int = 1,
               on_done: Callable[[int, Any], None] | None = None, executor: str = "process",
               address: str | None = None, progress: bool | None = None) -> list[Any]:
     """`fn(*task)` for every task, results in task order. `fn` must be a module-level function
-    (it is pickled to the workers). `on_done(i, result)` is called in this process as each task
-    finishes: in task order when run serially, in completion order otherwise.
+    (it is pickled to the workers). `on_done(i, result)` is called in this process in task order,
+    for each task as soon as it and every task before it have finished (so that rows printed as a
+    study runs come in the same order however many workers run it).
 
     executor "process": `jobs` worker processes on this machine, at most one per CPU (1: in this
     process). executor "ray": each task a Ray task on the cluster at `address` (None: a local Ray, started here if none
@@ -38,13 +54,17 @@ def run_tasks(fn: Callable[..., Any], tasks: Sequence[tuple], jobs: int = 1,
     if address and executor != "ray":
         raise ValueError("a Ray address applies to --executor ray only")
     results: list[Any] = [None] * len(tasks)
+    done = [False] * len(tasks)
+    reported = 0  # tasks before this one have been given to on_done
     bar = _progress_bar(len(tasks), progress)
 
     def finish(i: int, result: Any) -> None:
-        results[i] = result
-        if on_done is not None:
+        nonlocal reported
+        results[i], done[i] = result, True
+        while on_done is not None and reported < len(tasks) and done[reported]:
             with bar.external_write_mode() if bar is not None else nullcontext():
-                on_done(i, result)  # the rows a caller prints go above the bar, not through it
+                on_done(reported, results[reported])  # the rows a caller prints go above the bar, not through it
+            reported += 1
         if bar is not None:
             bar.update()
 
@@ -127,17 +147,3 @@ def _progress_bar(total: int, progress: bool | None):
         return None
     from tqdm import tqdm
     return tqdm(total=total, unit="run", desc="simulations", file=sys.stderr, leave=False)
-
-
-def add_executor_args(p: Any) -> None:
-    """--executor and --ray-address, beside a study's --jobs (an argparse parser or group)."""
-    p.add_argument("--executor", choices=EXECUTORS, default="process",
-                   help="process: --jobs worker processes on this machine (default); ray: each simulation a Ray "
-                        "task (pip install 'pagesim[cluster]'), on the cluster at --ray-address or a local Ray")
-    p.add_argument("--ray-address", metavar="ADDR",
-                   help="with --executor ray: a running cluster's head, e.g. HEAD:6379 (default: a local Ray)")
-
-
-def executor_options(args: Any) -> dict[str, Any]:
-    """run_tasks' executor and address from the parsed --executor and --ray-address."""
-    return {"executor": getattr(args, "executor", "process"), "address": getattr(args, "ray_address", None)}

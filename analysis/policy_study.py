@@ -9,10 +9,11 @@ trace. Every policy sees the same requests at the same times for a given (rate, 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +23,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-import seaborn as sns
 
-from analysis.parallel import add_executor_args, executor_options, run_tasks
-from policies.metrics import per_client
-from policies.registry import parse_policy_args, resolve_policy
+from analysis.parallel import Workers, run_tasks
+from analysis.plots import save_figure
+from analysis.report import Report
+from analysis.seeds import ci_table, few_seeds_note, rate_line, seeds_note
+from policies.metrics import headline_latency, headline_mean_normalized_latency, per_client
+from policies.registry import resolve_policy
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals, load_trace
-from traces.synthetic import SYNTHETIC, make_synthetic
 from traces.trace import Trace
+from traces.workloads import SYNTHETIC, make_synthetic
 
 METRICS = {  # column -> axis label, for the figure
     "throughput": "finished requests/s",
@@ -76,13 +79,13 @@ def policy_study(spec: str, base: SimConfig, policies: Sequence[str], rates: Seq
     `jobs` worker processes, or `executor` "ray" at `address`, run the simulations (same table)."""
     for p in policies:
         resolve_policy(p)  # a bad name fails before any simulation
-    tasks = []
-    for rate in rates:
-        for seed in range(seeds):
-            trace = workload(spec, num_requests, seed, rate)
-            for p in policies:
+    traces = {(rate, seed): workload(spec, num_requests, seed, rate) for rate in rates for seed in range(seeds)}
+    tasks = []  # the table's order, policy by policy: by rate, then by seed
+    for p in policies:
+        for rate in rates:
+            for seed in range(seeds):
                 cfg = dataclasses.replace(base, policy=p, policy_options=(options or {}).get(p, {}), seed=seed)
-                tasks.append((cfg, trace, rate))
+                tasks.append((cfg, traces[rate, seed], rate))
     return pd.DataFrame(run_tasks(_one_run, tasks, jobs, None if on_result is None else (lambda i, r: on_result(r)),
                                   executor, address))
 
@@ -94,8 +97,9 @@ def _one_run(cfg: SimConfig, trace: Trace, rate: float) -> dict:
     clients, fairness = per_client(res.requests, cfg.slo_ttft, cfg.slo_tpot)
     return {"policy": cfg.policy, "rate": rate, "seed": cfg.seed, "requests": s["num_requests"],
             "rejected": s["num_rejected"], "throughput": s["request_throughput"],
-            "mean_normalized_latency": s["mean_normalized_latency"], "ttft_mean": s["ttft"]["mean"],
-            "ttft_p90": s["ttft"]["p90"], "e2e_mean": s["e2e_latency"]["mean"], "goodput": s["goodput"],
+            "mean_normalized_latency": headline_mean_normalized_latency(s),
+            "ttft_mean": headline_latency(s, "ttft")["mean"], "ttft_p90": headline_latency(s, "ttft")["p90"],
+            "e2e_mean": headline_latency(s, "e2e_latency")["mean"], "goodput": s["goodput"],
             "slo_attainment": s["slo_attainment"],
             "min_client_attainment": float(clients.slo_attainment.min()) if len(clients) else float("nan"),
             "jain_service": fairness["jain_service"], "max_service_gap": fairness["max_service_gap"],
@@ -103,105 +107,61 @@ def _one_run(cfg: SimConfig, trace: Trace, rate: float) -> dict:
 
 
 def summary_table(table: pd.DataFrame) -> pd.DataFrame:
-    """Mean and 95% confidence half-width (t distribution over seeds) per (policy, rate)."""
-    from scipy import stats
-
-    rows = []
-    for (policy, rate), g in table.groupby(["policy", "rate"], sort=False):
-        row: dict[str, Any] = {"policy": policy, "rate": rate, "seeds": len(g)}
-        for m in METRICS:
-            x = g[m].dropna().to_numpy(float)
-            row[m] = float(x.mean()) if len(x) else float("nan")
-            half = stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x)) if len(x) > 1 else float("nan")
-            row[f"{m}_ci95"] = float(half)
-        rows.append(row)
-    return pd.DataFrame(rows)
+    """Mean and 95% interval over seeds per (policy, rate) of each figure metric (analysis.seeds.ci_table:
+    the interval the figure draws, bounded where the metric is)."""
+    return ci_table(table, ["policy", "rate"], list(METRICS))
 
 
 def policy_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
-    """One panel per metric against rate, a line per policy, 95% CI bands across seeds."""
+    """One panel per metric against rate, a line per policy: with seeds, the mean and its 95% interval
+    (the one policies_summary.csv gives)."""
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (metric, label) in zip(axes.flat, METRICS.items()):
-        sns.lineplot(data=table, x="rate", y=metric, hue="policy", marker="o", errorbar=("ci", 95), ax=ax,
-                     legend=ax is axes.flat[0])
+        for policy, g in table.groupby("policy", sort=False):
+            rate_line(ax, g, metric, policy)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(label)
-        if metric == "mean_normalized_latency":
+        if metric == "mean_normalized_latency" and (table[metric] > 0).all():
             ax.set_yscale("log")
+    axes.flat[0].legend()
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path, dpi=110)
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """`pagesim policies`, with its own arguments."""
-    from pagesim.argtypes import out_dir, positive_float, positive_int, rate
-    p = sub.add_parser("policies", help="compare scheduling policies over rates and seeds: latency, SLOs, fairness",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", default="multi-client",
-                   help=f"a trace file, or a synthetic workload: {', '.join(SYNTHETIC)} (default multi-client)")
-    p.add_argument("--num-requests", type=positive_int, default=1000, help="requests per run (default 1000)")
-    p.add_argument("--policies", nargs="+", default=["vllm", "priority", "sjf", "vtc", "edf"],
-                   help="registry names or package.module:Class (default: vllm priority sjf vtc edf)")
-    p.add_argument("--policy-arg", action="append", metavar="POLICY.KEY=VALUE", dest="policy_args",
-                   help="an option of one policy, e.g. sjf.aging=2 or edf.slo_ttft=1 (repeatable)")
-    p.add_argument("--rates", type=rate, nargs="+", required=True, help="request rates, req/s")
-    p.add_argument("--seeds", type=positive_int, default=3, help="seeds per (policy, rate) (default 3)")
-    p.add_argument("--jobs", type=positive_int, default=1, help="worker processes (default 1)")
-    add_executor_args(p)
-    p.add_argument("--model", default="opt-13b", help="catalogue name, config.json or HF id (default opt-13b)")
-    p.add_argument("--hardware", default="a100-40gb", help="name or hardware JSON file (default a100-40gb)")
-    p.add_argument("--calibration", help="price iterations with a calibration (file or shipped name)")
-    p.add_argument("--num-gpu-blocks", type=positive_int, help="override the derived KV capacity (blocks)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=4096)
-    p.add_argument("--chunked-prefill", action="store_true")
-    p.add_argument("--prefix-caching", action="store_true")
-    p.add_argument("--slo-ttft", type=positive_float, help="TTFT SLO (s) for requests without their own SLO class")
-    p.add_argument("--slo-tpot", type=positive_float, help="TPOT SLO (s) for requests without their own SLO class")
-    p.add_argument("--out", type=out_dir, required=True, help="output folder")
-    p.set_defaults(func=run)
+# ---- the study `pagesim policies` runs ----
+
+@dataclass
+class PolicyStudy:
+    """A policy comparison's configuration: the workload spec (synthetic kind or trace file), the
+    requests per run, the configuration every run starts from, the policies with their own options,
+    the rates and seeds, where the runs go, and the model and hardware in words."""
+
+    spec: str
+    num_requests: int
+    base: SimConfig
+    policies: list[str]
+    rates: list[float]
+    seeds: int = 3
+    options: dict[str, dict[str, Any]] | None = None
+    workers: Workers = field(default_factory=Workers)
+    title: str = ""
 
 
-def split_policy_args(items: list[str] | None, policies: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """`policy.key=value` items grouped by policy (the policy must be one of those compared)."""
-    out: dict[str, dict[str, Any]] = {}
-    for item in items or []:
-        name, dot, rest = item.partition(".")
-        if not dot or name not in policies:
-            raise ValueError(f"--policy-arg {item!r}: expected POLICY.KEY=VALUE with POLICY one of "
-                             f"{', '.join(policies)}")
-        out.setdefault(name, {}).update(parse_policy_args([rest]))
-    return out
+def run_policy_study(study: PolicyStudy, on_row: Callable[[dict], None] | None = None) -> pd.DataFrame:
+    """One row per (policy, rate, seed); `on_row(row)` as each run finishes."""
+    return policy_study(study.spec, study.base, study.policies, study.rates, study.seeds, study.num_requests,
+                        study.options, on_result=on_row, **study.workers.options())
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.seeds < 1 or args.num_requests < 1 or args.jobs < 1 or min(args.rates) <= 0:
-        raise ValueError("--seeds, --num-requests and --jobs must be >= 1 and every rate > 0")
-    options = split_policy_args(args.policy_args, args.policies)
-    base = SimConfig(model=args.model, hardware=args.hardware, num_gpu_blocks=args.num_gpu_blocks,
-                     chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching,
-                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                     slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, calibration=args.calibration)
-    out = Path(args.out)
-    print(f"policies: {args.num_requests} requests of {args.trace} x {len(args.rates)} rates x {args.seeds} seeds, "
-          f"{', '.join(args.policies)}, {args.model} on {args.hardware}")
-    print(f"{'policy':<12} {'rate':>6} {'seed':>4} {'req/s':>7} {'norm lat':>9} {'TTFT p90':>9} {'SLO ok':>7} "
-          f"{'Jain':>6} {'wall s':>7}")
-
-    def show(r: dict) -> None:
-        print(f"{r['policy'][:12]:<12} {r['rate']:>6.2f} {r['seed']:>4} {r['throughput']:>7.3f} "
-              f"{r['mean_normalized_latency']:>9.4f} {r['ttft_p90']:>9.3f} {r['slo_attainment']:>7.1%} "
-              f"{r['jain_service']:>6.3f} {r['wall_s']:>7.2f}", flush=True)
-
-    table = policy_study(args.trace, base, args.policies, args.rates, args.seeds, args.num_requests, options,
-                         args.jobs, on_result=show, **executor_options(args))
-    out.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out / "policies.csv", index=False)
-    summary_table(table).to_csv(out / "policies_summary.csv", index=False)
-    policy_plot(table, out / "policies.png", f"{args.trace}, {args.num_requests} requests, {args.model} on "
-                f"{args.hardware}; 95% CI over {args.seeds} seeds")
-    print(f"wrote {out}/policies.csv, policies_summary.csv, policies.png")
-    return 0
+def policy_report(study: PolicyStudy, table: pd.DataFrame) -> Report:
+    """policies.csv, policies_summary.csv and policies.png."""
+    report = Report()
+    report.table("policies.csv", table)
+    report.table("policies_summary.csv", summary_table(table))
+    report.figure("policies.png", lambda path: policy_plot(
+        table, path, f"{study.spec}, {study.num_requests} requests, {study.title}" + seeds_note(study.seeds)))
+    note = few_seeds_note(study.seeds)
+    if note:
+        warnings.warn(note, stacklevel=2)
+    report.wrote("policies.csv", "policies_summary.csv", "policies.png")
+    return report

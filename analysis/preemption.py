@@ -11,7 +11,6 @@ each block size, mean normalized latency (s/token) for each.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,12 +18,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.cli_args import check_workload_size, sim_config
-from analysis.report import Columns
-from pagesim.argtypes import non_negative_int, out_dir, positive_int, rate, seed
+from analysis.plots import save_figure
+from analysis.report import Report
+from policies.metrics import headline_mean_normalized_latency
 from policies.plan import StepComposition
 from sim.cost_model import RooflineCostModel
 from sim.run import SimConfig, run_simulation
+from sim.specs import get_hardware, get_model
 from traces.trace import Trace
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -59,7 +59,7 @@ def end_to_end(trace: Trace, base: SimConfig, block_sizes: Sequence[int] = BLOCK
         for mode in ("recompute", "swap"):
             cfg = dataclasses.replace(base, policy="vllm", block_size=bs, preemption=mode)
             s = run_simulation(cfg, trace).summary
-            row = {"block_size": bs, "preemption": mode, "mean_normalized_latency": s["mean_normalized_latency"],
+            row = {"block_size": bs, "preemption": mode, "mean_normalized_latency": headline_mean_normalized_latency(s),
                    "preemptions": s["num_preemptions"], "throughput": s["request_throughput"],
                    "finished": s["num_finished"], "rejected": s["num_rejected"]}
             rows.append(row)
@@ -110,101 +110,50 @@ def preemption_plot(micro: pd.DataFrame, e2e: pd.DataFrame | None, path: str | P
         ax.legend()
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
-# ---- the command: `pagesim preemption` ----
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    from traces.loaders import KNOWN_FORMATS
-    pre = sub.add_parser("preemption", help="recompute or swap: cost per block size, and end to end (simulated)",
-                         description="The vLLM paper's Figure 19: swap vs recompute time per block size from the "
-                                     "roofline model, then one trace simulated with each preemption mode at each "
-                                     "block size. Writes preemption_micro.csv, preemption_e2e.csv and "
-                                     "preemption.png to --out.")
-    pre.add_argument("--model", default="opt-13b")
-    pre.add_argument("--hardware", default="a100-40gb")
-    pre.add_argument("--block-sizes", type=positive_int, nargs="+", default=list(BLOCK_SIZES))
-    pre.add_argument("--tokens", type=positive_int, default=1024, help="tokens swapped or recomputed (default 1024)")
-    pre.add_argument("--trace", default="sharegpt-like")
-    pre.add_argument("--trace-format", choices=KNOWN_FORMATS)
-    pre.add_argument("--num-requests", type=non_negative_int, default=1000, help="requests simulated (0: microbenchmark only)")
-    pre.add_argument("--rate", type=rate, default=2.0, help="request rate, req/s (default 2)")
-    pre.add_argument("--seed", type=seed, default=0)
-    pre.add_argument("--out", type=out_dir, required=True)
-    pre.set_defaults(func=command)
-
+# ---- the study `pagesim preemption` runs ----
 
 @dataclass
-class PreemptionTables:
-    micro: pd.DataFrame               # swap vs recompute time per block size (roofline)
-    e2e: pd.DataFrame | None = None   # the trace under each mode at each block size (None: --num-requests 0)
-    trace: Trace | None = None
+class PreemptionStudy:
+    """A preemption study's configuration: the model and hardware the roofline prices, the block
+    sizes, and the tokens swapped or recomputed in the microbenchmark."""
+
+    model: str
+    hardware: str
+    block_sizes: list[int]
+    tokens: int = 1024
+
+    @property
+    def title(self) -> str:
+        return f"{self.model} on {self.hardware}"
 
 
-def run(args: argparse.Namespace, on_micro: Callable[[pd.DataFrame], None] | None = None,
-        on_trace: Callable[[Trace], None] | None = None,
-        on_row: Callable[[dict], None] | None = None) -> PreemptionTables:
-    """The microbenchmark, then (with --num-requests) the end-to-end table. `on_micro(table)` when
-    the microbenchmark is done, `on_trace(trace)` before the simulations, `on_row(row)` after each."""
-    from sim.specs import get_hardware, get_model
-
-    check_workload_size(args.trace, args.num_requests)  # before the microbenchmark writes anything
-    micro = microbenchmark(RooflineCostModel(get_model(args.model), get_hardware(args.hardware)), args.block_sizes,
-                           args.tokens)
-    if on_micro is not None:
-        on_micro(micro)
-    if not args.num_requests:
-        return PreemptionTables(micro)
-    from traces import resolve_trace
-    trace = resolve_trace(args.trace, num_requests=args.num_requests, rate=args.rate, seed=args.seed,
-                          format=args.trace_format)
-    if on_trace is not None:
-        on_trace(trace)
-    return PreemptionTables(micro, end_to_end(trace, sim_config(args), args.block_sizes, on_row=on_row), trace)
+def run_microbenchmark(study: PreemptionStudy) -> pd.DataFrame:
+    """Swap vs recompute time per block size, from the roofline model."""
+    return microbenchmark(RooflineCostModel(get_model(study.model), get_hardware(study.hardware)), study.block_sizes,
+                          study.tokens)
 
 
-def command(args: argparse.Namespace) -> int:
-    write_report(args, run(args, on_micro=lambda micro: write_micro(args, micro),
-                           on_trace=lambda trace: print_e2e_header(args, trace), on_row=print_row))
-    return 0
-
-
-def write_micro(args: argparse.Namespace, micro: pd.DataFrame) -> None:
+def micro_report(study: PreemptionStudy, micro: pd.DataFrame) -> Report:
     """preemption_micro.csv (written before the simulations start) and its printed table."""
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    micro.to_csv(out / "preemption_micro.csv", index=False)
-    print(f"swap out + in vs recompute of {args.tokens} tokens, {args.model} on {args.hardware} (roofline)")
-    print(f"{'block size':>10} {'swap ms':>9} {'recompute ms':>13} {'cheaper':>10}")
-    for r in micro.itertuples():
-        print(f"{r.block_size:>10} {r.swap_ms:>9.2f} {r.recompute_ms:>13.2f} {r.cheaper:>10}")
+    report = Report()
+    report.table("preemption_micro.csv", micro)
+    report.say(f"swap out + in vs recompute of {study.tokens} tokens, {study.title} (roofline)",
+               f"{'block size':>10} {'swap ms':>9} {'recompute ms':>13} {'cheaper':>10}")
+    report.say(*(f"{r.block_size:>10} {r.swap_ms:>9.2f} {r.recompute_ms:>13.2f} {r.cheaper:>10}"
+                 for r in micro.itertuples()))
     cross = crossover(micro)
-    print(f"swapping is cheaper from block size {cross}" if cross else "recomputing is cheaper at every block size")
+    report.say(f"swapping is cheaper from block size {cross}" if cross else "recomputing is cheaper at every block size")
+    return report
 
 
-def print_e2e_header(args: argparse.Namespace, trace: Trace) -> None:
-    print(f"\nend to end: {len(trace)} requests of {trace.name} at {args.rate:g} req/s, vllm")
-    print(COLUMNS.header())
-
-
-COLUMNS = Columns(("block size", "block_size", ">10"), ("preemption", "preemption", ">11"),
-                  ("norm lat", "mean_normalized_latency", ">9.4f"), ("preempted", "preemptions", ">10"))
-
-
-def print_row(r: dict) -> None:
-    print(COLUMNS.row(r), flush=True)
-
-
-def write_report(args: argparse.Namespace, result: PreemptionTables) -> None:
-    """preemption_e2e.csv (with --num-requests), preemption.png, and the closing line."""
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if result.e2e is not None:
-        result.e2e.to_csv(out / "preemption_e2e.csv", index=False)
-    preemption_plot(result.micro, result.e2e, out / "preemption.png", f"{args.model} on {args.hardware}")
-    print(f"wrote {out}/preemption_micro.csv" + (", preemption_e2e.csv" if result.e2e is not None else "")
-          + ", preemption.png")
+def preemption_report(study: PreemptionStudy, micro: pd.DataFrame, e2e: pd.DataFrame | None) -> Report:
+    """preemption_e2e.csv (when the trace was simulated), preemption.png, and the closing line."""
+    report = Report()
+    if e2e is not None:
+        report.table("preemption_e2e.csv", e2e)
+    report.figure("preemption.png", lambda path: preemption_plot(micro, e2e, path, study.title))
+    report.wrote("preemption_micro.csv", *(["preemption_e2e.csv"] if e2e is not None else []), "preemption.png")
+    return report

@@ -1,10 +1,16 @@
-"""Plain-text tables of run summaries, for the terminal."""
+"""What studies hand back: plain-text tables of run summaries for the terminal, and the Report of
+files and lines a study's command writes and prints (pagesim.report_writer does both)."""
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import pandas as pd
 
 ROWS: tuple[tuple[str, str, str], ...] = (
     # (label, path into the summary, format)
@@ -25,6 +31,12 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("KV capacity (tokens)", "kv_capacity_tokens", "{:,.0f}"),
     ("first arrival to last finish (s)", "duration_s", "{:,.1f}"),
     ("wall time (s)", "wall_time_s", "{:.2f}"),
+)
+# shown when a run has client latencies (a cost model with client terms): after the server's TTFT...
+CLIENT_ROWS: tuple[tuple[str, str, str], ...] = (
+    ("client TTFT mean / p90 (s)", "client_ttft.mean|client_ttft.p90", "{:.3f}"),
+    ("client TPOT mean / p90 (s)", "client_tpot.mean|client_tpot.p90", "{:.4f}"),
+    ("client e2e latency mean / p90 (s)", "client_e2e_latency.mean|client_e2e_latency.p90", "{:.2f}"),
 )
 
 
@@ -48,14 +60,40 @@ def _cell(summary: dict[str, Any], paths: str, fmt: str) -> str:
 def summary_table(summaries: dict[str, dict[str, Any]]) -> str:
     """Summaries side by side, one column per run."""
     names = list(summaries)
-    label_w = max(len(r[0]) for r in ROWS)
-    cells = [[_cell(summaries[n], path, fmt) for n in names] for _, path, fmt in ROWS]
+    rows = _rows(summaries.values())
+    label_w = max(len(r[0]) for r in rows)
+    cells = [[_cell(summaries[n], path, fmt) for n in names] for _, path, fmt in rows]
     widths = [max(len(n), *(len(row[i]) for row in cells)) for i, n in enumerate(names)]
     lines = ["  ".join([" " * label_w] + [n.rjust(w) for n, w in zip(names, widths)])]
     lines.append("  ".join(["-" * label_w] + ["-" * w for w in widths]))
-    for (label, _, _), row in zip(ROWS, cells):
+    for (label, _, _), row in zip(rows, cells):
         lines.append("  ".join([label.ljust(label_w)] + [c.rjust(w) for c, w in zip(row, widths)]))
+    if any(s.get("num_requests") and s.get("goodput", 0) is None for s in summaries.values()):
+        lines.append("(goodput '-': no SLO given (--slo-ttft, --slo-tpot), so there is nothing to count it against)")
     return "\n".join(lines)
+
+
+def _rows(summaries: Iterable[dict[str, Any]]) -> tuple[tuple[str, str, str], ...]:
+    """ROWS, with the client's latencies after the server's e2e row when a run has them (goodput,
+    judged on them, then says so)."""
+    if not any("client_ttft" in s for s in summaries):
+        return ROWS
+    at = [r[1] for r in ROWS].index("goodput")
+    return (*ROWS[:at], *CLIENT_ROWS, ("goodput, client latencies (req/s)", "goodput", "{:.3f}"), *ROWS[at + 1:])
+
+
+def rejection_lines(requests: pd.DataFrame, examples: int = 1) -> list[str]:
+    """Why requests were rejected, most common kind first: reasons that differ only in their
+    numbers are one kind, printed with its count and an example (nothing when none were)."""
+    reasons = requests.reject_reason[requests.status == "rejected"].fillna("").astype(str)
+    if reasons.empty:
+        return []
+    kinds = reasons.str.replace(r"\d[\d,.]*", "#", regex=True)
+    lines = [f"{len(reasons):,} rejected:"]
+    for kind, count in kinds.value_counts().items():
+        example = reasons[kinds == kind].iloc[:examples].tolist()
+        lines.append(f"  {count:,} x " + (f"{kind}, e.g. {'; '.join(example)}" if "#" in kind else kind or "(no reason)"))
+    return lines
 
 
 def replica_table(summary: dict[str, Any]) -> str:
@@ -111,3 +149,47 @@ def _layout(spec: str) -> str:
     rest = spec[len(align):]
     width = rest[:len(rest) - len(rest.lstrip("0123456789"))]
     return align + width
+
+
+@dataclass(frozen=True)
+class Wrote:
+    """A report's "<before>wrote <folder>/<first>, <second>, ..." line: the folder is the writer's to name."""
+
+    names: tuple[str, ...]
+    before: str = ""
+
+
+@dataclass
+class Report:
+    """What a study returns for its command to write and say. Invariant: a study never writes a
+    file or prints; `files` (name -> how to write it at the path given) are written, in order, into
+    the one folder the command names, then `lines` are printed in order (a Wrote line names files
+    in that folder). Without a folder the files and the Wrote lines are left out."""
+
+    files: dict[str, Callable[[Path], object]] = field(default_factory=dict)
+    lines: list[str | Wrote] = field(default_factory=list)
+
+    def table(self, name: str, frame: pd.DataFrame) -> None:
+        """A table written as CSV (without the index)."""
+        self.files[name] = lambda path: frame.to_csv(path, index=False)
+
+    def figure(self, name: str, draw: Callable[[Path], object]) -> None:
+        """A figure drawn by `draw(path)`."""
+        self.files[name] = draw
+
+    def json(self, name: str, data: Any, default: Callable[[Any], Any] | None = None) -> None:
+        """An object written as indented JSON (`default` converts what json cannot write)."""
+        self.files[name] = lambda path: Path(path).write_text(json_text(data, default))
+
+    def say(self, *lines: str) -> None:
+        self.lines.extend(lines)
+
+    def wrote(self, *names: str, before: str = "") -> None:
+        """The line naming the files written (some of them: a study names what a reader looks for),
+        after `before` on the same line."""
+        self.lines.append(Wrote(names, before))
+
+
+def json_text(data: Any, default: Callable[[Any], Any] | None = None) -> str:
+    """A report's JSON file: indented one space, ending in a newline."""
+    return json.dumps(data, indent=1, default=default) + "\n"

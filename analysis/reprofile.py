@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from analysis.plots import profile_fit_plot
+from sim.profiled import make_profile, prediction_error, save_profile
+
 DEFAULT_THRESHOLD = 0.1
 DEFAULT_REPS = 2
 
@@ -87,7 +90,6 @@ def decide(given: str, profile: dict[str, Any], speed: float | None, threshold: 
         return d
     d.seconds = time.perf_counter() - t0
     d.cv_mape = new["fit"]["cv_mape"]
-    from sim.profiled import prediction_error
     d.given_error_here = prediction_error(profile["fit"]["coef"], new["measurements"], int(new["block_size"]))
     if d.cv_mape > d.given_error_here:
         d.reason = (f"the re-fit's held-out error {d.cv_mape:.1%} is worse than {given}'s error on this machine's "
@@ -100,8 +102,6 @@ def decide(given: str, profile: dict[str, Any], speed: float | None, threshold: 
 
 
 def _save(profile: dict[str, Any], path: Path) -> None:
-    from analysis.plots import profile_fit_plot
-    from sim.profiled import save_profile
 
     save_profile(profile, path)
     profile_fit_plot(profile, path.with_suffix(".png"))
@@ -110,8 +110,7 @@ def _save(profile: dict[str, Any], path: Path) -> None:
 def refit_on(runner: Any, profile: dict[str, Any], reps: int = DEFAULT_REPS, seed: int = 0) -> dict[str, Any]:
     """The profile measured again on `runner`'s machine (backend.profiler.retime) and re-fitted: a
     new profile dict naming where it was measured and what it re-measured."""
-    from backend.profiler import environment, retime
-    from sim.profiled import make_profile
+    from backend.profiler import environment, retime  # deferred: the backend imports torch
 
     bs = int(profile["block_size"])
     again = retime(runner, profile["measurements"], bs, reps=reps, seed=seed)
@@ -131,7 +130,7 @@ def check_and_reprofile(runner: Any, given: str, profile: dict[str, Any], thresh
     and re-profile when it is more than `threshold` away (`decide`)."""
     speed = None
     if threshold is not None:
-        from backend.profiler import drift
+        from backend.profiler import drift  # deferred: the backend imports torch
         # the first pass pays one-time costs (compiling the points' shapes: measured at 43x the
         # profile on a fresh runner against 4.7x just after); the second is the machine's speed
         drift(runner, profile["measurements"], reps=1, seed=seed)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -11,22 +10,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.cli_args import (
-    add_seeds_arg,
-    add_study_args,
-    check_workload_size,
-    router_name,
-    sim_config,
-    study_title,
-    study_workloads,
-)
-from analysis.parallel import executor_options, run_tasks
+from analysis.parallel import run_tasks
 from analysis.plots import rate_panels
-from analysis.report import Columns
-from analysis.seeds import seed_cell, seeded, seeds_note, write_seed_summary
+from analysis.rate_study import RateStudy
+from analysis.report import Report
+from analysis.seeds import seeded, seeded_report, seeds_note
 from analysis.sweep import headline
-from pagesim.argtypes import non_negative_int, out_dir, positive_int
-from policies.router import MATCH_ROUTERS, ROUTERS
+from policies.router import MATCH_ROUTERS
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
 from traces.trace import Trace
@@ -81,45 +71,16 @@ def routing_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path
                        path, title)
 
 
-# ---- the command: `pagesim routing` ----
+# ---- the study `pagesim routing` runs ----
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    rt = sub.add_parser("routing", help="compare routers across replicas over request rates (simulated)",
-                        description="Serve one trace with several replicas under each router at each rate; "
-                                    "writes routing.csv and routing.png (TTFT, normalized latency and prefix-cache "
-                                    "hits against rate) to --out. The default workload: 200 shared 4,096-token "
-                                    "prefixes, more than one replica's cache holds.")
-    add_study_args(rt, "shared-prefix", [4.0, 8.0, 12.0, 16.0, 24.0])
-    add_seeds_arg(rt)
-    rt.set_defaults(model="llama-3.1-8b", hardware="a100-80gb")
-    rt.add_argument("--replicas", type=positive_int, default=4, help="replicas (default 4)")
-    rt.add_argument("--replica-hardware", nargs="+", metavar="GPU",
-                    help="each replica's GPU spec (sets --replicas; default: all on --hardware)")
-    rt.add_argument("--routers", nargs="+", default=["round-robin", "least-loaded", "prefix-affinity", "cache-aware"],
-                    type=router_name, metavar="ROUTER",
-                    help=f"routers to compare: {', '.join(ROUTERS)}, or package.module:Class (default: the first four)")
-    rt.add_argument("--max-imbalance", type=non_negative_int, help="prefix-affinity's and cache-aware's load cap (default 8)")
-    rt.add_argument("--no-prefix-caching", action="store_true", help="turn the replicas' prefix caches off")
-    rt.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, help="token budget (default 8192)")
-    rt.add_argument("--no-chunked-prefill", action="store_true", help="prefill whole prompts (default: chunked)")
-    sp = rt.add_argument_group("the shared-prefix workload (when --trace shared-prefix)")
-    sp.add_argument("--num-prefixes", type=positive_int, default=200)
-    sp.add_argument("--prefix-len", type=non_negative_int, default=4096)
-    sp.add_argument("--suffix-len", type=non_negative_int, default=128)
-    sp.add_argument("--output-len", type=positive_int, default=256)
-    rt.add_argument("--out", type=out_dir, required=True)
-    rt.set_defaults(func=command)
+@dataclass(kw_only=True)
+class RoutingStudy(RateStudy):
+    """A router study's configuration: the routers, the matching routers' options, and what the
+    replicas are (for the figure's title)."""
 
-
-@dataclass
-class RoutingStudy:
-    """A router study as its arguments define it: the workload (one trace, or one per seed), its
-    first trace, the configuration every run starts from, and the matching routers' options."""
-
-    workload: Trace | list[Trace]
-    trace: Trace
-    base: SimConfig
+    routers: list[str]
     router_options: dict
+    replicas_of: str = ""
 
 
 @dataclass
@@ -128,77 +89,19 @@ class RoutingTables:
     table: pd.DataFrame  # one row per (router, rate[, seed])
 
 
-def prepare(args: argparse.Namespace) -> RoutingStudy:
-    from traces.synthetic import make_synthetic
-
-    def shared_prefix(seed: int) -> Trace:
-        return apply_arrivals(make_synthetic("shared-prefix", args.num_requests, seed=seed,
-                                             num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
-                                             suffix_len=args.suffix_len, output_len=args.output_len),
-                              rate=args.rates[0], seed=seed)
-
-    if args.trace == "shared-prefix":
-        check_workload_size(args.trace, args.num_requests)
-    workload, trace = study_workloads(args, shared_prefix if args.trace == "shared-prefix" else None)
-    opts = {} if args.max_imbalance is None else {"max_imbalance": args.max_imbalance}
-    if opts and not set(MATCH_ROUTERS) & set(args.routers):
-        raise ValueError(f"--max-imbalance applies to the {' and '.join(MATCH_ROUTERS)} routers, neither in --routers")
-    # --replica-hardware sets the count whatever --replicas says (its default is 4, not 1)
-    base = sim_config(args, replicas=len(args.replica_hardware or ()) or args.replicas,
-                      prefix_caching=not args.no_prefix_caching, chunked_prefill=not args.no_chunked_prefill)
-    return RoutingStudy(workload, trace, base, opts)
-
-
-def run(args: argparse.Namespace, study: RoutingStudy | None = None,
-        on_row: Callable[[dict], None] | None = None) -> RoutingTables:
+def run_routing(study: RoutingStudy, on_row: Callable[[dict], None] | None = None) -> RoutingTables:
     """The router study's table; `on_row(row)` as each run finishes."""
-    study = study or prepare(args)
-    table = router_sweep(study.workload, study.base, args.routers, args.rates, on_result=on_row,
-                         router_options=study.router_options, jobs=args.jobs, **executor_options(args))
+    table = router_sweep(study.workload, study.base, study.routers, study.rates, on_result=on_row,
+                         router_options=study.router_options, **study.workers.options())
     return RoutingTables(study, table)
 
 
-def command(args: argparse.Namespace) -> int:
-    study = prepare(args)
-    cols = columns(args)
-    print_header(args, study, cols)
-    write_report(args, run(args, study, on_row=lambda r: print_row(r, cols)))
-    return 0
-
-
-def _replicas_of(args: argparse.Namespace) -> str:
-    hw = args.replica_hardware
-    return f"{args.model} on {' + '.join(hw)}" if hw else study_title(args)
-
-
-def print_header(args: argparse.Namespace, study: RoutingStudy, cols: Columns) -> None:
-    print(f"routing: {len(study.trace)} requests of {study.trace.name}, {study.base.replicas} replicas of "
-          f"{_replicas_of(args)}, prefix caching {'off' if args.no_prefix_caching else 'on'}")
-    print(cols.header() + (f" {'seed':>5}" if args.seeds > 1 else ""))
-
-
-COLUMNS = Columns(("router", "router", "<16"), ("rate", "rate", ">6.2f"), ("req/s", "throughput", ">7.3f"),
-                  ("TTFT", "ttft_mean", ">8.3f"), ("norm lat", "mean_normalized_latency", ">9.4f"),
-                  ("cache hit", "prefix_hit_fraction", ">9.1%"), ("spread", "imbalance", ">7.2f"),
-                  ("wall s", "wall_s", ">7.2f"))
-
-
-def columns(args: argparse.Namespace) -> Columns:
-    """The table's columns, the router column as wide as the longest router named."""
-    return COLUMNS.widened("router", args.routers)
-
-
-def print_row(r: dict, cols: Columns) -> None:
-    print(cols.row(r) + seed_cell(r), flush=True)
-
-
-def write_report(args: argparse.Namespace, result: RoutingTables) -> None:
+def routing_report(result: RoutingTables) -> Report:
     """routing.csv (and routing_summary.csv with seeds), routing.png, and the closing line."""
     table, study = result.table, result.study
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out / "routing.csv", index=False)
-    write_seed_summary(table, ["router", "rate"], out / "routing_summary.csv", "ttft_mean")
-    routing_plot(table, out / "routing.png", f"{study.trace.name}, {study.base.replicas} replicas of "
-                 f"{_replicas_of(args)}" + seeds_note(args.seeds))
-    print(f"wrote {out}/routing.csv, routing.png")
+    report = seeded_report(table, "routing.csv", ["router", "rate"], "ttft_mean")
+    report.figure("routing.png", lambda path: routing_plot(
+        table, path, f"{study.trace.name}, {study.base.replicas} replicas of {study.replicas_of}"
+        + seeds_note(study.seeds)))
+    report.wrote("routing.csv", "routing.png")
+    return report

@@ -9,12 +9,16 @@ seed and as the seed of the arrivals at each rate, and its row gains a `seed` co
 
 from __future__ import annotations
 
+import math
+import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from analysis.report import Report
 from traces.trace import Trace
 
 
@@ -40,26 +44,59 @@ def seed_workloads(draw: Callable[[int], Trace], base_seed: int, seeds: int) -> 
     return traces[0] if seeds == 1 else traces
 
 
+# metrics that are shares of something: their interval stays inside [0, 1]
+PROPORTION = re.compile(r"attainment|fraction|usage|jain|meets|share")
+
+
+def metric_bounds(metric: str, values: np.ndarray) -> tuple[float, float]:
+    """Where a metric's mean can lie: [0, 1] for a proportion (by name, or booleans), [0, inf) for
+    one whose values are all >= 0 (latencies, throughputs, counts), else unbounded (errors)."""
+    if values.dtype == bool or PROPORTION.search(metric):
+        return 0.0, 1.0
+    finite = values[np.isfinite(values)]
+    return (0.0, math.inf) if len(finite) and (finite >= 0).all() else (-math.inf, math.inf)
+
+
+def mean_interval(x: np.ndarray, bounds: tuple[float, float] = (-math.inf, math.inf)) -> tuple[float, float, float]:
+    """(mean, low, high): the mean of `x` (one value per seed, NaN left out) and its 95% t interval,
+    clipped to `bounds`; the interval is NaN with fewer than two values. The one interval every
+    study's table and figure show."""
+    from scipy import stats  # deferred: scipy is slow to import and only seeded studies need it
+
+    x = np.asarray(x, dtype=float)
+    x = x[~np.isnan(x)]
+    if not len(x):
+        return math.nan, math.nan, math.nan
+    mean = float(x.mean())
+    if len(x) < 2:
+        return mean, math.nan, math.nan
+    half = float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x)))
+    return mean, max(mean - half, bounds[0]), min(mean + half, bounds[1])
+
+
 def ci_table(table: pd.DataFrame, keys: Sequence[str], metrics: Sequence[str] | None = None) -> pd.DataFrame:
     """Per group of `keys`: the number of seeds, and for each metric its mean over seeds and the
-    half-width of its 95% confidence interval (t distribution; NaN with one seed). Metrics default
-    to every numeric column but the keys and `seed`; booleans count as 0/1 (a share); NaN values
-    (a run with no answer) are left out of their metric's mean."""
-    from scipy import stats
-
+    bounds of its 95% interval (`mean_interval`: t distribution, clipped where the metric is
+    bounded; NaN with one seed) as <metric>_ci95_low and <metric>_ci95_high. Metrics default to every
+    numeric column but the keys and `seed`; booleans count as 0/1 (a share); NaN values (a run with
+    no answer) are left out of their metric's mean."""
     if metrics is None:
         metrics = [c for c in table.columns if c not in (*keys, "seed") and _numeric(table[c])]
+    bounds = {m: metric_bounds(m, _values(table[m])) for m in metrics}
     rows = []
     for key, g in table.groupby(list(keys), sort=False):
         row: dict[str, Any] = dict(zip(keys, key if isinstance(key, tuple) else (key,)))
         row["seeds"] = int(g["seed"].nunique()) if "seed" in g else len(g)
         for m in metrics:
-            x = pd.to_numeric(g[m], errors="coerce").astype(float).dropna().to_numpy()
-            row[m] = float(x.mean()) if len(x) else float("nan")
-            row[f"{m}_ci95"] = (float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x)))
-                                if len(x) > 1 else float("nan"))
+            row[m], row[f"{m}_ci95_low"], row[f"{m}_ci95_high"] = mean_interval(_values(g[m]), bounds[m])
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _values(column: pd.Series) -> np.ndarray:
+    if column.dtype == bool:
+        return column.to_numpy()
+    return pd.to_numeric(column, errors="coerce").astype(float).to_numpy()
 
 
 def _numeric(column: pd.Series) -> bool:
@@ -70,23 +107,36 @@ def _numeric(column: pd.Series) -> bool:
     return len(values) > 0 and pd.to_numeric(values, errors="coerce").notna().all()
 
 
-def rate_line(ax: Any, data: pd.DataFrame, y: str, label: str, x: str = "rate") -> None:
-    """One line of `y` against `x`: with a seed column, the mean over seeds and its 95% CI band
-    (seaborn, bootstrap seeded for a repeatable figure); without, the points as they are."""
-    if "seed" in data:
-        import seaborn as sns
-
-        # legend=False: the line keeps its label, the caller decides which panel shows a legend
-        sns.lineplot(data=data, x=x, y=y, marker="o", errorbar=("ci", 95), seed=0, ax=ax, label=label, legend=False)
-    else:
-        ax.plot(data[x], data[y], marker="o", label=label)
+def rate_line(ax: Any, data: pd.DataFrame, y: str, label: str, x: str = "rate", **style: Any) -> None:
+    """One line of `y` against `x`: with a seed column, the mean over seeds and its 95% interval as a
+    band (`mean_interval`, the interval the summary table gives); without, the points as they are.
+    `style`: matplotlib line properties (color, linestyle)."""
+    if "seed" not in data:
+        ax.plot(data[x], data[y], marker="o", label=label, **style)
+        return
+    bounds = metric_bounds(y, _values(data[y]))
+    points = [(at, *mean_interval(_values(g[y]).astype(float), bounds)) for at, g in data.groupby(x, sort=True)]
+    xs, means, lows, highs = (np.array(v, dtype=float) for v in zip(*points))
+    line, = ax.plot(xs, means, marker="o", label=label, **style)
+    ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.2, linewidth=0)
 
 
 # ---- a seeded study's terminal report ----
 
 def seeds_note(seeds: int) -> str:
-    """The figure-title suffix of a seeded study."""
-    return f"; 95% CI over {seeds} seeds" if seeds > 1 else ""
+    """The figure-title suffix of a seeded study: which interval its bands show."""
+    return f"; mean and 95% t interval over {seeds} seeds" if seeds > 1 else ""
+
+
+FEW_SEEDS = 3  # below this, a 95% t interval is too wide (or too unstable) to tell configurations apart
+
+
+def few_seeds_note(seeds: int) -> str | None:
+    """A warning for a seeded study run on fewer than FEW_SEEDS seeds, else None."""
+    if 1 < seeds < FEW_SEEDS:
+        return (f"only {seeds} seeds: a 95% interval from {seeds} values means little (t = "
+                f"{12.71 if seeds == 2 else 4.30:.2f} times the standard error); use --seeds {FEW_SEEDS} or more")
+    return None
 
 
 def seed_cell(row: dict) -> str:
@@ -94,14 +144,27 @@ def seed_cell(row: dict) -> str:
     return f" {row['seed']:>5}" if "seed" in row else ""
 
 
-def write_seed_summary(table: pd.DataFrame, keys: list[str], path: Any, metric: str) -> None:
-    """With a seed column: the per-configuration means and 95% CIs to `path`, and `metric`'s printed."""
-    if "seed" not in table:
-        return
+def seeded_report(table: pd.DataFrame, name: str, keys: list[str], metric: str) -> Report:
+    """A report with `table` as the CSV file `name` and, with a seed column, the per-configuration
+    means and 95% CIs (`keys` a configuration) as <name>_summary.csv, and `metric`'s lines."""
+    report = Report()
+    report.table(name, table)
+    if "seed" in table:
+        add_seed_summary(report, table, keys, name.removesuffix(".csv") + "_summary.csv", metric)
+    return report
+
+
+def add_seed_summary(report: Report, table: pd.DataFrame, keys: list[str], name: str, metric: str) -> None:
+    """The per-configuration means and 95% CIs over seeds as the report's file `name`, and `metric`'s lines."""
     summary = ci_table(table, keys)
-    summary.to_csv(path, index=False)
-    print(f"\n{metric}, mean +- 95% CI over {int(summary.seeds.max())} seeds:")
+    report.table(name, summary)
+    seeds = int(summary.seeds.max())
+    report.say(f"\n{metric}, mean [95% t interval] over {seeds} seeds:")
     for r in summary.itertuples(index=False):
         d = r._asdict()
-        print("  " + " ".join(f"{d[k]}" for k in keys) + f": {d[metric]:.4g} +- {d[metric + '_ci95']:.2g}")
-    print(f"wrote {path}")
+        report.say("  " + " ".join(f"{d[k]}" for k in keys)
+                   + f": {d[metric]:.4g} [{d[metric + '_ci95_low']:.4g}, {d[metric + '_ci95_high']:.4g}]")
+    note = few_seeds_note(seeds)
+    if note:
+        warnings.warn(note, stacklevel=2)
+    report.wrote(name)

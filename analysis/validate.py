@@ -5,10 +5,9 @@ and CDF figures. Statistics come from `policies.metrics.summarize`, as in every 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from policies.metrics import ITERATION_COLUMNS, summarize, write_run
+from analysis.benchmark_results import guidellm_requests
+from analysis.plots import save_figure
+from analysis.reprofile import ReprofileDecision, check_and_reprofile
+from policies.metrics import ITERATION_COLUMNS, iteration_compositions, summarize
+from sim.profiled import ProfiledCostModel, load_profile
+from sim.run import run_simulation
 
 LATENCY_METRICS = ("ttft", "tpot", "e2e_latency", "normalized_latency")
 LATENCY_STATISTICS = ("mean", "p90")
@@ -157,10 +161,7 @@ def validation_plot(live_requests: pd.DataFrame, sim_requests: pd.DataFrame, pat
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="lower right")
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
 def per_request_errors(live_requests: pd.DataFrame, sim_requests: pd.DataFrame) -> pd.DataFrame:
@@ -182,7 +183,6 @@ def step_time_errors(iterations: pd.DataFrame, cost_model: Any, block_size: int 
     """The cost model against every measured iteration of a live run: each row's composition priced
     and compared with its measured duration. Mean absolute relative error overall, for pure-decode
     iterations and for iterations carrying prompt tokens, and the mean signed error (bias)."""
-    from policies.metrics import iteration_compositions
 
     comps = iteration_compositions(iterations, block_size)
     measured = iterations.duration.to_numpy(dtype=float)
@@ -198,7 +198,11 @@ def step_time_errors(iterations: pd.DataFrame, cost_model: Any, block_size: int 
             "decode_bias": mean(err[~prompt]), "prompt_bias": mean(err[prompt])}
 
 
-# ---- the validate command ------------------------------------------------------------------------
+# ---- the study `pagesim validate` runs ----
+
+# writes a run's folder: (folder, requests, iterations, summary) -> the folder
+RunWriter = Callable[[Path, pd.DataFrame, pd.DataFrame, dict], Path]
+
 @dataclass
 class Validation:
     """What `run_validation` compared: `table` live against the simulation with the profile used;
@@ -218,17 +222,15 @@ class Validation:
 
 def run_validation(trace: Any, cfg: Any, out: str | Path, live: Any = None, live_run: str | None = None,
                    reprofile_threshold: float | None = 0.1, reprofile_reps: int = 2, progress: bool = False,
-                   config: dict[str, Any] | None = None) -> Validation:
+                   config: dict[str, Any] | None = None, *, write_run: RunWriter) -> Validation:
     """Serve `trace` live (`live`, backend.replay.LiveOptions; or reuse `live_run`: an earlier run
     directory or a guidellm result file whose requests `trace` holds) and simulate it with
     `cfg` (a sim.run.SimConfig naming the profile); write live/, sim/, validation.csv and
     validation.json to `out`. Before a live run the machine's speed is measured against the
     profile and, when more than `reprofile_threshold` away (None: never), the profile is measured
     again here (analysis.reprofile) and the simulation uses it; a reused live run uses the profile
-    re-fitted with it, if there was one. `config` goes into the live summary."""
-    from analysis.reprofile import ReprofileDecision
-    from sim.profiled import ProfiledCostModel, load_profile
-    from sim.run import run_simulation
+    re-fitted with it, if there was one. `config` goes into the live summary. `write_run` writes
+    the live/ and sim/ run folders (the command's pagesim.report_writer.write_run)."""
 
     out = Path(out)
     first = run_simulation(cfg, trace, progress=progress)  # first: a bad profile fails fast
@@ -236,7 +238,6 @@ def run_validation(trace: Any, cfg: Any, out: str | Path, live: Any = None, live
     decision = ReprofileDecision(str(cfg.profile), None, reprofile_threshold, given, str(given["source"]))
     drift: dict[str, Any] = {}
     if live_run and Path(live_run).is_file():
-        from analysis.benchmark_results import guidellm_requests
         live_requests = guidellm_requests(live_run)[1]
     elif live_run:
         live_requests = pd.read_csv(Path(live_run) / "requests.csv")
@@ -247,7 +248,8 @@ def run_validation(trace: Any, cfg: Any, out: str | Path, live: Any = None, live
                 drift = {"before": recorded["check_before"], "after": recorded["check_after"]}
             decision = _earlier_reprofile(recorded.get("reprofile"), decision)
     else:
-        live_requests, drift, decision = _serve(trace, cfg, live, out, decision, reprofile_reps, progress, config)
+        live_requests, drift, decision = _serve(trace, cfg, live, out, decision, reprofile_reps, progress, config,
+                                                write_run)
     cfg_used = replace(cfg, profile=decision.path) if decision.adopted else cfg
     sim = run_simulation(cfg_used, trace) if decision.adopted else first
     write_run(out / "sim", sim.requests, sim.iterations, sim.summary)
@@ -281,17 +283,16 @@ def run_validation(trace: Any, cfg: Any, out: str | Path, live: Any = None, live
                    given_profile_validation=given_summary)
     (out / "validation.json").write_text(json.dumps(summary, indent=1) + "\n")
     validation_plot(live_requests, sim.requests, out / "validation.png",
-                    f"{trace.name}, {len(trace)} requests, {cfg.policy}: live vs simulated ({decision.path})")
+                    f"{trace.name}, {len(trace)} requests, {cfg.policy}: live vs simulated ({Path(decision.path).stem})")
     return result
 
 
-def _serve(trace, cfg, live, out: Path, decision, reps: int, progress: bool, config):
+def _serve(trace, cfg, live, out: Path, decision, reps: int, progress: bool, config, write_run: RunWriter):
     """Serve the trace live, measuring the machine's speed against the profile first (and
     re-profiling if it is off): (live requests, speed before and after, the re-profile decision)."""
-    from analysis.reprofile import check_and_reprofile
+    # deferred: the backend imports torch
     from backend.profiler import drift as machine_drift
     from backend.replay import serve_trace
-    from sim.run import requests_from_trace
 
     state = {"decision": decision}
 
@@ -305,8 +306,8 @@ def _serve(trace, cfg, live, out: Path, decision, reps: int, progress: bool, con
     def check(runner):
         return machine_drift(runner, state["decision"].profile["measurements"])
 
-    req_df, it_df, summary = serve_trace(live, lambda max_len: requests_from_trace(trace, max_len, cfg.n, cfg.beam_width),
-                                         realtime=True, check=check, prepare=prepare, progress=progress)
+    req_df, it_df, summary = serve_trace(live, trace, cfg.n, cfg.beam_width, realtime=True, check=check,
+                                         prepare=prepare, progress=progress)
     summary.update(trace=trace.name, config=config or {}, reprofile=state["decision"].record())
     write_run(out / "live", req_df, it_df, summary)
     return req_df, {"before": summary["check_before"], "after": summary["check_after"]}, state["decision"]
@@ -315,96 +316,9 @@ def _serve(trace, cfg, live, out: Path, decision, reps: int, progress: bool, con
 def _earlier_reprofile(record: dict[str, Any] | None, decision):
     """With a reused live run: the profile re-fitted with it (recorded in its summary), if one was
     adopted and still exists, unless re-profiling is off."""
-    from sim.profiled import load_profile
 
     if not record or not record.get("adopted") or decision.threshold is None or not Path(record["profile"]).is_file():
         return decision
     return replace(decision, speed=record.get("speed"), profile=load_profile(record["profile"]), path=record["profile"],
                    reprofiled=True, adopted=True, seconds=record.get("seconds") or 0.0, cv_mape=record.get("cv_mape"),
                    given_cv_mape=record.get("given_cv_mape"))
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """`pagesim validate`: its arguments (the workload, policy and live model ones from analysis.cli_args)."""
-    from analysis.cli_args import add_live_model_args, add_output_args, add_policy_args, add_workload_args
-    from pagesim.argtypes import non_negative_float, positive_int
-
-    val = subparsers.add_parser(
-        "validate", help="replay one trace live and in simulation; report the simulator's error",
-        description="Calibration, last step: serve a trace live on a real model and simulate it with a profiled "
-                    "cost model (same policy, cache size and arrivals); writes live/ and sim/ runs, validation.csv, "
-                    "validation.json and validation.png. Serves the first 32 requests unless --num-requests says "
-                    "otherwise. Before serving, it times a few of the profile's grid points: when this machine runs "
-                    "more than --reprofile-threshold away from the profile, it re-times the profile's grid here, "
-                    "re-fits it (OUT/profile.json) and simulates with that.")
-    add_workload_args(val)
-    add_policy_args(val)
-    add_live_model_args(val)
-    val.set_defaults(num_requests=32)  # every request is served live, in real time: keep the default small
-    val.add_argument("--profile", required=True, help="profile file (or shipped profile name) for the simulator")
-    val.add_argument("--live-run", help="reuse this earlier `pagesim live` or `pagesim serve` output directory instead "
-                                        "of serving again, or a guidellm result file (its requests and client "
-                                        "latencies; the workload options are then unused)")
-    r = val.add_argument_group("re-profiling (a profile describes the machine it was measured on)")
-    r.add_argument("--reprofile-threshold", type=non_negative_float, default=0.1, metavar="FRACTION",
-                   help="re-profile when this machine's speed is more than this far from the profile's (default 0.1)")
-    r.add_argument("--no-reprofile", action="store_true", help="simulate with the given profile as it is")
-    r.add_argument("--reprofile-reps", type=positive_int, default=2,
-                   help="timed repetitions per grid point when re-profiling (default 2)")
-    add_output_args(val)
-    val.set_defaults(func=run)
-    return val
-
-
-def run(args: argparse.Namespace) -> int:
-    from analysis.cli_args import live_options, load_workload, require_backend, sim_config
-
-    if args.live_run and Path(args.live_run).is_file():  # a benchmark tool's result file: its requests are the trace
-        from analysis.benchmark_results import guidellm_requests
-        trace = guidellm_requests(args.live_run)[0]
-    else:
-        trace = load_workload(args)
-    # the live run's policy, cache size and workload options, priced by --profile (required here)
-    cfg = sim_config(args)
-    if not args.live_run:
-        require_backend()  # a clear message without the backend extra
-    v = run_validation(trace, cfg, args.out, live_options(args), args.live_run,
-                       None if args.no_reprofile else args.reprofile_threshold, args.reprofile_reps,
-                       progress=not args.quiet, config={k: x for k, x in vars(args).items() if k != "func"})
-    print_validation(v, reused=bool(args.live_run))
-    print(f"wrote {args.out}/validation.csv, validation.json, validation.png, sim/"
-          + ("" if args.live_run else ", live/") + (", profile.json" if v.reprofile.adopted and not args.live_run else ""))
-    return 0
-
-
-def print_validation(v: Validation, reused: bool = False) -> None:
-    """The terminal report of a validation: the table, the headline errors, the machine speed and
-    what was done about it."""
-    summary, drift, d = v.summary, v.summary["machine_speed"], v.reprofile
-    print(validation_table(v.table))
-    print(f"\nmean absolute error over these rows: {summary['mape']:.1%}")
-    if reused and d.adopted:
-        print(f"simulated with {d.path}, the profile re-fitted with that live run (its machine ran {d.speed:.2f}x "
-              f"the step times of {d.given})")
-    if v.given is not None:
-        g = summary["given_profile_validation"]
-        print(f"with the given profile {d.given} instead: mean absolute error {g['mape']:.1%}, max "
-              f"{g['max_abs_error']:.1%} (validation_given_profile.csv)")
-    if drift.get("before") is not None:
-        print(f"machine speed against the profile (profile grid points re-timed, time now / then): "
-              f"{drift['before']:.2f} before the live run, {drift['after']:.2f} after")
-        if max(abs(drift["before"] - 1), abs(drift["after"] - 1)) > 0.1:
-            print("warning: this machine runs more than 10% away from when the profile was measured"
-                  + ("; re-profile (pagesim profile, or validate without --no-reprofile) for a fair comparison"
-                     if not d.adopted else " (it drifted during or after the re-profile)"))
-    if summary["speed_adjusted"]:
-        a = summary["speed_adjusted"]
-        print(f"with every simulated step scaled by that speed (x{a['factor']:.3f}, geometric mean): "
-              f"mean absolute error {a['mape']:.1%}, max {a['max_abs_error']:.1%} "
-              "(validation_speed_adjusted.csv; a sensitivity check: it corrects only a drift that holds "
-              "through the live run)")
-    if v.steps:
-        s = v.steps
-        print(f"step times, profile vs {s['iterations']} live iterations: mean |error| {s['mape']:.1%} "
-              f"(bias {s['bias']:+.1%}); decode-only {s['decode_mape']:.1%}, with prompt tokens "
-              f"{s['prompt_mape']:.1%}")

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backend.live import LiveExecutor, serve
+from backend.live_executor import build_live_replica
 from backend.model_runner import ModelRunner
-from policies.registry import make_scheduler
+from backend.replay import serve
+from policies.replica_config import ReplicaConfig
 from policies.request import Request, SamplingParams
 
 INSTRUCTIONS = (
@@ -81,9 +82,7 @@ def measure_parent_ranks(runner: ModelRunner, prompts: list[list[int]], width: i
 
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, beam_width=width)
     requests = [Request(i, 0.0, len(ids), sp, prompt_token_ids=list(ids)) for i, ids in enumerate(prompts)]
-    sched = make_scheduler("vllm", runner.num_gpu_blocks, runner.block_size)
-    sched.max_model_len = runner.config.max_position
-    executor = LiveExecutor(sched, runner, [eos_token_id], seed=seed)
-    executor.beam_observer = observe
-    serve(sched, executor, requests, realtime=False, observer=observer)
+    replica = build_live_replica(ReplicaConfig(runner.num_gpu_blocks, runner.block_size), runner, [eos_token_id],
+                                 seed=seed, beam_observer=observe)
+    serve(replica, requests, realtime=False, observer=observer)
     return ranks

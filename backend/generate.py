@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backend.live import LiveExecutor, LoadedModel, serve
+from backend.live_executor import LoadedModel, build_live_replica
 from backend.model_runner import ModelRunner
-from policies.registry import make_scheduler
+from backend.replay import serve
+from policies.replica_config import ReplicaConfig
 from policies.request import Request, SamplingParams
 
 BLOCK_SIZE = 16
@@ -42,9 +43,8 @@ def generate(model: LoadedModel, prompts: list[str], sampling: SamplingParams, d
     per_request = max(sampling.n, sampling.beam_width)
     blocks = sum(-(-(r.prompt_len + sampling.max_tokens) // BLOCK_SIZE) + 1 for r in requests) * per_request + 8
     runner = ModelRunner(cfg, model.weights, device, attention=attention, num_gpu_blocks=blocks, block_size=BLOCK_SIZE)
-    sched = make_scheduler("vllm", blocks, BLOCK_SIZE, max_num_batched_tokens=max(4096, cfg.max_position))
-    executor = LiveExecutor(sched, runner, [cfg.eos_token_id], seed=seed)
-    run = serve(sched, executor, requests, realtime=False)
+    config = ReplicaConfig(blocks, BLOCK_SIZE, max_num_batched_tokens=max(4096, cfg.max_position))
+    run = serve(build_live_replica(config, runner, [cfg.eos_token_id], seed=seed), requests, realtime=False)
     out = []
     for g in sorted(run.groups, key=lambda g: g.group_id):
         p = g.request.prompt_len

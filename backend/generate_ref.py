@@ -1,7 +1,8 @@
-"""Reference generation loops over `ModelRunner` (for tests and demos), with a deliberately trivial
-block allocator: a free list with reference counts. Forked beams share their parent's full blocks
-and copy its last partial block (copy-on-write through `Batch.copies`). The live executor replaces
-this with the project's block manager and scheduler.
+"""Reference generation loops over `ModelRunner` (for tests and demos): no scheduler, block tables
+kept by hand over the project's block pool (policies.block_manager.BlockPool: reference counts and
+a free queue). Forked beams share their parent's full blocks and copy its last partial block
+(copy-on-write through `Batch.copies`). The live executor replaces this with the project's block
+manager and scheduler.
 """
 
 from __future__ import annotations
@@ -10,32 +11,7 @@ from dataclasses import dataclass
 
 from backend.model_runner import Batch, ModelRunner, SeqInput
 from backend.sampler import BeamSearcher, greedy, log_softmax
-
-
-class BlockPool:
-    """Free list of device block ids with reference counts."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.free = list(range(num_blocks - 1, -1, -1))
-        self.refs = [0] * num_blocks
-
-    def alloc(self) -> int:
-        if not self.free:
-            raise RuntimeError("out of KV-cache blocks")
-        b = self.free.pop()
-        self.refs[b] = 1
-        return b
-
-    def share(self, blocks: list[int]) -> list[int]:
-        for b in blocks:
-            self.refs[b] += 1
-        return list(blocks)
-
-    def release(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self.refs[b] -= 1
-            if self.refs[b] == 0:
-                self.free.append(b)
+from policies.block_manager import BlockPool
 
 
 @dataclass
@@ -46,9 +22,16 @@ class _Seq:
     done: bool = False
 
 
+def _take(pool: BlockPool, n: int) -> list[int]:
+    if n > pool.num_free:
+        raise RuntimeError("out of KV-cache blocks")
+    return pool.take_ids(n)
+
+
 def _grow(seq: _Seq, pool: BlockPool, upto: int, block_size: int) -> None:
-    while len(seq.table) * block_size < upto:
-        seq.table.append(pool.alloc())
+    need = -(-upto // block_size) - len(seq.table)
+    if need > 0:
+        seq.table += _take(pool, need)
 
 
 def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
@@ -85,7 +68,7 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new_token
             outs[i].append(t)
             if t == eos_token_id or len(outs[i]) >= max_new_tokens:
                 s.done = True
-                pool.release(s.table)
+                pool.release_ids(s.table)
 
 
 def beam_search(runner: ModelRunner, prompt: list[int], num_beams: int, max_new_tokens: int,
@@ -119,14 +102,16 @@ def _fork(parents: list[_Seq], cands, pool: BlockPool, bs: int) -> tuple[list[_S
     for c in cands:
         p = parents[c.parent]
         full = p.computed // bs
-        table = pool.share(p.table[:full])
+        table = p.table[:full]
+        for b in table:
+            pool.share(pool.blocks[b])
         if p.computed % bs:
-            dst = pool.alloc()
+            dst, = _take(pool, 1)
             copies.append((p.table[full], dst))
             table.append(dst)
         child = _Seq(p.tokens + [c.token], p.computed, table)
         _grow(child, pool, child.computed + 1, bs)
         beams.append(child)
     for p in parents:
-        pool.release(p.table)
+        pool.release_ids(p.table)
     return beams, copies

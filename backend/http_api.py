@@ -7,22 +7,35 @@ Each prompt of a call is one engine request; its outputs come back on the engine
 moved onto this event loop with `loop.call_soon_threadsafe`. A call waits for its first output
 before answering, so a request the scheduler rejects still gets an HTTP error status; a client
 that goes away (while waiting, or mid-stream) has its requests aborted, which frees their blocks.
+The client is gone when the HTTP layer reports a disconnect or when a send fails (OSError, as
+ASGI 2.4 has it), whichever comes first: a pipelined request whose disconnect the HTTP layer
+misses is still aborted at its next token.
+
+A call is refused (never reaching the engine, using up no request id) when it is malformed (400),
+too big (413), can never fit --max-pending (400) or does not fit it now (429), comes while the
+server stops (503), or its body does not arrive within `body_timeout` (408); a client that leaves
+while uploading its body is counted and logged in one line. Aborted streams end with a choice
+whose finish_reason is "abort", then [DONE], as vLLM's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from backend.async_engine import AsyncEngine, EngineRequest, RequestOutput
 from backend.openai_protocol import (
     ApiError,
     ParsedRequest,
@@ -33,7 +46,6 @@ from backend.openai_protocol import (
     usage,
 )
 from backend.serve_metrics import ServeMetrics
-from backend.server import AsyncEngine, EngineRequest, RequestOutput
 from policies.request import Request, SamplingParams
 
 
@@ -44,13 +56,17 @@ class ServeOptions:
     max_pending: int = 0        # requests in the engine beyond which a new one is answered 429 (0: no limit)
     created: int = 0            # when the server started (unix seconds), for /v1/models
     max_body_bytes: int = 8 << 20  # a larger request body is answered 413 before it is read whole
+    body_timeout: float | None = 30.0  # seconds for a call's whole body to arrive, else 408 (None: no limit)
+    frontend_delay_s: float = 0.0  # wall seconds a call waits before it is read (an emulated frontend's cost)
 
 
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it samples greedily
+# the server's own log lines go to uvicorn's error log, so that they share its format and level
+log = logging.getLogger("uvicorn.error")
 
 
 class _ClientGone(Exception):
-    pass
+    """The client went away (its connection closed, or a send to it failed)."""
 
 
 class _Text:
@@ -93,6 +109,7 @@ class _Call:
         self.finish: dict[tuple[int, int], str] = {}
         self.tokens: dict[tuple[int, int], int] = {}
         self.open: set[int] = set()                          # engine requests not yet finished
+        self.aborted = False                                 # one of them was aborted (shutdown)
         self.prompt_tokens = sum(len(ids) for ids in parsed.prompts)
         self.requests = [self._request(ids, arrival) for ids in parsed.prompts]
         for i in range(len(parsed.prompts)):
@@ -121,7 +138,8 @@ class _Call:
         temperature = p.temperature if p.temperature >= SAMPLING_EPS else 0.0
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=p.ignore_eos, n=p.n, temperature=temperature,
                             top_p=max(p.top_p, 1e-9), top_k=p.top_k, seed=p.seed)
-        req = Request(self.api.engine.new_request_id(), arrival, len(ids), sp, prompt_token_ids=ids)
+        # its id comes at submit: a call refused meanwhile uses none up (requests.csv has no gaps)
+        req = Request(-1, arrival, len(ids), sp, prompt_token_ids=ids)
         reason = self.api.engine.refusal(req)
         if reason is not None:
             if sp.width > 1 and self.api.engine.refusal(replace(req, sampling=replace(sp, n=1))) is None:
@@ -133,6 +151,7 @@ class _Call:
 
     def submit(self, loop: asyncio.AbstractEventLoop) -> None:
         put = self.queue.put_nowait
+        self.requests = [replace(r, request_id=self.api.engine.new_request_id()) for r in self.requests]
         for r in self.requests:
             self.rids.append(r.request_id)
             self.open.add(r.request_id)
@@ -145,12 +164,21 @@ class _Call:
         self.open.clear()
 
     def apply(self, out: RequestOutput) -> list[tuple[int, str, str | None]]:
-        """Take one output in: (choice index, text delta, finish reason) per choice it touched."""
+        """Take one output in: (choice index, text delta, finish reason) per choice it touched. An
+        aborted request ends each of its unfinished choices with what text was held back and the
+        reason "abort"; any other error raises ApiError."""
         if out.error is not None:
             self.open.discard(out.request_id)
-            raise _failure(out)
+            if not out.aborted:
+                raise _failure(out)
+            self.aborted = True
         i = self.rids.index(out.request_id)
         n = self.parsed.params.n
+        if out.aborted:
+            ends = [j for j in range(n) if (i, j) not in self.finish]
+            for j in ends:
+                self.finish[i, j] = "abort"
+            return [(i * n + j, self.texts[i, j].add([], final=True), "abort") for j in ends]
         touched = []
         for j in sorted(set(out.new_tokens) | set(out.finish_reasons)):
             key = (i, j)
@@ -188,20 +216,26 @@ def _failure(out: RequestOutput) -> ApiError:
 
 
 class OpenAIServer:
-    """The routes, over one engine. `draining` (set on shutdown) answers new calls 503."""
+    """The routes, over one engine. `draining` (set on shutdown) answers new calls 503;
+    `cut_off()` (the shutdown's deadline) also ends the body reads still waiting, with 503."""
 
     def __init__(self, engine: AsyncEngine, tokenizer, metrics: ServeMetrics, options: ServeOptions) -> None:
         self.engine, self.tokenizer, self.metrics, self.options = engine, tokenizer, metrics, options
         self.draining = False
+        self.cut = False  # the shutdown deadline passed: body reads still waiting end
 
-    def app(self) -> Starlette:
-        return Starlette(routes=[
+    def app(self) -> ASGIApp:
+        return _QuietWhenGone(Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
-        ], exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+        ], exception_handlers={HTTPException: _http_error, Exception: _internal_error}))
+
+    def cut_off(self) -> None:
+        """Stop taking calls and end the body reads in progress (503). Call on the event loop."""
+        self.draining = self.cut = True
 
     # ---------------------------------------------------------------- small routes
     async def models(self, request: HttpRequest) -> Response:
@@ -227,45 +261,60 @@ class OpenAIServer:
         return await self._generate(request, parse_chat)
 
     async def _generate(self, request: HttpRequest, parse) -> Response:
+        if self.options.frontend_delay_s > 0:
+            await asyncio.sleep(self.options.frontend_delay_s)
         arrival = self.engine.clock()
         try:
             call = await self._accept(request, parse, arrival)
+        except _ClientGone as e:
+            self.metrics.abandoned.inc()
+            log.warning("client %s left during its upload: %s", _peer(request), e)
+            return Response(status_code=499)
         except ApiError as e:
-            self.metrics.refused.inc()
+            if e.status == 408:
+                self.metrics.timed_out("body")
+            else:
+                self.metrics.refused.inc()
             return _error(e)
         call.submit(asyncio.get_running_loop())
-        try:
+        streaming = False
+        try:  # on any way out but the stream (which owns them then), what is still open is aborted
             first = await self._next(call, request)
+            if first.aborted:
+                raise _failure(first)
             events = call.apply(first)
-        except _ClientGone:
-            call.abort_open()
-            return Response(status_code=499)
-        except ApiError as e:
-            call.abort_open()
-            return _error(e)
-        if call.parsed.params.stream:
-            return StreamingResponse(self._stream(call, events), media_type="text/event-stream")
-        try:
+            if call.parsed.params.stream:
+                streaming = True
+                return _EventStream(self._stream(call, events, request))
             while call.open:
                 call.apply(await self._next(call, request))
+            if call.aborted:
+                raise ApiError("the request was aborted: the server is shutting down", status=503, code="aborted",
+                               type="server_error")
+            return JSONResponse(self._whole(call))
         except _ClientGone:
-            call.abort_open()
             return Response(status_code=499)
         except ApiError as e:
-            call.abort_open()
             return _error(e)
-        return JSONResponse(self._whole(call))
+        finally:
+            if not streaming:
+                call.abort_open()
 
-    async def _accept(self, request: HttpRequest, parse, arrival: float) -> _Call:
+    def _refuse_if_stopping(self) -> None:
         if self.draining or not self.engine.alive:
             raise ApiError("the server is shutting down" if self.draining else "the engine has stopped",
                            status=503, type="server_error")
+
+    async def _accept(self, request: HttpRequest, parse, arrival: float) -> _Call:
+        self._refuse_if_stopping()
         ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
         if ctype != "application/json":
             raise ApiError(f"the request body must be JSON: content-type {ctype!r} is not application/json",
                            code="unsupported_media_type")
+        raw = await self._read_body(request)
+        self._refuse_if_stopping()  # the server began to stop while the body came in
         try:
-            body = json.loads(await _body(request, self.options.max_body_bytes))
+            body = json.loads(raw)
         # ValueError covers both decode errors and an integer past Python's 4300-digit limit
         except (ValueError, RecursionError) as e:
             raise ApiError(f"malformed JSON in the request body: {e}", code="invalid_json") from None
@@ -277,10 +326,35 @@ class OpenAIServer:
         parsed = parse(body, self.options.model_name, self.tokenizer)
         call = _Call(self, parsed, arrival)
         limit = self.options.max_pending
+        if limit and len(call.requests) > limit:  # never admitted, idle or not: 429 would be retried forever
+            raise ApiError(f"this call holds {len(call.requests)} prompts, more than the server's limit of {limit} "
+                           f"pending requests (--max-pending {limit}): it can never be admitted; send at most "
+                           f"{limit} prompts per call", param="prompt", code="invalid_value")
         if limit and self.engine.num_outstanding + len(call.requests) > limit:
             raise ApiError(f"the server holds {self.engine.num_outstanding} requests (--max-pending {limit}); "
                            "retry later", status=429, code="too_many_requests", type="rate_limit_error")
         return call
+
+    async def _read_body(self, request: HttpRequest, poll: float = 0.25) -> bytes:
+        """The body, within `body_timeout` seconds (else 408); 503 when the server's shutdown
+        deadline cuts it off (seen within `poll` s); _ClientGone when the client leaves meanwhile."""
+        loop = asyncio.get_running_loop()
+        limit = self.options.body_timeout
+        deadline = loop.time() + limit if limit is not None else float("inf")
+        close = {"connection": "close"}  # what is left of the body is never read
+        reading = asyncio.ensure_future(_body(request, self.options.max_body_bytes))
+        try:
+            while not reading.done():
+                if self.cut:
+                    raise ApiError("the server is shutting down: the request body did not arrive before its "
+                                   "deadline", status=503, code="shutting_down", type="server_error", headers=close)
+                if loop.time() >= deadline:
+                    raise ApiError(f"the request body did not arrive within {limit:g} s", status=408,
+                                   code="request_timeout", headers=close)
+                await asyncio.wait({reading}, timeout=min(poll, deadline - loop.time()))
+            return reading.result()
+        finally:
+            reading.cancel()  # no-op once done
 
     async def _next(self, call: _Call, request: HttpRequest, poll: float = 0.25) -> RequestOutput:
         """The call's next output; raises _ClientGone when the client disconnects meanwhile."""
@@ -309,9 +383,10 @@ class OpenAIServer:
         body["usage"] = call.usage()
         return body
 
-    async def _stream(self, call: _Call, events: list) -> AsyncIterator[str]:
+    async def _stream(self, call: _Call, events: list, request: HttpRequest) -> AsyncGenerator[str, None]:
         """SSE: the events of the call's first output, then one event per token per choice as they
-        come; usage on the last chunk (or its own chunk with stream_options.include_usage)."""
+        come; usage on the last chunk (or its own chunk with stream_options.include_usage).
+        Raises _ClientGone when the client disconnects."""
         p = call.parsed
         try:
             if p.kind == "chat":  # OpenAI opens each chat choice with the assistant's role
@@ -327,14 +402,14 @@ class OpenAIServer:
                 if last:
                     break
                 try:
-                    events = call.apply(await call.queue.get())
+                    events = call.apply(await self._next(call, request))
                 except ApiError as e:
                     yield f"data: {json.dumps(e.body())}\n\n"
                     break
             if p.params.include_usage:
                 yield self._sse(call, [], call.usage())
             yield "data: [DONE]\n\n"
-        finally:  # the client went away (Starlette cancels this generator) or an error ended it
+        finally:  # the client went away, the stream was closed, or an error ended it
             call.abort_open()
 
     def _sse(self, call: _Call, choices: list[dict], use: dict | None) -> str:
@@ -345,20 +420,80 @@ class OpenAIServer:
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
+class _EventStream(Response):
+    """Server-sent events from `events`, sent as they come. The client is gone when a send fails
+    (OSError: its connection is lost, whichever request the HTTP layer thinks is current) or when
+    `events` raises _ClientGone (a disconnect the HTTP layer reported); either way the stream ends
+    quietly, and `events` is always closed, so its finally aborts the call's requests."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+        self.events = events
+        self.status_code = 200
+        self.background = None
+        self.init_headers()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (OSError, _ClientGone):
+            return
+        finally:
+            await self.events.aclose()
+
+
+class _QuietWhenGone:
+    """ASGI wrapper: a send that fails because the client's connection is gone (OSError) ends the
+    call quietly (the route has aborted its engine requests), not as a traceback in the log."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        failed = False
+
+        async def send_once_gone(message: dict) -> None:
+            nonlocal failed
+            try:
+                await send(message)
+            except OSError:
+                failed = True
+                raise
+
+        try:
+            await self.app(scope, receive, send_once_gone)
+        except OSError:
+            if not failed:
+                raise
+
+
 async def _body(request: HttpRequest, limit: int) -> bytes:
     """The request body, refused with 413 once it is known to exceed `limit` bytes (by its
-    Content-Length, or while it streams in), so a huge body is never held whole."""
+    Content-Length, or while it streams in), so a huge body is never held whole; _ClientGone
+    when the client leaves before it is whole."""
     declared = request.headers.get("content-length", "")
     too_big = ApiError(f"the request body exceeds {limit} bytes", status=413, code="request_too_large")
     if declared.isdigit() and int(declared) > limit:
         raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+    except ClientDisconnect:
+        want = f" of {declared}" if declared.isdigit() else ""
+        raise _ClientGone(f"{request.method} {request.url.path}, {size}{want} body bytes received") from None
     return b"".join(chunks)
+
+
+def _peer(request: HttpRequest) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "?"
 
 
 async def _http_error(request: HttpRequest, exc: HTTPException) -> JSONResponse:
@@ -376,4 +511,4 @@ async def _internal_error(request: HttpRequest, exc: Exception) -> JSONResponse:
 
 
 def _error(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)

@@ -35,12 +35,13 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens"} | set(_NEUTRAL) | _IGNOR
 
 
 class ApiError(Exception):
-    """An OpenAI-style error: HTTP `status`, message, type, the offending `param`, and a `code`."""
+    """An OpenAI-style error: HTTP `status`, message, type, the offending `param`, and a `code`;
+    `headers`: extra response headers (e.g. connection: close)."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error") -> None:
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.param, self.code, self.type = status, param, code, type
+        self.status, self.param, self.code, self.type, self.headers = status, param, code, type, headers
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}

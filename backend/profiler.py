@@ -29,10 +29,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from backend.live_executor import build_live_replica
 from backend.model_runner import Batch, ModelRunner, SeqInput
+from backend.replay import serve
 from backend.sampler import Sampler, SamplingParams, log_softmax
 from policies.metrics import iteration_compositions
 from policies.plan import ScheduledSeq, StepPlan
+from policies.replica_config import ReplicaConfig
 
 
 @dataclass(frozen=True)
@@ -186,14 +189,10 @@ def calibration_requests(grid: ProfileGrid, vocab_size: int, seed: int = 0) -> l
 def serve_calibration(runner: ModelRunner, grid: ProfileGrid, seed: int = 0) -> list[dict]:
     """Serve `grid.serve_requests` seeded uniform-length requests, all queued at once, through the
     vllm scheduler and the live executor; one measurement per iteration (its loop wall time)."""
-    from backend.live import LiveExecutor, serve
-    from policies.registry import make_scheduler
-
     requests = calibration_requests(grid, runner.config.vocab_size, seed)
-    sched = make_scheduler("vllm", runner.num_gpu_blocks, runner.block_size)
-    sched.max_model_len = runner.config.max_position
-    executor = LiveExecutor(sched, runner, [runner.config.eos_token_id], seed=seed)
-    log = serve(sched, executor, requests, realtime=False).log.frame()  # it records each composition
+    replica = build_live_replica(ReplicaConfig(runner.num_gpu_blocks, runner.block_size), runner,
+                                 [runner.config.eos_token_id], seed=seed)
+    log = serve(replica, requests, realtime=False).log.frame()  # it records each composition
     return [{"label": "served", **c.counts(), "time_s": float(t), "source": "served"}
             for c, t in zip(iteration_compositions(log, runner.block_size), log.duration, strict=True)]
 
@@ -207,7 +206,7 @@ def _build(point: ProfilePoint, runner: ModelRunner, rng: np.random.Generator) -
         nb = -(-(n + start) // bs)
         table = list(range(next_block, next_block + nb))
         next_block += nb
-        seqs.append(ScheduledSeq(j, j, start, n, table, True))
+        seqs.append(ScheduledSeq(j, j, start, n, table, True, None))  # priced, never executed
         inputs.append(SeqInput(rng.integers(min(256, vocab // 2), vocab, n).tolist(), start, table, True))
     k = point.swap_blocks
     swap_out = [(next_block + b, b) for b in range(k)]

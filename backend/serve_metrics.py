@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from backend.server import EngineObserver
+from backend.async_engine import EngineObserver
 from policies.request import SequenceGroup
 from policies.scheduler import Scheduler
 
@@ -60,7 +60,16 @@ class ServeMetrics(EngineObserver):
         self._model = model_name
         self.aborted = counter("pagesim:requests_aborted", "Requests aborted (client gone, shutdown)")
         self.rejected = counter("pagesim:requests_rejected", "Requests the scheduler rejected")
-        self.refused = counter("pagesim:requests_refused", "Requests answered 400/429/503 before the engine")
+        self.refused = counter("pagesim:requests_refused", "Calls answered 400/413/429/503 before the engine")
+        # calls that never became requests for the engine, apart from the refused ones (so that the
+        # calls a server saw add up: engine requests' calls + refused + timed out + abandoned)
+        self._timed_out = Counter("pagesim:requests_timed_out", "Calls whose head or body did not arrive in "
+                                  "time (408)", ["model_name", "phase"], registry=r)
+        self.abandoned = counter("pagesim:uploads_abandoned", "Calls whose client left while sending the body")
+
+    def timed_out(self, phase: str) -> None:
+        """A call's head ("header") or body ("body") did not arrive within its read timeout."""
+        self._timed_out.labels(self._model, phase).inc()
 
     def on_step(self, scheduler: Scheduler, duration: float, num_preempted: int) -> None:
         self.running.set(len(scheduler.running))

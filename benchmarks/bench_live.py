@@ -38,19 +38,20 @@ def workload(n: int, kind: str = "sharegpt-like/4", seed: int = 0) -> list[tuple
 def run_pagesim(config, weights, reqs, prepack: bool | None = None, attention: str | None = None) -> float:
     import torch
 
-    from backend.live import LiveExecutor, serve
+    from backend.live_executor import build_live_replica
     from backend.model_runner import ModelRunner
-    from policies import Request, SamplingParams, make_scheduler
+    from backend.replay import serve
+    from policies import Request, SamplingParams
+    from policies.replica_config import ReplicaConfig
 
     blocks = sum(-(-(len(p) + o) // 16) for p, o in reqs) + 16
     runner = ModelRunner(config, weights, "cpu", dtype=torch.float32, num_gpu_blocks=blocks, block_size=16,
                          prepack=prepack, attention=attention)
-    sched = make_scheduler("vllm", blocks, 16, max_num_batched_tokens=2048)
     requests = [Request(i, 0.0, len(p), SamplingParams(max_tokens=o, ignore_eos=True), prompt_token_ids=p)
                 for i, (p, o) in enumerate(reqs)]
-    ex = LiveExecutor(sched, runner, [config.eos_token_id])
+    replica = build_live_replica(ReplicaConfig(blocks, 16, max_num_batched_tokens=2048), runner, [config.eos_token_id])
     t0 = time.perf_counter()
-    serve(sched, ex, requests, realtime=False)
+    serve(replica, requests, realtime=False)
     return time.perf_counter() - t0
 
 

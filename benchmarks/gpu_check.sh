@@ -19,6 +19,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
 PY=${PY:-python3}
 mkdir -p "$OUT"
+SCRATCH=$(mktemp -d)  # the wheels' site and the generated model config; removed on exit
+trap 'rm -rf "$SCRATCH"' EXIT
 export PYTHONUNBUFFERED=1
 status=0
 
@@ -31,7 +33,7 @@ cat "$OUT/env.txt"
 
 if compgen -G ".whl/*.whl" >/dev/null; then
   timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl >>"$OUT/setup.txt" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    --target "$SCRATCH/site" .whl/*.whl >>"$OUT/setup.txt" 2>&1 && export PYTHONPATH="$SCRATCH/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
 if ! timeout 120 "$PY" -m pip install --no-deps --no-build-isolation --no-index -q -e . >>"$OUT/setup.txt" 2>&1; then
@@ -50,19 +52,19 @@ rc=${PIPESTATUS[0]}
 
 # SmolLM2's shapes with random weights (its GGUF is not carried); the file's stem names the
 # simulator's model spec, so the profile and the validation simulate smollm2-135m.
-mkdir -p /tmp/cfg
-"$PY" -c "import json; from backend.config import PRESETS; json.dump(PRESETS['smollm2-135m'].to_hf_config(), open('/tmp/cfg/smollm2-135m.json', 'w'))"
+CONFIG="$SCRATCH/smollm2-135m.json"
+"$PY" -c "import json, sys; from backend.config import PRESETS; json.dump(PRESETS['smollm2-135m'].to_hf_config(), open(sys.argv[1], 'w'))" "$CONFIG"
 PROFILE="$OUT/profile_smollm2-135m_cuda.json"
 rc=1
 if [ "$SECONDS" -lt 400 ]; then  # the whole script must end well inside the device's 10-minute limit
-  timeout 150 "$PY" -m pagesim profile --model /tmp/cfg/smollm2-135m.json --device cuda --block-sizes 1 4 64 \
+  timeout 150 "$PY" -m pagesim profile --model "$CONFIG" --device cuda --block-sizes 1 4 64 \
     --out "$PROFILE" --quiet 2>&1 \
     | tee "$OUT/calibration.txt"
   rc=${PIPESTATUS[0]}
   [ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc
 fi
 if [ "$rc" -eq 0 ] && [ "$SECONDS" -lt 300 ]; then
-  timeout $((460 - SECONDS)) "$PY" -m benchmarks.bench_validate --model /tmp/cfg/smollm2-135m.json --device cuda \
+  timeout $((460 - SECONDS)) "$PY" -m benchmarks.bench_validate --model "$CONFIG" --device cuda \
     --profile "$PROFILE" 2>&1 | tee -a "$OUT/calibration.txt"
   rc=${PIPESTATUS[0]}
   [ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc

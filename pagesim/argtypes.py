@@ -33,52 +33,47 @@ def _float(text: str) -> float:
     return value
 
 
+def _checked(value: float, ok: bool, must: str, text: str) -> float:
+    """`value` when `ok`, else the one-line error "<must>, got <text>"."""
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{must}, got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1 (counts, sizes, widths)."""
     value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
+    return _checked(value, value >= 1, "must be an integer >= 1", text)
 
 
 def non_negative_int(text: str) -> int:
     """An integer >= 0."""
     value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return value
+    return _checked(value, value >= 0, "must be an integer >= 0", text)
 
 
 def seed(text: str) -> int:
     """A seed: an integer in [0, 2**32)."""
     value = _int(text)
-    if not 0 <= value < SEED_LIMIT:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {text}")
-    return value
+    return _checked(value, 0 <= value < SEED_LIMIT, "must be an integer in [0, 2**32)", text)
 
 
 def positive_float(text: str) -> float:
     """A finite number > 0 (SLOs, limits, coefficients of variation)."""
     value = _float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
+    return _checked(value, value > 0, "must be a finite number > 0", text)
 
 
 def non_negative_float(text: str) -> float:
     """A finite number >= 0."""
     value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+    return _checked(value, value >= 0, "must be a finite number >= 0", text)
 
 
 def fraction(text: str) -> float:
     """A number in (0, 1]."""
     value = _float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
+    return _checked(value, 0 < value <= 1, "must be in (0, 1]", text)
 
 
 def rate(text: str) -> float:

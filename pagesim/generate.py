@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from analysis.cli_args import add_device_args, require_backend
 from pagesim.argtypes import fraction, non_negative_float, non_negative_int, positive_int, seed
+from pagesim.cli_args import add_device_args, require_backend
+from policies.request import SamplingParams
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,8 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace):
     """Each prompt's completions (backend.generate.Completions), in prompt order."""
     live = require_backend()
-    from backend.generate import generate
-    from policies.request import SamplingParams
+    from backend.generate import generate  # deferred: the backend imports torch
 
     model = live.load_model(args.model, seed=args.seed)
     if model.tokenizer is None:

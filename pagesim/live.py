@@ -1,11 +1,12 @@
 """`pagesim live`: a trace replayed on a real model under a policy (wiring; the serve loop is
-backend.live.serve, driven by backend.replay.serve_trace). torch is imported when the command runs."""
+backend.replay.serve, driven by backend.replay.serve_trace). torch is imported when the command runs."""
 
 from __future__ import annotations
 
 import argparse
 
-from analysis.cli_args import (
+from analysis.report import summary_table
+from pagesim.cli_args import (
     add_live_model_args,
     add_output_args,
     add_policy_args,
@@ -13,9 +14,9 @@ from analysis.cli_args import (
     live_options,
     load_workload,
     require_backend,
+    warn_if_busy,
 )
-from analysis.report import summary_table
-from policies.metrics import write_run
+from pagesim.report_writer import write_run
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,13 +36,13 @@ def run(args: argparse.Namespace):
     """Serve the workload on the real model under the policy options; (requests, iterations, summary)."""
     trace = load_workload(args)  # a bad workload fails before torch loads
     require_backend()
-    from backend.replay import serve_trace
-    from sim.run import requests_from_trace
+    from backend.replay import serve_trace  # deferred: the backend imports torch
 
-    req_df, it_df, summary = serve_trace(
-        live_options(args), lambda max_len: requests_from_trace(trace, max_len, args.n, args.beam_width),
-        realtime=not args.no_realtime, progress=not args.quiet)
-    summary.update(trace=trace.name, config={k: v for k, v in vars(args).items() if k != "func"})
+    load = warn_if_busy("pagesim live")
+
+    req_df, it_df, summary = serve_trace(live_options(args), trace, args.n, args.beam_width,
+                                         realtime=not args.no_realtime, progress=not args.quiet)
+    summary.update(trace=trace.name, machine_load=load, config={k: v for k, v in vars(args).items() if k != "func"})
     return req_df, it_df, summary
 
 

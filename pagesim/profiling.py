@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from analysis.cli_args import add_device_args, require_backend
+from analysis.plots import profile_fit_plot
 from pagesim.argtypes import out_file, positive_int, seed
+from pagesim.cli_args import add_device_args, require_backend
+from sim.profiled import make_profile, measurements_from_runs, save_profile
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -64,7 +66,6 @@ def command(args: argparse.Namespace) -> int:
 
 def run_from_runs(args: argparse.Namespace) -> Profiled:
     """`--from-run`: a profile fitted to live runs' iteration tables."""
-    from sim.profiled import measurements_from_runs
 
     measurements, meta = measurements_from_runs(args.from_run, args.block_size)
     return write_profile(measurements, meta, args)
@@ -79,6 +80,7 @@ def print_from_runs(p: Profiled) -> None:
 def run_grid(args: argparse.Namespace, on_start=None) -> Profiled:
     """The grid timed on the model and fitted; `on_start(line)` says what is about to be timed."""
     live = require_backend()
+    # deferred: the backend imports torch
     from backend.model_runner import ModelRunner
     from backend.profiler import ProfileGrid, environment, profile_model
 
@@ -134,8 +136,6 @@ def print_grid(args: argparse.Namespace, p: Profiled) -> None:
 
 def write_profile(measurements: list[dict], meta: dict, args: argparse.Namespace) -> Profiled:
     """Fit, write the profile file and its fit plot beside it."""
-    from analysis.plots import profile_fit_plot
-    from sim.profiled import make_profile, save_profile
 
     meta.update(created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command="pagesim " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["profile"] else "pagesim profile")

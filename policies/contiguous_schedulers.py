@@ -28,8 +28,9 @@ class _ReservingScheduler(Scheduler):
     """Shared mechanics: per-sequence regions (block ranges), spare regions for forks, and the
     scheduling of every running sequence's next tokens."""
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> None:
-        super().__init__(max_num_seqs, max_num_batched_tokens, block_size)
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
+                 max_model_len: int | None = None) -> None:
+        super().__init__(max_num_seqs, max_num_batched_tokens, block_size, max_model_len)
         self.regions: dict[int, range] = {}          # seq id -> its blocks
         self.spares: dict[int, list[range]] = {}     # group id -> unused regions for future forks
         self._pending_copies: list[tuple[int, int]] = []
@@ -68,7 +69,7 @@ class _ReservingScheduler(Scheduler):
                     if n > budget:
                         continue
                     budget -= n
-                out.append(ScheduledSeq(seq.seq_id, gid, start, n, regions[seq.seq_id], True))
+                out.append(ScheduledSeq(seq.seq_id, gid, start, n, regions[seq.seq_id], True, seq))
                 continue
             if budget is not None:
                 need = sum(s.num_tokens - s.num_computed for s in seqs)
@@ -77,7 +78,7 @@ class _ReservingScheduler(Scheduler):
                 budget -= need
             for seq in seqs:
                 out.append(ScheduledSeq(seq.seq_id, gid, seq.num_computed, seq.num_tokens - seq.num_computed,
-                                        regions[seq.seq_id], True))
+                                        regions[seq.seq_id], True, seq))
         return budget if budget is not None else 0
 
     def _too_wide(self, group: SequenceGroup, plan: StepPlan, now: float) -> bool:
@@ -101,8 +102,9 @@ class OrcaScheduler(_ReservingScheduler):
     name = "orca"
 
     def __init__(self, num_slots: int, variant: str = "max", block_size: int = 1,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 4096) -> None:
-        super().__init__(max_num_seqs, max_num_batched_tokens, block_size)
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
+                 max_model_len: int | None = None) -> None:
+        super().__init__(max_num_seqs, max_num_batched_tokens, block_size, max_model_len)
         self.alloc = ContiguousAllocator(num_slots, variant, block_size)
         self.name = f"orca-{variant}"
         self._offsets: dict[int, list[int]] = {}  # group id -> buddy offsets it holds
@@ -140,7 +142,7 @@ class OrcaScheduler(_ReservingScheduler):
             demand += width
             group.first_scheduled = now
             seq = group.seqs[0]
-            plan.seqs.append(ScheduledSeq(seq.seq_id, group.group_id, 0, n, self.regions[seq.seq_id], True))
+            plan.seqs.append(ScheduledSeq(seq.seq_id, group.group_id, 0, n, self.regions[seq.seq_id], True, seq))
             budget -= n
         return plan
 
@@ -197,8 +199,8 @@ class StaticScheduler(_ReservingScheduler):
     name = "static"
 
     def __init__(self, num_slots: int, block_size: int = 1, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 4096) -> None:
-        super().__init__(max_num_seqs, max_num_batched_tokens, block_size)
+                 max_num_batched_tokens: int = 4096, max_model_len: int | None = None) -> None:
+        super().__init__(max_num_seqs, max_num_batched_tokens, block_size, max_model_len)
         if num_slots < block_size:
             raise ValueError(f"num_slots must be >= block_size ({block_size}), got {num_slots}")
         self.num_blocks = num_slots // block_size

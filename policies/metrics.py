@@ -4,13 +4,12 @@ the shared contract in policies/): a row per request, a row per iteration, and a
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from policies.client_latency import has_client_latencies
 from policies.memory import MemoryBreakdown
 from policies.plan import StepComposition
 from policies.request import SequenceGroup
@@ -98,16 +97,21 @@ def iteration_compositions(iterations: pd.DataFrame, block_size: int = 16) -> li
 
 
 def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
-    """One row per request, finished or rejected, ordered by request id."""
+    """One row per request, ordered by request id. status: "finished", "rejected" (by the
+    scheduler; reject_reason says why) or "aborted" (ended from outside, e.g. its client left; the
+    reason in reject_reason). An aborted row keeps what happened before the abort: its first token
+    time and TTFT when it got one, and output_len, the tokens it was given; latencies that need a
+    finish (tpot, e2e, normalized) are NaN for every row that did not finish."""
     gs = sorted(groups, key=lambda g: g.request.request_id)
     reqs = [g.request for g in gs]
     nan = float("nan")
     done = np.array([g.rejected is None for g in gs], dtype=bool)
+    aborted = np.array([g.aborted for g in gs], dtype=bool)
     arrival = np.array([r.arrival for r in reqs], dtype=float)
     out = np.array([g.output_len for g in gs], dtype=np.int64)
     first = np.array([nan if g.first_token_time is None else g.first_token_time for g in gs], dtype=float)
     finish = np.array([nan if g.finish_time is None else g.finish_time for g in gs], dtype=float)
-    first = np.where(done, first, nan)
+    first = np.where(done | aborted, first, nan)
     with np.errstate(divide="ignore", invalid="ignore"):
         e2e = np.where(done, finish - arrival, nan)
         tpot = np.where(done & (out > 1), (finish - first) / (out - 1), nan)
@@ -117,6 +121,8 @@ def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
         "arrival": arrival,
         "prompt_len": np.array([r.prompt_len for r in reqs], dtype=np.int64),
         "output_len": out,
+        # what was asked for (a trace's output length, else max_tokens): a rejected row generated 0
+        "requested_output_len": np.array([r.max_output for r in reqs], dtype=np.int64),
         "n": np.array([r.sampling.n for r in reqs], dtype=np.int64),
         "beam_width": np.array([r.sampling.beam_width for r in reqs], dtype=np.int64),
         "first_scheduled": np.array([nan if g.first_scheduled is None else g.first_scheduled for g in gs],
@@ -129,7 +135,7 @@ def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
         "normalized_latency": normalized,
         "num_preemptions": np.array([g.num_preemptions for g in gs], dtype=np.int64),
         "prefix_hit_tokens": np.array([g.prefix_hit_tokens for g in gs], dtype=np.int64),
-        "status": np.where(done, "finished", "rejected").astype(object),
+        "status": np.where(done, "finished", np.where(aborted, "aborted", "rejected")).astype(object),
         "reject_reason": [g.rejected or "" for g in gs],
         "client": [r.client for r in reqs],
         "priority": np.array([r.priority for r in reqs], dtype=np.int64),
@@ -138,16 +144,25 @@ def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
     })
 
 
+def latency_column(requests: pd.DataFrame, name: str) -> str:
+    """The column SLOs and headline figures judge latency `name` (ttft, tpot, e2e_latency,
+    normalized_latency) by: the client's (client_<name>) when the run has client latencies, else the
+    server's."""
+    client = f"client_{name}"
+    return client if client in requests.columns else name
+
+
 def meets_slo(requests: pd.DataFrame, slo_ttft: float | None = None, slo_tpot: float | None = None) -> pd.Series:
     """Per request: finished within its own SLO class (columns slo_ttft / slo_tpot where set), else
-    within the run's SLOs (None: no target)."""
+    within the run's SLOs (None: no target). Judged on the client's latencies when the table has
+    them (`latency_column`)."""
     ok = requests.status == "finished"
     for col, default in (("ttft", slo_ttft), ("tpot", slo_tpot)):
         target = requests[f"slo_{col}"] if f"slo_{col}" in requests else pd.Series(np.nan, index=requests.index)
         if default is not None:
             target = target.fillna(default)
         has = target.notna()
-        value = requests[col]
+        value = requests[latency_column(requests, col)]
         met = (value <= target) | (value.isna() if col == "tpot" else False)
         ok &= ~has | met
     return ok
@@ -163,9 +178,14 @@ def per_client(requests: pd.DataFrame, slo_ttft: float | None = None, slo_tpot: 
                input_weight: float = 1.0, output_weight: float = 2.0, windows: int = 20) -> tuple[pd.DataFrame, dict]:
     """One row per client (requests, finished, rejected, SLO attainment, goodput, service received
     as input_weight * prompt + output_weight * output tokens of its finished requests, latencies),
-    and the fairness figures: Jain's index over service, and the max service gap: over `windows`
-    equal slices of the run, the largest difference in service finished between two clients that
-    both had requests in the slice."""
+    and the fairness figures over `windows` equal slices of the run (`service_in_windows`): in each
+    slice where two or more clients are backlogged (a request of theirs waits in the queue), Jain's
+    index over the service each received there (`jain_service`: the mean over such slices; NaN when
+    no slice has two) and the largest difference between two of them (`max_service_gap`). Fairness
+    of service is what a fair scheduler (VTC) equalizes among clients that compete for the engine;
+    totals over the run would measure demand instead, equal under every policy. Latencies are the
+    client's when the table has them."""
+    ttft, e2e = latency_column(requests, "ttft"), latency_column(requests, "e2e_latency")
     r = requests.assign(client=requests.client.fillna("").astype(str) if "client" in requests else "")
     ok = meets_slo(r, slo_ttft, slo_tpot)
     fin = r.status == "finished"
@@ -180,24 +200,50 @@ def per_client(requests: pd.DataFrame, slo_ttft: float | None = None, slo_tpot: 
         rows.append({"client": client, "requests": len(g), "finished": int(g._fin.sum()),
                      "rejected": int((~g._fin).sum()), "slo_attainment": float(g._ok.mean()),
                      "goodput": float(g._ok.sum()) / span, "service": float(g._service.sum()),
-                     "ttft_mean": float(done.ttft.mean()) if len(done) else float("nan"),
-                     "e2e_mean": float(done.e2e_latency.mean()) if len(done) else float("nan")})
+                     "ttft_mean": float(done[ttft].mean()) if len(done) else float("nan"),
+                     "e2e_mean": float(done[e2e].mean()) if len(done) else float("nan")})
     table = pd.DataFrame(rows)
-    gap = 0.0
+    jains, gap = [], 0.0
     if len(table) > 1 and fin.any():
         edges = np.linspace(start, end, windows + 1)
-        slot = np.clip(np.searchsorted(edges, r.finish_time.fillna(end), side="right") - 1, 0, windows - 1)
-        present = np.clip(np.searchsorted(edges, r.arrival, side="right") - 1, 0, windows - 1)
+        got, backlogged = service_in_windows(r[fin], edges, input_weight, output_weight), backlog_in_windows(r, edges)
         for w in range(windows):
-            active = r.client[present <= w][slot[present <= w] >= w].unique()
-            if len(active) < 2:
+            competing = backlogged.columns[backlogged.iloc[w].to_numpy()]
+            if len(competing) < 2:
                 continue
-            got = pd.Series(np.where(slot == w, service, 0.0)).groupby(r.client.to_numpy()).sum()
-            got = got.reindex(active, fill_value=0.0)
-            gap = max(gap, float(got.max() - got.min()))
-    fairness = {"clients": len(table), "jain_service": jain_index(table.service) if len(table) else float("nan"),
+            share = got.iloc[w].reindex(competing, fill_value=0.0).to_numpy()
+            jains.append(jain_index(share) if share.sum() > 0 else 1.0)
+            gap = max(gap, float(share.max() - share.min()))
+    fairness = {"clients": len(table), "jain_service": float(np.mean(jains)) if jains else float("nan"),
                 "max_service_gap": gap}
     return table, fairness
+
+
+def service_in_windows(done: pd.DataFrame, edges: np.ndarray, input_weight: float = 1.0,
+                       output_weight: float = 2.0) -> pd.DataFrame:
+    """Service each client received in each slice [edges[w], edges[w+1]) (rows: slices, columns:
+    clients), from finished requests: the prompt at its first token, the output spread evenly over
+    the time from its first token to its finish."""
+    first, finish = done.first_token_time.to_numpy(float), done.finish_time.to_numpy(float)
+    lo, hi = edges[:-1][:, None], edges[1:][:, None]
+    span = finish - first
+    overlap = np.clip(np.minimum(hi, finish) - np.maximum(lo, first), 0.0, None)
+    last = np.arange(len(lo)) == len(lo) - 1  # the last slice is closed: a finish at the end lands in it
+    at_once = ((first >= lo) & ((first < hi) | last[:, None])).astype(float)
+    decode_share = np.where(span > 0, overlap / np.where(span > 0, span, 1.0),
+                            ((finish >= lo) & ((finish < hi) | last[:, None])).astype(float))
+    per_request = (input_weight * done.prompt_len.to_numpy(float) * at_once
+                   + output_weight * done.output_len.to_numpy(float) * decode_share)
+    return pd.DataFrame(per_request, columns=done.client.to_numpy()).T.groupby(level=0).sum().T
+
+
+def backlog_in_windows(requests: pd.DataFrame, edges: np.ndarray) -> pd.DataFrame:
+    """Whether each client had a request waiting in the queue (arrived, not yet scheduled) during
+    each slice (rows: slices, columns: clients, booleans)."""
+    arrival = requests.arrival.to_numpy(float)
+    scheduled = requests.first_scheduled.fillna(np.inf).to_numpy(float)
+    waits = (arrival[None, :] < edges[1:][:, None]) & (scheduled[None, :] > edges[:-1][:, None]) & (scheduled > arrival)
+    return pd.DataFrame(waits, columns=requests.client.to_numpy()).T.groupby(level=0).any().T
 
 
 def _stats(x: pd.Series) -> dict[str, float]:
@@ -211,12 +257,14 @@ def _stats(x: pd.Series) -> dict[str, float]:
 def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float | None = None,
               slo_tpot: float | None = None) -> dict:
     """The headline numbers. Throughput is over the span from the first arrival to the last
-    finish; goodput counts finished requests meeting both SLOs (when given)."""
+    finish; goodput counts finished requests meeting both SLOs (null when no SLO applies)."""
     done = requests[requests.status == "finished"]
     start = float(requests.arrival.min()) if len(requests) else 0.0
     end = float(done.finish_time.max()) if len(done) else start
     span = max(end - start, 1e-12)
     ok = done[meets_slo(done, slo_ttft, slo_tpot)]
+    has_slo = slo_ttft is not None or slo_tpot is not None or any(
+        c in requests and requests[c].notna().any() for c in ("slo_ttft", "slo_tpot"))
     busy = float(iterations.duration.sum()) if len(iterations) else 0.0
     weights = iterations.duration if busy else None
     kv = iterations[["kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag", "kv_free"]]
@@ -239,9 +287,12 @@ def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float 
         "e2e_latency": _stats(done.e2e_latency),
         "normalized_latency": _stats(done.normalized_latency),
         "mean_normalized_latency": float(done.normalized_latency.mean()) if len(done) else float("nan"),
-        "goodput": len(ok) / span,
-        # the share of all requests (rejected ones count as missing) that finished within the SLOs
-        "slo_attainment": len(ok) / len(requests) if len(requests) else float("nan"),
+        # finished requests within the SLOs per second, and their share of all requests (rejected ones
+        # count as missing); null when no SLO applies (none given, no request of an SLO class), where
+        # they would only repeat the throughput and the finished fraction
+        "goodput": len(ok) / span if has_slo else None,
+        "slo_attainment": (len(ok) / len(requests) if len(requests) else float("nan")) if has_slo else None,
+        "finished_fraction": len(done) / len(requests) if len(requests) else float("nan"),
         "slo": {"ttft": slo_ttft, "tpot": slo_tpot},
         "num_preemptions": int(requests.num_preemptions.sum()),
         "num_iterations": len(iterations),
@@ -250,8 +301,39 @@ def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float 
         "kv_token_state_fraction": time_avg(kv.kv_token_states / allocated.clip(lower=1)),
         "kv_usage": time_avg(allocated / total.clip(lower=1)),
         "prefix_hit_tokens": int(requests.prefix_hit_tokens.sum()),
+        **_client_latency_summary(done),
         **_client_summary(requests, slo_ttft, slo_tpot),
     }
+
+
+def _client_latency_summary(done: pd.DataFrame) -> dict:
+    """The client's latencies beside the server's, when the run has them (a cost model with client
+    terms: policies/client_latency.py); and which ones SLO attainment and goodput judged."""
+    if not has_client_latencies(done):
+        return {}
+    return {"client_ttft": _stats(done.client_ttft), "client_tpot": _stats(done.client_tpot),
+            "client_e2e_latency": _stats(done.client_e2e_latency),
+            "client_normalized_latency": _stats(done.client_normalized_latency),
+            "client_mean_normalized_latency": float(done.client_normalized_latency.mean()) if len(done) else float(
+                "nan"),
+            "latency_basis": "client: ttft, tpot, e2e_latency are the server's; client_* add the cost model's "
+                             "client terms; slo_attainment, goodput and per_client use client_*"}
+
+
+def headline_latency(summary: dict, name: str) -> dict[str, float]:
+    """A run summary's stats of latency `name` (ttft, tpot, e2e_latency, normalized_latency) as
+    studies report them: the client's when the run has them, else the server's."""
+    return summary.get(f"client_{name}", summary[name])
+
+
+def headline_mean_normalized_latency(summary: dict) -> float:
+    """`headline_latency`'s rule for the mean normalized latency."""
+    return summary.get("client_mean_normalized_latency", summary["mean_normalized_latency"])
+
+
+def latency_basis(summary: dict) -> str:
+    """'client' when a run summary's headline latencies are the client's, else 'server'."""
+    return "client" if "client_ttft" in summary else "server"
 
 
 def _client_summary(requests: pd.DataFrame, slo_ttft: float | None, slo_tpot: float | None) -> dict:
@@ -260,21 +342,3 @@ def _client_summary(requests: pd.DataFrame, slo_ttft: float | None, slo_tpot: fl
         return {}
     table, fairness = per_client(requests, slo_ttft, slo_tpot)
     return {"per_client": table.set_index("client").to_dict(orient="index"), "fairness": fairness}
-
-
-def write_run(out_dir: str | Path, requests: pd.DataFrame, iterations: pd.DataFrame, summary: dict) -> Path:
-    """Write requests.csv, iterations.parquet and summary.json into out_dir (created)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    requests.to_csv(out / "requests.csv", index=False)
-    iterations.to_parquet(out / "iterations.parquet", index=False)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable) + "\n")
-    return out
-
-
-def _jsonable(x: object) -> object:
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, Path):
-        return str(x)
-    raise TypeError(f"not JSON serialisable: {type(x).__name__}")

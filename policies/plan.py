@@ -1,8 +1,10 @@
 """What one engine iteration does (`StepPlan`) and what came of it (`StepResult`).
 
 The scheduler writes a `StepPlan`; an executor (simulated or live) carries it out and returns a
-`StepResult`; the scheduler then applies the result. Plans speak only of sequence ids, block ids and
-token counts, never of tensors.
+`StepResult`; the scheduler then applies the result. Plans speak of sequences, block ids and token
+counts, never of tensors. A plan is all an executor is given: each scheduled sequence comes with its
+`Sequence` (token ids, its group's sampling parameters, its sibling beams), which the executor reads
+and never changes, so that no executor holds a scheduler.
 
 Skip-ahead is the same contract over many iterations: a scheduler may offer a `RepeatPlan` ("this
 batch repeats k times unless something changes"), the executor prices its iterations in one call,
@@ -60,7 +62,9 @@ COMPOSITION_COUNTS: tuple[str, ...] = tuple(f.name for f in fields(StepCompositi
 @dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's work in an iteration: compute `num_new_tokens` tokens starting at
-    position `start` (its number of already computed tokens)."""
+    position `start` (its number of already computed tokens). `seq` is the sequence itself, for
+    the executor to read (its tokens `seq.token_ids[start:start + num_new_tokens]`, its group's
+    sampling parameters); None only in a plan built to be priced, never executed (the profiler's)."""
 
     seq_id: int
     group_id: int
@@ -68,6 +72,7 @@ class ScheduledSeq:
     num_new_tokens: int
     block_table: list[int]
     samples: bool  # True when this chunk reaches the end of the known tokens, so a token is sampled
+    seq: Sequence | None
 
 
 @dataclass

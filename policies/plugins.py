@@ -30,7 +30,7 @@ def load_plugin(name: str, group: str, kind: str, known: Iterable[str]) -> Any:
         return target
     found = [ep for ep in entry_points(group=group) if ep.name == name]
     if not found:
-        raise ValueError(f"unknown {kind} {name!r}; known {kind}s: {', '.join(known)} "
+        raise ValueError(f"unknown {kind} {name!r}; known: {', '.join(known)} "
                          f"(or package.module:Class, or a '{group}' entry point)")
     return found[0].load()
 

@@ -79,8 +79,8 @@ def _no_options(options: dict[str, Any] | None, name: str) -> None:
 
 
 def _only(kw: dict[str, Any], name: str) -> dict[str, Any]:
-    """Contiguous baselines take the budgets only; paged-only options must be off."""
-    allowed = {"max_num_seqs", "max_num_batched_tokens"}
+    """Contiguous baselines take the budgets and context length only; paged-only options must be off."""
+    allowed = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
     for k, v in kw.items():
         if k in PAGED_ONLY_DEFAULTS:
             if v is not None and v != PAGED_ONLY_DEFAULTS[k]:
@@ -100,25 +100,15 @@ POLICIES: dict[str, Callable[..., Scheduler]] = {
 }
 
 
-def scheduler_options(policy: str, max_num_seqs: int, max_num_batched_tokens: int, preemption: str = "recompute",
-                      chunked_prefill: bool = False, prefix_caching: bool = False,
-                      num_cpu_blocks: int = 0) -> dict[str, Any]:
-    """The keyword set `make_scheduler` takes for `policy`, from the options a run offers (the
-    simulator's and the live engine's). Paged-only options set for a contiguous policy raise;
-    the swap space (a capacity, not a choice) is simply not passed to one."""
-    kw: dict[str, Any] = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                          "preemption": preemption, "chunked_prefill": chunked_prefill,
-                          "prefix_caching": prefix_caching}
-    if is_paged(policy):
-        kw["num_cpu_blocks"] = num_cpu_blocks
-    else:
-        _only(kw, policy)  # raises on a paged-only option that is on
-    return kw
+# Other names a policy is known by: first come, first served is vLLM's default order
+ALIASES: dict[str, str] = {"fcfs": "vllm"}
 
 
 def resolve_policy(name: str) -> Callable[..., Scheduler]:
-    """The factory for a registry name, an import path `module:Class`, or a `pagesim.policies`
-    entry point; a clear ValueError naming what did not resolve, before any simulation starts."""
+    """The factory for a registry name (or an alias of one), an import path `module:Class`, or a
+    `pagesim.policies` entry point; a clear ValueError naming what did not resolve, before any
+    simulation starts."""
+    name = ALIASES.get(name, name)
     if name in POLICIES:
         return POLICIES[name]
     target = load_plugin(name, "pagesim.policies", "policy", POLICIES)
@@ -128,8 +118,17 @@ def resolve_policy(name: str) -> Callable[..., Scheduler]:
         def make(num_blocks: int, block_size: int = 16, policy_options: dict[str, Any] | None = None,
                  **kw: Any) -> Scheduler:
             options = {**kw, **(policy_options or {})}
+            max_model_len = options.pop("max_model_len", None)
+            if _takes(target, "max_model_len"):
+                options["max_model_len"] = max_model_len
+            # a run's option at its default that the constructor has no parameter for is not its concern
+            options = {k: v for k, v in options.items()
+                       if _takes(target, k) or k not in PAGED_ONLY_DEFAULTS or v != PAGED_ONLY_DEFAULTS[k]}
             _check_options(target, options, repr(name), {"num_gpu_blocks", "block_size"})
-            return target(num_gpu_blocks=num_blocks, block_size=block_size, **options)
+            sched = target(num_gpu_blocks=num_blocks, block_size=block_size, **options)
+            if max_model_len is not None and "max_model_len" not in options:  # the base Scheduler's field
+                sched.max_model_len = max_model_len
+            return sched
         return make
     raise ValueError(f"policy {name!r}: {target!r} implements neither the QueuePolicy interface "
                      "(policies.queue_policy) nor a concrete Scheduler")
@@ -162,6 +161,12 @@ def _takes_slo_ttft(factory: Callable[..., Scheduler]) -> bool:
     `slo_ttft` option."""
     cls = getattr(factory, "policy_class", None)
     return cls is not None and "slo_ttft" in inspect.signature(cls).parameters
+
+
+def _takes(target: Callable[..., Any], option: str) -> bool:
+    """Whether `target` takes the keyword `option` (by name, or through **kwargs)."""
+    params = inspect.signature(target).parameters
+    return option in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def parse_policy_args(items: list[str] | None, flag: str = "--policy-arg") -> dict[str, Any]:

@@ -162,7 +162,8 @@ class SequenceGroup:
         self.first_scheduled: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        self.rejected: str | None = None
+        self.rejected: str | None = None   # why it ended unfinished (rejected, or aborted: see `aborted`)
+        self.aborted = False               # ended from outside (Scheduler.abort), not by the scheduler
         self.prefix_hit_tokens = 0
 
     @property

@@ -1,6 +1,6 @@
 """The scheduler base: queues, the step contract, and what happens when a step is done.
 
-Every policy follows one loop (see DESIGN.md):
+Every policy follows one loop (see docs/design.md):
 
     plan = scheduler.schedule(now)          # StepPlan: who runs, how many tokens each, preemptions
     result = executor.execute(plan)         # StepResult: duration and sampled outcomes
@@ -208,9 +208,9 @@ class Scheduler(ABC):
         """End an unfinished request from outside (its client went away, the server shuts down).
         It leaves waiting / running / swapped; a running or swapped group's sequences are
         finished through `_free_seq` (only the block pool changes counts) and keep their outputs
-        as finished sequences; it is recorded as done and rejected with `reason`. Returns the
-        group, or None when no unfinished group has that id. Call between steps, never while a
-        plan is being executed."""
+        as finished sequences; it is recorded as done and aborted (`aborted`, `rejected` = `reason`;
+        its first token time and outputs kept). Returns the group, or None when no unfinished group
+        has that id. Call between steps, never while a plan is being executed."""
         self.settle()
         for queue in (self.waiting, self.running, self.swapped):
             group = next((g for g in queue if g.group_id == group_id), None)
@@ -226,7 +226,7 @@ class Scheduler(ABC):
         else:
             for s in list(group.seqs):
                 self._finish_seq(s, keep_record=True)
-        group.rejected = reason
+        group.rejected, group.aborted = reason, True
         group.status = SeqStatus.FINISHED
         group.finish_time = now
         self.done.append(group)

@@ -1,4 +1,4 @@
-"""One iteration of the serving loop of DESIGN.md, and windows of them, with no clock of its own:
+"""One iteration of the serving loop of docs/design.md, and windows of them, with no clock of its own:
 
     step = replica.begin(now)        # plan = scheduler.schedule(now); result = executor.execute(plan)
     ...time passes: simulated (the result's duration) or measured (the wall clock)...
@@ -8,7 +8,7 @@
     ...time passes over window.ends...
     replica.complete_window(window)
 
-The SimPy engine (sim/engine.py) and the live engines (backend/live.py, backend/server.py) wrap
+The SimPy engine (sim/engine.py) and the live engines (backend/replay.py, backend/async_engine.py) wrap
 this same object; only how time passes differs. The executor is anything with
 `execute(plan, composition) -> StepResult`; windows also need `remaining`, `price_repeat` and
 `price` (see RepeatExecutor), which the simulated executor has.
@@ -45,12 +45,29 @@ import numpy as np
 
 from policies.metrics import IterationLog
 from policies.plan import RepeatPlan, StepComposition, StepPlan, StepResult
-from policies.request import SequenceGroup
+from policies.request import Request, SequenceGroup
+from policies.request import Sequence as Seq
 from policies.scheduler import Scheduler
 
 
 class Executor(Protocol):
     def execute(self, plan: StepPlan, comp: StepComposition) -> StepResult: ...
+
+
+# stop(seq, token) -> True when `token` ends the sequence early (a served request's stop strings)
+StopCheck = Callable[[Seq, int], bool]
+
+
+class ServedExecutor(Executor, Protocol):
+    """An executor behind a server (backend.async_engine: the live one, or sim.emulated's): told
+    about a served request only through these two hooks, never by having its state written.
+    `register` comes before the scheduler sees the request: its own sampling seed (ValueError,
+    naming it, for one the executor cannot take) and stop check; `release` once it has ended
+    (finished, rejected or aborted) drops what the executor kept for it."""
+
+    def register(self, request: Request, seed: int | None = None, stop: StopCheck | None = None) -> None: ...
+
+    def release(self, group_id: int) -> None: ...
 
 
 class RepeatExecutor(Executor, Protocol):

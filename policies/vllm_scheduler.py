@@ -58,8 +58,8 @@ class VllmScheduler(Scheduler):
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 4096,
                  preemption: str = "recompute", chunked_prefill: bool = False,
                  prefix_caching: bool = False, watermark: float = 0.01,
-                 policy: QueuePolicy | None = None) -> None:
-        super().__init__(max_num_seqs, max_num_batched_tokens, block_size, policy=policy)
+                 policy: QueuePolicy | None = None, max_model_len: int | None = None) -> None:
+        super().__init__(max_num_seqs, max_num_batched_tokens, block_size, max_model_len, policy=policy)
         if policy is not None:
             self.name = policy.name
         # the running tail is the victim unless the policy picks its own
@@ -179,7 +179,7 @@ class VllmScheduler(Scheduler):
     def _emit(self, plan: StepPlan, seq: Sequence, n: int) -> None:
         # the plan carries the block manager's own table lists: valid until the next schedule()
         plan.seqs.append(ScheduledSeq(seq.seq_id, seq.group.group_id, seq.num_computed, n,
-                                      self.bm.tables[seq.seq_id], seq.num_computed + n == seq.num_tokens))
+                                      self.bm.tables[seq.seq_id], seq.num_computed + n == seq.num_tokens, seq))
 
     def _schedule_running(self, plan: StepPlan, budget: list[int]) -> bool:
         """Give running groups their tokens, preempting from the tail when blocks run out."""
@@ -224,7 +224,7 @@ class VllmScheduler(Scheduler):
                     if copies:
                         plan.copies.extend(copies)
                 left -= n
-                emit(ScheduledSeq(sid, group.group_id, start, n, table, end == known))
+                emit(ScheduledSeq(sid, group.group_id, start, n, table, end == known, seq))
                 continue
             chunks = [self._chunk(s, left) for s in seqs]
             if sum(chunks) > left or 0 in chunks:
@@ -502,8 +502,9 @@ class VllmScheduler(Scheduler):
         """Apply the offered iteration as schedule(), the executor and on_step_done() would, the
         groups finishing at its end (now + its duration): the batch's tokens first (blocks in batch
         order), then the waiting queue by `_schedule_waiting`. Only the sequences that finish and
-        the admitted ones get a ScheduledSeq (in plan order: `execute(plan, composition)` prices
-        the whole iteration and returns their outcomes); the others move on by one token here."""
+        the admitted ones get a ScheduledSeq, each with its Sequence as schedule()'s have (in plan
+        order: `execute(plan, composition)` prices the whole iteration and returns their outcomes,
+        reading no more than the plan); the others move on by one token here."""
         offer, self._decode_offer = self._decode_offer, None
         if plan is not offer or plan.remaining is None or len(plan.remaining) != len(plan.seqs):
             raise AssertionError("apply_decode_step needs the scheduler's current DecodeStepPlan with its remaining counts")
@@ -523,7 +524,7 @@ class VllmScheduler(Scheduler):
             elif bm.append_slots(s, 1) != []:  # a new block of its own: plan_decode_step counted it
                 raise AssertionError(f"sequence {sid}: no free block, or a shared one copied, in a decode step")
             if r == 1:  # its last token: stepped through on_step_done with the executor's outcome
-                step.seqs.append(ScheduledSeq(sid, s.group.group_id, start, 1, table, True))
+                step.seqs.append(ScheduledSeq(sid, s.group.group_id, start, 1, table, True, s))
             else:
                 continuing.append(s)
                 context += start + 1

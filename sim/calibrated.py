@@ -18,12 +18,12 @@ tensor cores, which the 2 P (M + m_half) form says without dividing by M. The GE
 all-reduce terms are fitted to per-operator kernel times (analysis/calibrate.py, Vidur's profiles);
 the rest (overheads, attention, the client terms) to end-to-end measurements by simulating them.
 
-The client terms are not part of an iteration: `client_latency` is what a client-measured TTFT and
-E2E include beyond the server (HTTP, tokenization, streaming), added to simulated latencies when they
-are compared with measured ones; `client_output_lag_steps` says how many engine iterations after the
-one that produced it a token reaches the client (an engine that sends a step's outputs while the next
-step runs: the lag then costs a step of whatever model runs, not a fixed time; applied over the run's
-iteration table by analysis/measurements.py `lagged_times`).
+The client terms are not part of an iteration: `client_terms` says what a client-measured TTFT and
+E2E include beyond the server (HTTP, tokenization, streaming); `client_output_lag_steps` says how many
+engine iterations after the one that produced it a token reaches the client (an engine that sends a
+step's outputs while the next step runs: the lag then costs a step of whatever model runs, not a fixed
+time). Every run with a calibrated model applies them once to its request table
+(policies/client_latency.py), so its tables and summary carry the client's latencies beside the server's.
 
 Calibrations are JSON files (`save_calibration`, `load_calibration`); the project's own ship in
 sim/calibrations/ and are found by name.
@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from policies.client_latency import ClientTerms
 from policies.plan import StepComposition
 from sim.cost_model import CostModel
 from sim.moe import LayerShapes, distinct_experts_table
@@ -252,10 +253,10 @@ class CalibratedCostModel(CostModel):
                      + block_size * self._kv_bytes / self._pcie)
         return num_blocks * per_block
 
-    def client_latency(self, output_tokens: int) -> tuple[float, float]:
-        """(TTFT add, E2E add) a client-side measurement includes beyond the server's times."""
+    def client_terms(self) -> ClientTerms:
+        """The calibration's client terms: every run with this model reports client latencies too."""
         p = self.params
-        return p.client_ttft_s, p.client_ttft_s + p.client_per_output_token_s * max(output_tokens - 1, 0)
+        return ClientTerms(p.client_ttft_s, p.client_per_output_token_s, p.client_output_lag_steps)
 
 
 # --- calibration files ------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Cost models: how long one engine iteration takes, given its `StepComposition`.
 
-Every model implements `CostModel`. Registered names (see `make_cost_model`):
+Every model implements `CostModel`. Registered names (see `sim.cost_registry.make_cost_model`):
 
 - "roofline": `RooflineCostModel`, an analytic model from a `HardwareSpec` and a `ModelSpec`.
 - "linear": `ConstantCostModel`, a hand-set linear model for tests and back-of-envelope studies.
@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from policies.client_latency import ClientTerms
 from policies.plan import StepComposition
 from sim.moe import LayerShapes, distinct_experts_table
-from sim.specs import HardwareSpec, ModelSpec, get_hardware, get_model
+from sim.specs import HardwareSpec, ModelSpec
 
 ArrayLike = Any  # a float or a numpy array
 
@@ -32,6 +33,11 @@ class CostModel(ABC):
     @abstractmethod
     def swap_time(self, num_blocks: int, block_size: int) -> float:
         """Seconds to move `num_blocks` KV blocks of `block_size` tokens between CPU and GPU."""
+
+    def client_terms(self) -> ClientTerms | None:
+        """What a client measures beyond this model's server times (policies/client_latency.py), or
+        None: the model prices the server only, and runs report server latencies alone."""
+        return None
 
     def decode_step_time(self, num_seqs: int, context_tokens: int) -> float:
         """`step_time` of one pure-decode iteration (subclasses may skip building the composition)."""
@@ -313,27 +319,3 @@ class RooflineCostModel(CostModel):
         """Each block: 2 x layers copy calls (keys and values of every layer), then its bytes."""
         per_block = 2 * self.model.num_layers * self.memcpy_latency_s + block_size * self._kv_bytes / self._pcie_bw
         return num_blocks * per_block
-
-
-_REGISTRY = {"roofline": RooflineCostModel, "linear": ConstantCostModel}
-
-
-def make_cost_model(name: str, **kw: Any) -> CostModel:
-    """Build a registered cost model by name ("roofline", "linear" or "profiled"), case-insensitively.
-
-    For "roofline", `model` and `hardware` may be spec objects or names ("opt-13b", "a100-40gb").
-    For "profiled", `profile` is a profile file's path or a shipped profile's name, `block_size` the
-    simulation's block size (default the profile's).
-    """
-    key = name.strip().lower()
-    if key == "profiled":
-        from sim.profiled import ProfiledCostModel  # it subclasses CostModel, so imported here
-        return ProfiledCostModel.from_profile(kw["profile"], sim_block_size=kw.get("block_size"))
-    if key not in _REGISTRY:
-        raise ValueError(f"unknown cost model {name!r}; known: {', '.join(sorted([*_REGISTRY, 'profiled']))}")
-    if key == "roofline":
-        if isinstance(kw.get("model"), str):
-            kw["model"] = get_model(kw["model"])
-        if isinstance(kw.get("hardware"), str):
-            kw["hardware"] = get_hardware(kw["hardware"])
-    return _REGISTRY[key](**kw)

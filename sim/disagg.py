@@ -21,22 +21,23 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import simpy
 
+from policies.client_latency import ClientTerms, client_columns, client_timestamps, sent_known
 from policies.metrics import request_frame, summarize
+from policies.replica_config import ReplicaConfig
 from policies.request import Request, SamplingParams, SequenceGroup
 from policies.router import LeastLoadedRouter, Router
+from policies.trace_requests import requests_from_trace
+from sim.cluster import gc_paused, run_replicas, sim_replica
 from sim.cost_model import CostModel
-from sim.engine import ArrivalFeed, Replica, arrival_process, engine_process
-from sim.executor import SimulatedExecutor
-
-if TYPE_CHECKING:  # sim.run imports this module when a run is disaggregated
-    from sim.run import SimConfig, SimResult
-    from traces.trace import Trace
+from sim.engine import ArrivalFeed, Replica
+from sim.specs import get_hardware, get_model
+from traces.trace import Trace
 
 _NO_ARRIVALS = float("inf")
 
@@ -51,40 +52,30 @@ class _TransferFeed:
         return _NO_ARRIVALS
 
 
-def run_disaggregated(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = None) -> SimResult:
-    """Simulate `trace` on cfg.disaggregate = (prefill replicas, decode replicas) (sim.run.SimConfig;
-    policy vllm). Returns a sim.run.SimResult whose request table joins each request's halves."""
-    from sim.run import (
-        SimResult,
-        build_cost_model,
-        final_checks,
-        gc_paused,
-        num_blocks_for,
-        replica_scheduler,
-        requests_from_trace,
-        run_router,
-    )
-    from sim.specs import get_hardware, get_model
-
-    t0 = time.perf_counter()
+def run_disaggregated(cfg: Any, trace: Trace, replica: ReplicaConfig, cost: CostModel, router: Router | None,
+                      started: float) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
+    """Simulate `trace` on cfg.disaggregate = (prefill replicas, decode replicas) (cfg: a
+    sim.run.SimConfig; policy vllm), each replica configured as `replica` (the decode ones with
+    prefix caching on: the KV they are sent lands in it) and priced by `cost`, arrivals spread over
+    the prefill replicas by `router`; `started`: when the run began (time.perf_counter), for its
+    wall time. Returns (requests, iterations, summary), the request table joining each request's
+    halves."""
     num_prefill, num_decode = _check(cfg)
     model, hw = get_model(cfg.model), get_hardware(cfg.hardware)
-    gpu_blocks, cpu_blocks = num_blocks_for(cfg)
-    cost = cost_model or build_cost_model(cfg)
     bandwidth = cfg.transfer_bandwidth or hw.interconnect_bandwidth
     bytes_per_token = model.kv_bytes_per_token
     env = simpy.Environment()
 
-    def replica(stream: int, prefix_caching: bool, **kw: Any) -> Replica:
-        sched = replica_scheduler(cfg, gpu_blocks, cpu_blocks, model.max_position, prefix_caching)  # vllm: _check
+    def make(config: ReplicaConfig, stream: int, **engine: Any) -> Replica:
         seed = np.random.SeedSequence([cfg.seed, stream])  # prefill replicas first, then decode ones
-        return Replica(env, sched, SimulatedExecutor(sched, cost, seed=seed), False, cfg.debug, **kw)
+        return sim_replica(env, config, cost, seed, cfg.beam_rank_decay, fast_forward=False, debug=cfg.debug, **engine)
 
     with gc_paused():
-        originals = {r.request_id: r for r in requests_from_trace(trace, model.max_position)}
+        originals = {r.request_id: r for r in requests_from_trace(trace, replica.max_model_len)}
         feed = ArrivalFeed([_prefill_half(r) for r in originals.values()])
         transfers: dict[int, dict] = {}
-        decode = [replica(num_prefill + j, True, index=j) for j in range(num_decode)]
+        decode = [make(dataclasses.replace(replica, prefix_caching=True), num_prefill + j, index=j)
+                  for j in range(num_decode)]
         decode_router: Router = LeastLoadedRouter()
         decode_scheds = [r.scheduler for r in decode]
 
@@ -108,39 +99,50 @@ def run_disaggregated(cfg: SimConfig, trace: Trace, cost_model: CostModel | None
                         env.process(transfer(g, link, source))
             return on_finish
 
-        prefill = []
-        for i in range(num_prefill):
-            link = simpy.Resource(env, capacity=1)
-            prefill.append(replica(i, cfg.prefix_caching, index=i, on_finish=finished(i, link)))
-        env.process(arrival_process(env, feed, prefill, run_router(cfg) if num_prefill > 1 else None))
-        for r in prefill:
-            env.process(engine_process(env, r, feed))
-        for r in decode:
-            env.process(engine_process(env, r, _TransferFeed()))
-        env.run()
-        for r in prefill + decode:
-            final_checks(r.scheduler, r.scheduler.num_added)
+        prefill = [make(replica, i, index=i, on_finish=finished(i, simpy.Resource(env, capacity=1)))
+                   for i in range(num_prefill)]
+        run_replicas(env, feed, prefill, router, [(r, _TransferFeed()) for r in decode])
         requests = _join(prefill, decode, transfers)
         if len(requests) != len(originals):
             raise AssertionError(f"{len(originals)} requests in, {len(requests)} out")
         iterations = pd.concat([r.log.frame().assign(pool="prefill", replica=r.index) for r in prefill]
                                + [r.log.frame().assign(pool="decode", replica=r.index) for r in decode],
                                ignore_index=True)
+        requests = _client_view(requests, iterations, prefill, cost.client_terms())
         summary = summarize(requests, iterations, cfg.slo_ttft, cfg.slo_tpot)
     moved = requests.transfer_s.dropna()
-    summary.update(num_gpu_blocks=gpu_blocks, num_cpu_blocks=cpu_blocks,
-                   kv_capacity_tokens=gpu_blocks * cfg.block_size, wall_time_s=time.perf_counter() - t0,
-                   trace=trace.name, config=cfg.to_dict())
+    summary.update(num_gpu_blocks=replica.num_gpu_blocks, num_cpu_blocks=replica.num_cpu_blocks,
+                   kv_capacity_tokens=replica.num_gpu_blocks * replica.block_size,
+                   wall_time_s=time.perf_counter() - started, trace=trace.name, config=cfg.to_dict())
     summary["disaggregated"] = {
         "prefill_replicas": num_prefill, "decode_replicas": num_decode, "transfer_bandwidth": bandwidth,
         "transfers": len(moved), "transfer_s": {"mean": float(moved.mean()) if len(moved) else float("nan"),
                                                 "max": float(moved.max()) if len(moved) else float("nan")},
         "decode_recomputed_tokens": int(requests.decode_recomputed_tokens.sum()),
     }
-    return SimResult(requests, iterations, summary, cfg)
+    return requests, iterations, summary
 
 
-def _check(cfg: SimConfig) -> tuple[int, int]:
+def _client_view(requests: pd.DataFrame, iterations: pd.DataFrame, prefill: list[Replica],
+                 terms: ClientTerms | None) -> pd.DataFrame:
+    """The client's latencies: the first token sent after the iterations of the prefill replica that
+    made it, the last after the decode replica's (a single output token: the prefill replica's)."""
+    if terms is None:
+        return requests
+    first, last = client_timestamps(requests, None, 0.0)
+    if terms.output_lag_steps > 0:
+        lag, empty = terms.output_lag_steps, iterations.iloc[:0]
+        pools = dict(tuple(iterations.groupby("pool")))
+        origin = {g.request.request_id: r.index for r in prefill for g in r.scheduler.done}
+        made_on = requests.request_id.map(origin).to_numpy()
+        decoded = requests.decode_replica.notna().to_numpy()
+        first = sent_known(first, pools.get("prefill", empty), lag, made_on)
+        last = np.where(decoded, sent_known(last, pools.get("decode", empty), lag, requests.decode_replica.to_numpy()),
+                        sent_known(last, pools.get("prefill", empty), lag, made_on))
+    return client_columns(requests, first, last, terms)
+
+
+def _check(cfg: Any) -> tuple[int, int]:
     num_prefill, num_decode = cfg.disaggregate
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"disaggregate: needs at least one prefill and one decode replica, got {cfg.disaggregate}")

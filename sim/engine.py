@@ -1,5 +1,5 @@
 """The SimPy model: an arrival process feeding replicas whose engine processes each run the serving
-loop of DESIGN.md with a scheduler from policies/ and a simulated executor.
+loop of docs/design.md with a scheduler from policies/ and a simulated executor.
 
     arrivals ──> router ──> replica r: scheduler.waiting ──> engine: plan -> execute (cost model) -> on_step_done
 
@@ -31,12 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 import simpy
 
-from policies.metrics import IterationLog
 from policies.request import Request
 from policies.router import Router
 from policies.scheduler import Scheduler
 from policies.step import ReplicaStep
-from sim.executor import SimulatedExecutor
 
 
 @dataclass
@@ -88,28 +86,27 @@ class ArrivalTimeout(simpy.Timeout):
 
 
 class Replica:
-    """One model replica: a scheduler, a simulated executor and the iteration log."""
+    """One model replica in the SimPy model: a replica step (policies.replica_config.build_replica:
+    its scheduler, a simulated executor and the iteration log) and the hooks of its engine process."""
 
-    def __init__(self, env: simpy.Environment, scheduler: Scheduler, executor: SimulatedExecutor,
-                 fast_forward: bool = True, debug: bool = False,
+    def __init__(self, env: simpy.Environment, step: ReplicaStep, fast_forward: bool = True, debug: bool = False,
                  on_progress: Callable[[float, int], None] | None = None,
                  observer: Callable[[float, float, Scheduler], None] | None = None,
-                 index: int = 0, routed: bool = False, counts_only: bool = False,
-                 on_finish: Callable[[list], None] | None = None) -> None:
+                 index: int = 0, on_finish: Callable[[list], None] | None = None) -> None:
         self.env = env
         self.on_finish = on_finish  # sees the groups each stepped iteration finishes
         self.index = index
-        self.scheduler = scheduler
-        self.executor = executor
+        # the loop's one iteration (and its windows), clock-agnostic; behind a router, other
+        # replicas' arrivals read this one's state, so windows stop before them (or, when the
+        # router reads only counts, run across them: the step's `routed`, `counts_only`)
+        self.step = step
+        self.scheduler = step.scheduler
+        self.executor = step.executor
+        self.log = step.log
         # an observer sees every iteration (start, duration, scheduler after it), so nothing is skipped
         self.observer = observer
         self.fast_forward = fast_forward and observer is None
         self.debug = debug
-        self.log = IterationLog()
-        # the loop's one iteration (and its windows), clock-agnostic; behind a router, other
-        # replicas' arrivals read this one's state, so windows stop before them (or, when the
-        # router reads only counts, run across them)
-        self.step = ReplicaStep(scheduler, executor, self.log, routed=routed, counts_only=counts_only)
         # arrival times of requests routed here and queued while a window passes (its log rows count them)
         self.joined: list[float] | None = None
         self.wakeup = env.event()

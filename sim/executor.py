@@ -30,7 +30,6 @@ from pathlib import Path
 import numpy as np
 
 from policies.plan import RepeatPlan, SeqOutcome, StepComposition, StepPlan, StepResult
-from policies.scheduler import Scheduler
 from sim.cost_model import CostModel
 
 
@@ -82,11 +81,13 @@ def load_beam_picks(path: str | Path) -> dict[int, BeamPicks]:
 
 
 class SimulatedExecutor:
-    def __init__(self, scheduler: Scheduler, cost_model: CostModel, seed: int = 0,
+    """Prices plans with `cost_model` and decides outcomes by the rules above; it holds no
+    scheduler: a plan's sequences (and a RepeatPlan's) are all it reads."""
+
+    def __init__(self, cost_model: CostModel, seed: int | np.random.SeedSequence = 0,
                  beam_rank_decay: float = 0.5, beam_picks: dict[int, BeamPicks] | None = None) -> None:
         if not 0 < beam_rank_decay <= 1:
             raise ValueError(f"beam_rank_decay: must be in (0, 1], got {beam_rank_decay}")
-        self.scheduler = scheduler
         self.cost = cost_model
         self.rng = np.random.default_rng(seed)
         self.beam_rank_decay = beam_rank_decay
@@ -112,13 +113,12 @@ class SimulatedExecutor:
     def execute(self, plan: StepPlan, composition: StepComposition | None = None) -> StepResult:
         # a single sample that just continues goes unreported (StepResult.others_continue)
         result = StepResult(duration=self.price(composition or plan.composition()), others_continue=True)
-        seqs = self.scheduler.seqs
         outcomes = result.outcomes
         groups_done: set[int] = set()
         for ss in plan.seqs:
             if not ss.samples:
                 continue
-            seq = seqs[ss.seq_id]
+            seq = ss.seq
             group = seq.group
             sp = group.request.sampling
             if sp.n == 1 and sp.beam_width == 1:  # the common case

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from policies.metrics import iteration_compositions
 from policies.plan import COMPOSITION_COUNTS, StepComposition
 from sim.cost_model import CostModel
 from sim.shipped import read_checked, resolve_shipped, shipped_names
@@ -281,8 +282,6 @@ def measurements_from_runs(run_dirs: Sequence[str | Path], block_size: int) -> t
     meta (model, device, runs). Errors name the run directory or file: not a run, a simulated run,
     a table without compositions, another block size or another model than the first run's."""
     import pandas as pd
-
-    from policies.metrics import iteration_compositions
 
     measurements: list[dict[str, Any]] = []
     runs: list[str] = []

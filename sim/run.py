@@ -3,12 +3,10 @@ and a summary out."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,15 +14,18 @@ import numpy as np
 import pandas as pd
 import simpy
 
+from policies.client_latency import ClientTerms, with_client_latencies
+from policies.limits import CPU_BLOCK_BYTES, GPU_BLOCK_BYTES, REPLICA_BYTES, check_fits
 from policies.metrics import request_frame, summarize
-from policies.registry import make_scheduler, scheduler_options
-from policies.request import Request, SamplingParams
+from policies.replica_config import ReplicaConfig
 from policies.router import PrefixAffinityRouter, Router, counts_only, make_router
 from policies.scheduler import Scheduler
+from policies.trace_requests import requests_from_trace
+from sim.cluster import gc_paused, run_replicas, sim_replica
 from sim.cost_model import CostModel, RooflineCostModel
-from sim.engine import ArrivalFeed, Replica, arrival_process, engine_process
-from sim.executor import SimulatedExecutor, load_beam_picks
-from sim.limits import CPU_BLOCK_BYTES, GPU_BLOCK_BYTES, REPLICA_BYTES, REQUEST_BYTES, check_fits
+from sim.disagg import run_disaggregated
+from sim.engine import ArrivalFeed, Replica
+from sim.executor import load_beam_picks
 from sim.specs import get_hardware, get_model, kv_capacity_blocks
 from traces.trace import Trace
 
@@ -75,6 +76,20 @@ class SimConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def replica(self, hardware: str | None = None) -> ReplicaConfig:
+        """One replica's configuration, on `hardware` (default self.hardware): the policy fields of
+        the same names, the cache num_blocks_for derives (or the one given), and the model's
+        context as the longest request. The one place a simulated replica's configuration is made."""
+        gpu, cpu = num_blocks_for(self, hardware)
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(ReplicaConfig)
+                  if f.name in _REPLICA_FIELDS}
+        return ReplicaConfig(**shared, num_gpu_blocks=gpu, num_cpu_blocks=cpu,
+                             max_model_len=get_model(self.model).max_position)
+
+
+# the ReplicaConfig fields a SimConfig sets by the same name (its block counts are overrides: None derives them)
+_REPLICA_FIELDS = {f.name for f in dataclasses.fields(SimConfig)} - {"num_gpu_blocks", "num_cpu_blocks"}
 
 
 def _check_config(cfg: SimConfig) -> None:
@@ -148,52 +163,6 @@ class SimResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def requests_from_trace(trace: Trace, max_model_len: int, n: int | None = None,
-                        beam_width: int | None = None) -> list[Request]:
-    """Trace rows as requests that decode exactly the trace's output length (ignore EOS), one per
-    row: a row with a reject reason (trace.reject_reason) becomes a request the scheduler rejects
-    on arrival with that reason. max_tokens is what the context leaves after the prompt (what
-    Orca-Max reserves). Refuses (ValueError) a trace whose requests could not fit in memory."""
-    check_fits(f"{len(trace):,} requests", [(len(trace), REQUEST_BYTES)])
-    prompts, outputs = trace.prompt_len.tolist(), trace.output_len.tolist()
-    arrivals = trace.arrival.astype(float).tolist()
-    ns = [n] * len(trace) if n is not None else trace.n.tolist()
-    beams = [beam_width] * len(trace) if beam_width is not None else trace.beam_width.tolist()
-    hashes = trace.prefix_hashes
-    ids = trace.prompt_token_ids
-    hbs = trace.hash_block_size or 16
-    reasons = trace.reject_reason or [""] * len(trace)
-    classes = request_classes(trace)
-    params: dict[tuple[int, int, int], SamplingParams] = {}  # frozen, so equal ones are shared
-    reqs = []
-    for i, (p, out, arrival, ni, bi) in enumerate(zip(prompts, outputs, arrivals, ns, beams)):
-        key = (max(max_model_len - p, out, 1), ni, bi)
-        sp = params.get(key)
-        if sp is None:
-            sp = params[key] = SamplingParams(max_tokens=key[0], ignore_eos=True, n=ni, beam_width=bi)
-        reqs.append(Request(i, arrival, p, sp, out, None if ids is None or ids[i] is None else list(ids[i]),
-                            None if hashes is None or hashes[i] is None else tuple(hashes[i]), hbs,
-                            reject_reason=reasons[i] or None, **classes[i]))
-    return reqs
-
-
-def request_classes(trace: Trace) -> list[dict[str, Any]]:
-    """Per trace row, the Request fields of its client / priority / SLO class (empty when absent)."""
-    out: list[dict[str, Any]] = [{} for _ in range(len(trace))]
-    if trace.client is not None:
-        for d, c in zip(out, trace.client):
-            d["client"] = c
-    if trace.priority is not None:
-        for d, p in zip(out, trace.priority.tolist()):
-            d["priority"] = p
-    for name in ("slo_ttft", "slo_tpot"):
-        values = getattr(trace, name)
-        if values is not None:
-            for d, v in zip(out, values.tolist()):
-                d[name] = None if v != v else v  # NaN: the run's SLO
-    return out
-
-
 def build_cost_model(cfg: SimConfig) -> CostModel:
     """The roofline model of cfg.model on cfg.hardware, or the profiled model in cfg.profile (which
     must have been measured on cfg.model, at tensor-parallel degree 1, and needs an explicit
@@ -224,6 +193,16 @@ def build_cost_model(cfg: SimConfig) -> CostModel:
     return ProfiledCostModel.from_profile(profile, sim_block_size=cfg.block_size)
 
 
+def run_client_terms(cost_models: Iterable[CostModel]) -> ClientTerms | None:
+    """The client terms of a run's cost models (one per kind of hardware), None when they carry none.
+    Replicas priced by models with different client terms are refused: one client measures a run."""
+    terms = {m.client_terms() for m in cost_models}
+    if len(terms) > 1:
+        raise ValueError(f"the run's cost models carry different client terms ({sorted(map(str, terms))}); "
+                         "one client measures a run")
+    return terms.pop() if terms else None
+
+
 def _spec_name(model: str) -> str:
     try:
         return get_model(model).name
@@ -231,9 +210,9 @@ def _spec_name(model: str) -> str:
         return model
 
 
-def num_blocks_for(cfg: SimConfig) -> tuple[int, int]:
-    """(GPU KV blocks, CPU swap blocks) for the configuration."""
-    model, hw = get_model(cfg.model), get_hardware(cfg.hardware)
+def num_blocks_for(cfg: SimConfig, hardware: str | None = None) -> tuple[int, int]:
+    """(GPU KV blocks, CPU swap blocks) for the configuration, on `hardware` (default cfg.hardware)."""
+    model, hw = get_model(cfg.model), get_hardware(hardware or cfg.hardware)
     gpu = cfg.num_gpu_blocks  # 0 is refused by SimConfig, never replaced by the derived size
     if gpu is None:
         gpu = kv_capacity_blocks(model, hw, block_size=cfg.block_size, tp=cfg.tp,
@@ -261,52 +240,47 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
     With cfg.replicas > 1, each replica has its own scheduler, KV cache and executor (on
     cfg.replica_hardware[i] when given, else cfg.hardware), the router spreads arrivals, and the
     tables gain a `replica` column."""
-    if cfg.disaggregate:
-        from sim.disagg import run_disaggregated
-        return run_disaggregated(cfg, trace, cost_model)
     t0 = time.perf_counter()
+    if cfg.disaggregate:
+        replica = cfg.replica()
+        router = run_router(cfg) if cfg.disaggregate[0] > 1 else None
+        cost = cost_model or build_cost_model(cfg)
+        return SimResult(*run_disaggregated(cfg, trace, replica, cost, router, t0), cfg)
     if cfg.replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {cfg.replicas}")
-    model = get_model(cfg.model)
-    per_replica = _replica_configs(cfg, cost_model)
+    hardware = _replica_hardware(cfg, cost_model)
     costs: dict[str, CostModel] = {}
-    for c in per_replica:  # one cost model per kind of hardware
-        if c.hardware not in costs:
-            costs[c.hardware] = cost_model or build_cost_model(c)
-    blocks = [num_blocks_for(c) for c in per_replica]  # (GPU, CPU) blocks of each replica
-    gpu_blocks, cpu_blocks = blocks[0]  # every replica's: summary["router"]["replicas"]
+    for hw in hardware:  # one cost model per kind of hardware
+        if hw not in costs:
+            costs[hw] = cost_model or build_cost_model(cfg if hw == cfg.hardware else dataclasses.replace(cfg, hardware=hw))
+    configs = {hw: cfg.replica(hw) for hw in costs}
     picks = beam_picks if beam_picks is not None else (load_beam_picks(cfg.beam_picks) if cfg.beam_picks else None)
     router = run_router(cfg) if cfg.replicas > 1 else None
     env = simpy.Environment()
     with gc_paused():
-        feed = ArrivalFeed(requests_from_trace(trace, model.max_position, cfg.n, cfg.beam_width))
+        feed = ArrivalFeed(requests_from_trace(trace, configs[hardware[0]].max_model_len, cfg.n, cfg.beam_width))
         bar = _progress_bar(len(feed.requests)) if progress else None
         replicas: list[Replica] = []
         tick = (lambda now, _: _tick(bar, now, sum(len(r.scheduler.done) for r in replicas))) if bar else None
-        for i, (rcfg, (gpu_i, cpu_i)) in enumerate(zip(per_replica, blocks)):
-            sched = replica_scheduler(cfg, gpu_i, cpu_i, model.max_position)
+        for i, hw in enumerate(hardware):
             # replica 0 keeps the run's seed, so that one replica is exactly the single-engine run
             seed = cfg.seed if i == 0 else np.random.SeedSequence([cfg.seed, i])
-            executor = SimulatedExecutor(sched, costs[rcfg.hardware], seed=seed, beam_rank_decay=cfg.beam_rank_decay,
-                                         beam_picks=picks)
-            replicas.append(Replica(env, sched, executor, cfg.fast_forward, cfg.debug, on_progress=tick,
-                                    observer=observer, index=i, routed=router is not None,
-                                    counts_only=router is not None and counts_only(router)))
-        env.process(arrival_process(env, feed, replicas, router))
-        for replica in replicas:
-            env.process(engine_process(env, replica, feed))
-        env.run()
+            replicas.append(sim_replica(env, configs[hw], costs[hw], seed, cfg.beam_rank_decay, picks,
+                                        routed=router is not None, counts_only=router is not None and counts_only(router),
+                                        fast_forward=cfg.fast_forward, debug=cfg.debug, on_progress=tick,
+                                        observer=observer, index=i))
+        run_replicas(env, feed, replicas, router)
         if bar is not None:
             bar.close()
-        for replica in replicas:
-            final_checks(replica.scheduler, replica.scheduler.num_added)
         requests, iterations = _tables(replicas)
         if len(requests) != len(feed.requests):
             raise AssertionError(f"{len(feed.requests)} requests in, {len(requests)} out")
+        requests = with_client_latencies(requests, iterations, run_client_terms(costs.values()))
         summary = summarize(requests, iterations, cfg.slo_ttft, cfg.slo_tpot)
-    summary["num_gpu_blocks"] = gpu_blocks
-    summary["num_cpu_blocks"] = cpu_blocks
-    summary["kv_capacity_tokens"] = gpu_blocks * cfg.block_size
+    first = configs[hardware[0]]  # every replica's: summary["router"]["replicas"]
+    summary["num_gpu_blocks"] = first.num_gpu_blocks
+    summary["num_cpu_blocks"] = first.num_cpu_blocks
+    summary["kv_capacity_tokens"] = first.num_gpu_blocks * cfg.block_size
     summary["wall_time_s"] = time.perf_counter() - t0
     summary["engine"] = {"stepped_iterations": sum(r.stepped for r in replicas),
                          "skip_windows": sum(r.windows for r in replicas),
@@ -314,30 +288,17 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
                          "preempting_in_windows": sum(r.exhaustions for r in replicas)}
     if router is not None:
         summary["router"] = _router_summary(router, requests, iterations,
-                                            [(c.hardware, gpu) for c, (gpu, _) in zip(per_replica, blocks)])
+                                            [(hw, configs[hw].num_gpu_blocks) for hw in hardware])
     summary["trace"] = trace.name
     summary["config"] = cfg.to_dict()
     return SimResult(requests, iterations, summary, cfg)
 
 
-def replica_scheduler(cfg: SimConfig, gpu_blocks: int, cpu_blocks: int, max_model_len: int,
-                      prefix_caching: bool | None = None) -> Scheduler:
-    """One replica's scheduler under cfg's policy and its options (`prefix_caching` overrides
-    cfg.prefix_caching), over a cache of the given size, refusing prompts beyond max_model_len."""
-    caching = cfg.prefix_caching if prefix_caching is None else prefix_caching
-    kw = scheduler_options(cfg.policy, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.preemption,
-                           cfg.chunked_prefill, caching, cpu_blocks)
-    sched = make_scheduler(cfg.policy, gpu_blocks, cfg.block_size, policy_options=cfg.policy_options,
-                           slo_ttft=cfg.slo_ttft, **kw)
-    sched.max_model_len = max_model_len
-    return sched
-
-
-def _replica_configs(cfg: SimConfig, cost_model: CostModel | None) -> list[SimConfig]:
-    """Each replica's configuration: cfg, on its own hardware when cfg.replica_hardware says."""
+def _replica_hardware(cfg: SimConfig, cost_model: CostModel | None) -> list[str]:
+    """Each replica's GPU spec: cfg.replica_hardware when given, else cfg.hardware for all."""
     hw = cfg.replica_hardware
     if not hw:
-        return [cfg] * cfg.replicas
+        return [cfg.hardware] * cfg.replicas
     if len(hw) != cfg.replicas:
         raise ValueError(f"replica_hardware names {len(hw)} GPUs for {cfg.replicas} replicas")
     if len(set(hw)) > 1 and (cost_model is not None or cfg.cost_model.strip().lower() != "roofline"):
@@ -345,7 +306,7 @@ def _replica_configs(cfg: SimConfig, cost_model: CostModel | None) -> list[SimCo
                          "profile, or a given cost model, prices one machine)")
     for name in hw:
         get_hardware(name)  # an unknown name fails here, listing the known ones
-    return [dataclasses.replace(cfg, hardware=name) for name in hw]
+    return list(hw)
 
 
 def run_router(cfg: SimConfig) -> Router:
@@ -398,29 +359,6 @@ def _router_summary(router: Router, requests: pd.DataFrame, iterations: pd.DataF
     if hasattr(router, "affinity_hits"):  # the routers that follow a prefix match
         out["affinity_routed"] = router.affinity_hits
     return out
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Requests live for the whole run; the cyclic collector would rescan all of them again and
-    again (superlinear in the number of requests). Per-iteration objects are acyclic and freed
-    by reference counting, so collection is paused for the run and its tables."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def final_checks(sched: Scheduler, num_requests: int) -> None:
-    """Conservation at the end of every run: all requests accounted for, no block leaked."""
-    sched.check_conservation()
-    if sched.has_unfinished() or len(sched.done) != num_requests:
-        raise AssertionError(f"{num_requests} requests in, {len(sched.done)} out")
-    sched.assert_drained()
-    sched.check_invariants()
 
 
 def _progress_bar(total: int):

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+from specs.json_file import read_json
 from specs.model import ModelSpec
 from specs.names import normalize
 
@@ -34,12 +34,7 @@ def read_config(path: str | Path, name: str | None = None) -> ModelSpec:
     path = Path(path)
     if name is None:
         name = path.parent.name if path.name == "config.json" else path.stem
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot read: {e}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: line {e.lineno}: not valid JSON: {e.msg}") from None
+    cfg = read_json(path)
     return ModelSpec.from_hf_config(cfg, name=name, source=str(path))
 
 

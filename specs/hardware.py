@@ -18,12 +18,12 @@ File fields and units (all per device, dense figures, no structured sparsity):
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specs.json_file import read_json
 from specs.names import normalize
 
 MiB = 1024**2
@@ -75,12 +75,7 @@ def read_hardware(path: str | Path) -> tuple[HardwareSpec, list[str]]:
     """(spec, aliases) from one hardware JSON file; a missing or non-positive field raises
     ValueError naming the file and the field."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot read: {e}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: line {e.lineno}: not valid JSON: {e.msg}") from None
+    data = read_json(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: not a JSON object")
     values: dict[str, Any] = {}

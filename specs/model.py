@@ -24,6 +24,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import specs.hf_config as hf_config
+
 ARCHS = ("llama", "opt")
 
 _POSITIVE = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
@@ -167,19 +169,15 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str, source: str = "") -> ModelSpec:
         """A spec from a HF `config.json` dict (specs/hf_config.py lists the supported model types)."""
-        from specs.hf_config import hf_field_error, spec_fields
-
-        fields = spec_fields(cfg, name, source)
+        fields = hf_config.spec_fields(cfg, name, source)
         try:
             return cls(**fields)
         except ValueError as e:
-            raise hf_field_error(e, name or "model", source or name) from None
+            raise hf_config.hf_field_error(e, name or "model", source or name) from None
 
     def to_hf_config(self) -> dict[str, Any]:
         """The HF `config.json` dict describing the same model (`from_hf_config` reads it back equal)."""
-        from specs.hf_config import to_hf_config
-
-        return to_hf_config(self)
+        return hf_config.to_hf_config(self)
 
     # --- kinds ------------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Scheduler.abort: a request ended from outside (client gone, server stopping) leaves every queue,
-frees its memory through the block pool, and is recorded once as rejected with the reason."""
+frees its memory through the block pool, and is recorded once as aborted with the reason."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ def test_abort_running_and_waiting_leaves_the_pool_whole(prefix_caching):
     assert [g.group_id for g in sched.running] == [0] and not sched.waiting
     aborted = {g.group_id: g for g in sched.done}
     assert aborted[1].rejected == "aborted: client disconnected" and aborted[1].output_len == 4
+    assert aborted[1].aborted and aborted[1].first_token_time is not None  # what it got before is kept
     assert aborted[2].output_len == 0 and aborted[2].finish_time == 5.0
     sched.abort(0, 6.0)
     _whole(sched)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-import sim.limits
+import policies.limits
 from pagesim.cli import main
 from traces import load_trace, resolve_trace
 
@@ -110,12 +110,10 @@ def test_a_directory_as_trace_is_refused(tmp_path, capsys):
 
 def test_an_os_error_mid_command_is_a_one_line_error(tmp_path, capsys, monkeypatch):
     # any OSError, not only a missing file (a full disk, a permission refused), was a traceback
-    import sim.run
-
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(sim.run, "run_simulation", full_disk)
+    monkeypatch.setattr("pagesim.commands.simulate.run_simulation", full_disk)
     line = clean_error(["simulate", "--trace", "fixed", *TINY_RUN, "--out", str(tmp_path / "o")], capsys)
     assert line == "pagesim simulate: error: [Errno 28] No space left on device"
 
@@ -351,7 +349,7 @@ def test_requests_that_cannot_run_are_rejected_rows_not_crashes(tmp_path, capsys
 
 def test_replicas_beyond_memory_are_refused_with_the_estimate(tmp_path, capsys, monkeypatch):
     # was: --replicas 100000 with caches derived from the hardware went unchecked; the OOM killer ended it
-    monkeypatch.setattr(sim.limits, "available_memory", lambda: 64 * 2**30)
+    monkeypatch.setattr(policies.limits, "available_memory", lambda: 64 * 2**30)
     line = clean_error(["simulate", *TINY_RUN, "--replicas", "100000", "--out", str(tmp_path / "o")], capsys)
     assert "GPU blocks (derived)" in line and "on each of 100,000 replicas (--replicas)" in line
     assert "but 64.0 GiB is available" in line

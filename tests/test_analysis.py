@@ -19,7 +19,7 @@ def test_sweep_writes_table_and_figures(tmp_path, capsys):
     # paged memory is better used than max-length reservations at the high rate
     high = table[table.rate == 4].set_index("policy")
     assert high.kv_token_state_fraction["vllm"] > high.kv_token_state_fraction["orca-max"]
-    for png in ("latency_vs_rate.png", "memory_breakdown.png"):
+    for png in ("latency_vs_rate.png", "serving.png", "memory_breakdown.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "highest swept rate" in capsys.readouterr().out
 
@@ -202,3 +202,41 @@ def test_columns_widen_to_the_longest_name_so_plug_in_routers_stay_aligned():
     # short names keep the default width; other columns are untouched
     assert cols.widened("router", ["vllm"]).header() == cols.header()
     assert cols.widened("rate", ["x" * 9]).row({"router": "a", "rate": 1.0}).endswith("     1.00")
+
+
+def _sleep_then(k: int, seconds: float) -> int:
+    import time
+    time.sleep(seconds)
+    return k
+
+
+def test_run_tasks_reports_in_task_order_whatever_finishes_first():
+    from analysis.parallel import run_tasks
+    seen = []
+    # the first task finishes last: its row still comes first, the others right after it
+    results = run_tasks(_sleep_then, [(0, 0.6), (1, 0.0), (2, 0.0), (3, 0.0)], jobs=2,
+                        on_done=lambda i, r: seen.append((i, r)))
+    assert results == [0, 1, 2, 3] and seen == [(0, 0), (1, 1), (2, 2), (3, 3)]
+
+
+def test_saturation_is_where_achieved_throughput_falls_behind_the_offered_rate():
+    import numpy as np
+    import pandas as pd
+
+    from analysis.plots import saturation_rate
+    g = pd.DataFrame({"rate": [1.0, 2.0, 3.0, 4.0], "throughput": [1.0, 1.95, 2.5, 2.6]})
+    assert saturation_rate(g) == 3.0  # 2.5 < 0.9 * 3
+    assert np.isnan(saturation_rate(g.assign(throughput=g.rate)))  # keeps up everywhere
+    seeded = pd.DataFrame({"rate": [2.0, 2.0], "seed": [0, 1], "throughput": [1.9, 1.5]})
+    assert saturation_rate(seeded) == 2.0  # the mean over seeds, 1.7, is behind
+
+
+def test_titles_name_files_not_their_paths():
+    import argparse
+
+    from pagesim.cli_args import study_title
+    args = argparse.Namespace(model="/somewhere/models/acme-7b/config.json", hardware="h100-sxm", profile=None,
+                              calibration="/tmp/fits/my-cal.json")
+    assert study_title(args) == "acme-7b on h100-sxm, calibration my-cal (client-side latencies)"
+    assert study_title(argparse.Namespace(model="opt-13b", hardware="a100-40gb", profile="/p/q/cpu.json")) \
+        == "opt-13b, profile cpu"

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
-import sim.limits
+import policies.limits
 from pagesim.cli import main
-from sim.run import SimConfig, requests_from_trace, run_simulation
+from policies.trace_requests import requests_from_trace
+from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals, load_trace
 from traces.loaders import TraceFormatError
 from traces.trace import Trace
@@ -83,13 +85,8 @@ def test_azure_one_time_zone_throughout_still_loads(tmp_path):
 
 # ---------------------------------------------------------------- BurstGPT failed requests
 
-BURSTGPT = """Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type
-5,ChatGPT,472,18,490,Conversation log
-45,ChatGPT,1087,0,1087,Conversation log
-118,GPT-4,417,276,693,Conversation log
-120,ChatGPT,0,0,0,API log
-130,ChatGPT,1360,95,1455,API log
-"""
+# two failed requests (0 response tokens; 0 of both), one of each log type
+BURSTGPT = (Path(__file__).parent / "data" / "burstgpt_failed_requests.csv").read_text()
 
 
 def burstgpt(tmp_path):
@@ -168,7 +165,7 @@ def test_tp_must_divide_the_heads():
 
 
 def test_a_cache_too_large_for_memory_is_refused_with_the_estimate(monkeypatch):
-    monkeypatch.setattr(sim.limits, "available_memory", lambda: 64 * 2**30)
+    monkeypatch.setattr(policies.limits, "available_memory", lambda: 64 * 2**30)
     with pytest.raises(ValueError, match=r"1,000,000,000 GPU blocks \(--num-gpu-blocks\).* at least 223\.5 GiB "
                                          r".* 64\.0 GiB is available"):
         SimConfig(num_gpu_blocks=1_000_000_000)
@@ -178,8 +175,8 @@ def test_a_cache_too_large_for_memory_is_refused_with_the_estimate(monkeypatch):
 
 
 def test_too_many_requests_for_memory_are_refused(monkeypatch):
-    monkeypatch.setattr(sim.limits, "available_memory", lambda: 10_000)
-    monkeypatch.setattr(sim.limits, "_NOT_WORTH_CHECKING", 0)
+    monkeypatch.setattr(policies.limits, "available_memory", lambda: 10_000)
+    monkeypatch.setattr(policies.limits, "_NOT_WORTH_CHECKING", 0)
     trace = Trace(arrival=np.zeros(10), prompt_len=np.ones(10), output_len=np.ones(10))
     with pytest.raises(ValueError, match=r"10 requests: .* at least 14,000 B of memory, but 10,000 B is available"):
         requests_from_trace(trace, 2048)
@@ -283,14 +280,14 @@ def test_tp_that_does_not_divide_the_heads_names_the_flag(tmp_path, capsys):
     ("block-size", []), ("routing", []), ("preemption", []), ("demo", []),
 ])
 def test_too_many_requests_are_refused_up_front_with_the_estimate(tmp_path, capsys, monkeypatch, command, extra):
-    monkeypatch.setattr(sim.limits, "available_memory", lambda: 64 * 2**30)
+    monkeypatch.setattr(policies.limits, "available_memory", lambda: 64 * 2**30)
     err = run_error([command, *extra, "--num-requests", "100000000000", "--out", str(tmp_path / "o")], capsys)
     assert "--num-requests 100,000,000,000: the simulator's bookkeeping alone would need at least" in err
     assert "TiB of memory, but 64.0 GiB is available" in err
 
 
 def test_a_cache_too_large_for_memory_is_refused_by_simulate(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(sim.limits, "available_memory", lambda: 64 * 2**30)
+    monkeypatch.setattr(policies.limits, "available_memory", lambda: 64 * 2**30)
     err = run_error(["simulate", "--num-gpu-blocks", "1000000000", "--out", str(tmp_path / "o")], capsys)
     assert "1,000,000,000 GPU blocks (--num-gpu-blocks)" in err and "223.5 GiB" in err
 
@@ -303,7 +300,7 @@ def test_trace_generate_refuses_a_negative_seed_and_reports_memory_in_one_line(t
     def too_big(*args, **kwargs):
         raise MemoryError("Unable to allocate 745. GiB for an array with shape (100000000000,)")
 
-    monkeypatch.setattr("traces.cli.make_synthetic", too_big)
+    monkeypatch.setattr("pagesim.commands.trace.make_synthetic", too_big)
     assert main(["trace", "generate", "--kind", "fixed", "--num-requests", "100000000000", "--out", out]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --num-requests 100,000,000,000: too large for this machine's memory") and "745" in err

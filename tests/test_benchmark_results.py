@@ -85,7 +85,7 @@ def test_guidellm_requests_table_and_validate(tmp_path):
 def test_measurement_loaders_take_a_guidellm_result(tmp_path):
     """pagesim fidelity / calibrate read measurements through load_measurements: a guidellm result
     file goes in as it is."""
-    from analysis.measurements import load_measurements
+    from analysis.measurement_files import load_measurements
 
     path = tmp_path / "result.json"
     path.write_text(json.dumps(_report([_request(100.0, 100, 1.0), _request(101.0, 200, 2.0)])))

@@ -27,6 +27,10 @@ from sim.specs import ModelSpec, get_hardware, get_model
 
 H100 = get_hardware("h100-sxm")
 LLAMA = get_model("llama-7b")
+# the data beside the repository (../shared from its root); a test whose file is absent skips
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+MIXTRAL = SHARED / "models" / "mixtral-8x7b-v0.1.json"
+MEASUREMENTS = SHARED / "calibration" / "vllm-h100" / "measurements.json"
 
 
 # a small Mixtral-like MoE: 8 experts, top-2
@@ -59,8 +63,9 @@ def test_moe_shapes_and_roofline_reads_only_touched_experts() -> None:
     assert ep.decode_step_time(64, 6400) > 0
 
 
+@pytest.mark.skipif(not MIXTRAL.is_file(), reason="../shared/models/mixtral-8x7b-v0.1.json not present")
 def test_mixtral_decode_reads_a_fraction_of_its_experts() -> None:
-    mixtral = get_model("/work/shared/models/mixtral-8x7b-v0.1.json")
+    mixtral = get_model(str(MIXTRAL))
     assert mixtral.is_moe and mixtral.experts_per_token == 2
     cal = CalibratedCostModel(mixtral, H100, tp=2)
     weights_s = mixtral.weight_bytes / 2 / (H100.mem_bandwidth * cal.params.weight_mem_eff)
@@ -163,14 +168,11 @@ def test_bad_calibration_file_names_the_field(tmp_path) -> None:
 
 # --- calibration by simulation in the loop ----------------------------------------------------------
 
-MEASUREMENTS = Path("/work/shared/calibration/vllm-h100/measurements.json")
-
-
 @pytest.mark.slow  # a few seconds: ~100 requests simulated 5 times
-@pytest.mark.skipif(not MEASUREMENTS.is_file(), reason="the vllm-h100 measurements are not here")
+@pytest.mark.skipif(not MEASUREMENTS.is_file(), reason="../shared/calibration/vllm-h100/measurements.json not present")
 def test_tiny_calibrate_fits_the_client_term_on_a_truncated_stage() -> None:
     from analysis.calibrate import error_table, fit_engine, simulate_all, split_stages
-    from analysis.measurements import load_measurements
+    from analysis.measurement_files import load_measurements
 
     fit, over = split_stages(load_measurements(MEASUREMENTS))
     assert over and all(r.stage.ttft.mean > 1 or r.exp.overloaded_by_source for r in over)
@@ -187,25 +189,26 @@ def test_tiny_calibrate_fits_the_client_term_on_a_truncated_stage() -> None:
 
 
 @pytest.mark.slow  # one short simulation, then client terms fitted over it without simulating again
-@pytest.mark.skipif(not MEASUREMENTS.is_file(), reason="the vllm-h100 measurements are not here")
+@pytest.mark.skipif(not MEASUREMENTS.is_file(), reason="../shared/calibration/vllm-h100/measurements.json not present")
 def test_client_terms_are_fitted_over_kept_runs_and_recovered() -> None:
     """Measurements made up from one simulated run seen by a client 6 ms late whose tokens arrive
     1.3 iterations after they are made: fit_client finds both again from other starting values."""
     import dataclasses
 
     from analysis.calibrate import fit_client, log_errors, simulate_all, split_stages
-    from analysis.measurements import ClientOverhead, load_measurements
+    from analysis.measurement_files import load_measurements
+    from policies.client_latency import ClientTerms
 
     fit, _ = split_stages(load_measurements(MEASUREMENTS))
     ref = [r for r in fit if "llama-2-7b" in r.label][:1]
     run, = simulate_all(ref, CalibrationParams(), "h100-sxm", 0, 3.0, None)
-    truth = run.with_client(ClientOverhead(ttft_s=6e-3, output_lag_steps=1.3)).predicted
+    truth = run.with_client(ClientTerms(ttft_s=6e-3, output_lag_steps=1.3)).predicted
     made_up = dataclasses.replace(run, measured={k: v for k, v in truth.items() if k in run.measured})
     start = CalibrationParams(client_ttft_s=1e-3, client_output_lag_steps=0.5)
     params, resid = fit_client([made_up], start, ["client_ttft_s", "client_output_lag_steps"])
     assert params.client_ttft_s == pytest.approx(6e-3, rel=0.05)
     assert params.client_output_lag_steps == pytest.approx(1.3, rel=0.05)
-    assert np.abs(resid).max() < 0.01 < np.abs(log_errors([made_up.with_client(ClientOverhead(1e-3, 0, 0.5))])).max()
+    assert np.abs(resid).max() < 0.01 < np.abs(log_errors([made_up.with_client(ClientTerms(1e-3, 0, 0.5))])).max()
 
 
 def test_shipped_calibration_loads_by_name_and_prices_other_models() -> None:

@@ -45,9 +45,8 @@ def test_capacity_grows_with_the_rate():
 
 def test_cli_capacity(tmp_path, capsys):
     out = tmp_path / "cap"
-    code = cli_main(["capacity", "--num-requests", "80", "--rates", "6", "--slo-ttft", "2", "--num-gpu-blocks", "400",
-                     "--out", str(out)])
-    assert code == 0
+    assert cli_main(["capacity", "--num-requests", "80", "--rates", "6", "--slo-ttft", "2", "--num-gpu-blocks", "400",
+                     "--out", str(out)]) == 0
     answers = pd.read_csv(out / "capacity.csv")
     assert answers.min_replicas.iloc[0] >= 1 and (out / "capacity.png").stat().st_size > 0
     assert "replicas (" in capsys.readouterr().out

@@ -10,8 +10,8 @@ from sim.cost_model import (
     ConstantCostModel,
     CostModel,
     RooflineCostModel,
-    make_cost_model,
 )
+from sim.cost_registry import make_cost_model
 from sim.specs import (
     HARDWARE,
     MODELS,

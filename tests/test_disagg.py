@@ -15,8 +15,10 @@ from traces.trace import Trace
 
 def test_every_request_is_joined_from_its_two_halves():
     tr = resolve_trace("sharegpt-like", num_requests=200, rate=8.0, seed=1)
+    # 1000 blocks a replica: never filled (no preemption; the same iterations as the A100's ~30k), and
+    # debug's pool check after every iteration scans 1000 blocks, not 30k (40 s of the suite)
     res = run_simulation(SimConfig(model="llama-3-8b", hardware="a100-80gb", disaggregate=(2, 3),
-                                   router="least-loaded", debug=True), tr)
+                                   router="least-loaded", num_gpu_blocks=1000, debug=True), tr)
     r = res.requests
     assert r.request_id.tolist() == list(range(200)) and (r.status == "finished").all()
     assert r.output_len.tolist() == tr.output_len.tolist()  # first token there, the rest here
@@ -32,6 +34,7 @@ def test_every_request_is_joined_from_its_two_halves():
     pre = res.iterations[res.iterations.pool == "prefill"]
     assert (pre.decode_tokens == 0).all()  # prefill replicas never decode: each request leaves after one token
     assert res.summary["disaggregated"]["transfers"] == len(moved)
+    assert r.num_preemptions.sum() == 0
 
 
 def test_transfer_time_is_bytes_over_bandwidth_and_a_slow_link_queues():

@@ -12,13 +12,12 @@ window) also checks the block manager's invariants, and every run ends with the 
 Disaggregated runs are not drawn: sim/disagg.py always steps (no fast path to compare). The sim
 has no trace-driven aborts (Scheduler.abort is live-only), so none are drawn either.
 
-More examples, outside the suite: PAGESIM_FUZZ_EXAMPLES=500 .venv/bin/python -m pytest
-tests/test_fastpath_fuzz.py (PAGESIM_FUZZ_SEED picks another derandomized stream)."""
+More examples, outside the suite: `make test-deep` (PAGESIM_FUZZ_EXAMPLES=500 on three values of
+PAGESIM_FUZZ_SEED, which picks another stream; tests/fuzz_budget.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +28,12 @@ from hypothesis import strategies as st
 
 from sim.run import SimConfig, SimResult, run_simulation
 from sim.specs import get_model
+from tests.fuzz_budget import fuzz_examples, fuzz_seed
 from traces import resolve_trace
 from traces.trace import Trace
 
-EXAMPLES = int(os.environ.get("PAGESIM_FUZZ_EXAMPLES", "60"))
-FUZZ_SEED = int(os.environ.get("PAGESIM_FUZZ_SEED", "0"))
+EXAMPLES = fuzz_examples(60)
+FUZZ_SEED = fuzz_seed()
 
 PAGED = ["vllm", "priority", "sjf", "srpt", "vtc", "edf"]
 CONTIGUOUS = ["orca-max", "orca-pow2", "orca-oracle", "static"]

@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 
 from analysis.fidelity import fidelity_summary, fidelity_table, format_table
-from analysis.measurements import LATENCY_METRICS, load_measurements
+from analysis.measurement_files import load_measurements
+from analysis.measurements import LATENCY_METRICS
 from pagesim.cli import main
 from tests.test_measurements import SHARED, experiment_dict, write_measurements
 

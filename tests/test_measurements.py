@@ -10,17 +10,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from analysis.measurement_files import load_measurements
 from analysis.measurements import (
-    ClientOverhead,
     engine_defaults,
-    lagged_times,
-    load_measurements,
     predicted_metrics,
     simulate_stage,
     stage_config,
     stage_workload,
 )
-from policies.metrics import write_run
+from pagesim.report_writer import write_run
+from policies.client_latency import ClientTerms, lagged_times
 from sim.cost_model import ConstantCostModel
 from sim.run import SimConfig, run_simulation
 from specs import get_model
@@ -250,7 +249,7 @@ def test_simulate_stage_client_terms_and_determinism(tmp_path):
     assert q["ttft_mean"] - p["ttft_mean"] == pytest.approx(0.01)
     assert q["e2e_p99"] - p["e2e_p99"] == pytest.approx(0.01 + 0.002 * 19)
     assert q["tpot"] - p["tpot"] == pytest.approx(0.002)
-    same = simulate_stage(exp, s, cfg, seed=2, client=ClientOverhead(0.01, 0.002))
+    same = simulate_stage(exp, s, cfg, seed=2, client=ClientTerms(0.01, 0.002))
     assert same.predicted == client.predicted
 
 
@@ -271,13 +270,13 @@ def test_output_lag_delays_first_and_last_tokens_by_the_runs_own_steps(tmp_path)
     s = exp.stages[0]
     cfg = stage_config(exp, s, "h100-sxm")
     res = run_simulation(dataclasses.replace(cfg, seed=2), stage_workload(exp, s, 2))
-    base = predicted_metrics(res.requests, ClientOverhead(), res.iterations)
-    lag = predicted_metrics(res.requests, ClientOverhead(output_lag_steps=1.0), res.iterations)
+    base = predicted_metrics(res.requests, ClientTerms(), res.iterations)
+    lag = predicted_metrics(res.requests, ClientTerms(output_lag_steps=1.0), res.iterations)
     longest = float(res.iterations.duration.max())
     assert 0 < lag["ttft_mean"] - base["ttft_mean"] <= longest
     assert 0 <= lag["e2e_mean"] - base["e2e_mean"] <= longest
     with pytest.raises(ValueError, match="iteration table"):
-        predicted_metrics(res.requests, ClientOverhead(output_lag_steps=1.0))
+        predicted_metrics(res.requests, ClientTerms(output_lag_steps=1.0))
 
 
 def test_simulated_overload(tmp_path):

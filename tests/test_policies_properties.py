@@ -17,6 +17,7 @@ from policies.plan import StepPlan
 from policies.registry import POLICIES, make_scheduler
 from policies.request import Request, SamplingParams, Sequence, SequenceGroup
 from policies.scheduler import Scheduler
+from tests.fuzz_budget import fuzz_examples
 from tests.policy_helpers import req, run_to_completion
 
 PREFIXES = [[(i * 7 + k) % 3 for i in range(48)] for k in range(3)]   # prompts share prefixes
@@ -236,7 +237,7 @@ OPS = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=fuzz_examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(num_blocks=st.integers(6, 40), bs=st.integers(1, 4), num_cpu=st.sampled_from([0, 6, 24]),
        caching=st.booleans(), hbs_kind=st.sampled_from(["same", "double", "odd"]),
        ops=st.lists(OPS, min_size=20, max_size=60))
@@ -398,7 +399,7 @@ def _run_workload(policy: str, case) -> None:
 
 
 def _make_test(policy: str, examples: int):
-    @settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=fuzz_examples(examples), deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(case=workloads(policy))
     def test(case):
         _run_workload(policy, case)

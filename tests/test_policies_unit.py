@@ -17,6 +17,7 @@ from policies.contiguous_schedulers import OrcaScheduler, StaticScheduler
 from policies.memory import MemoryBreakdown
 from policies.plan import ScheduledSeq, SeqOutcome, StepPlan, StepResult
 from policies.registry import POLICIES, make_scheduler
+from policies.replica_config import ReplicaConfig, build_scheduler
 from policies.request import Request, SamplingParams, SeqStatus, Sequence, SequenceGroup
 from policies.vllm_scheduler import VllmScheduler
 from tests.policy_helpers import req, run_to_completion
@@ -837,8 +838,8 @@ def test_children_born_finished_end_at_once_and_free_their_blocks():
 
 
 def test_plan_composition():
-    plan = StepPlan(seqs=[ScheduledSeq(0, 0, 0, 10, [], True), ScheduledSeq(1, 1, 4, 4, [], False),
-                          ScheduledSeq(2, 2, 20, 1, [], True)], copies=[(1, 2)], swap_in=[(0, 3)])
+    plan = StepPlan(seqs=[ScheduledSeq(0, 0, 0, 10, [], True, None), ScheduledSeq(1, 1, 4, 4, [], False, None),
+                          ScheduledSeq(2, 2, 20, 1, [], True, None)], copies=[(1, 2)], swap_in=[(0, 3)])
     c = plan.composition()
     assert (c.num_prefill_seqs, c.prefill_tokens, c.prefill_context_tokens) == (2, 14, 4)
     assert c.prefill_attn_pairs == 55 + (4 * 4 + 10)
@@ -960,3 +961,61 @@ def test_a_subclass_seq_demand_rule_is_what_admission_counts():
 
     assert running_after_two_steps(VllmScheduler) == 4
     assert running_after_two_steps(Reserving) == 2  # 2 x 2 reserved: no room for another
+
+
+# ---------------------------------------------------------------- the replica front door
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"num_gpu_blocks": 0}, "num_gpu_blocks must be an integer >= 1, got 0 (--num-gpu-blocks)"),
+    ({"num_cpu_blocks": -1}, "num_cpu_blocks must be an integer >= 0, got -1 (--num-cpu-blocks)"),
+    ({"block_size": 0}, "block_size must be an integer >= 1, got 0 (--block-size)"),
+    ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1, got 0 (--max-num-seqs)"),
+    ({"max_num_batched_tokens": 8}, "max_num_batched_tokens must be >= block_size (16), got 8 "
+                                    "(--max-num-batched-tokens)"),
+    ({"preemption": "drop"}, "preemption must be one of recompute, swap; got 'drop' (--preemption)"),
+    ({"preemption": "swap"}, "preemption='swap' (--preemption) needs num_cpu_blocks >= 1"),
+    ({"slo_ttft": float("inf")}, "slo_ttft must be a finite number of seconds > 0, got inf (--slo-ttft)"),
+    ({"watermark": 1.0}, "watermark must be in [0, 1), got 1.0"),
+    ({"max_model_len": 0}, "max_model_len must be >= 1, got 0"),
+    ({"policy": "orca-max", "chunked_prefill": True},
+     "chunked_prefill=True applies to the paged 'vllm' policy only, not 'orca-max' (--chunked-prefill)"),
+])
+def test_replica_config_refuses_what_no_replica_can_use_naming_field_and_flag(options, says):
+    with pytest.raises(ValueError) as refused:
+        ReplicaConfig(**{"num_gpu_blocks": 8, **options})
+    assert says in str(refused.value)
+
+
+def test_build_scheduler_gives_the_constructor_every_option():
+    paged = build_scheduler(ReplicaConfig(64, 8, num_cpu_blocks=4, max_num_seqs=3, max_num_batched_tokens=32,
+                                          preemption="swap", chunked_prefill=True, prefix_caching=True,
+                                          watermark=0.25, max_model_len=100))
+    assert (paged.max_num_seqs, paged.max_num_batched_tokens, paged.preemption, paged.chunked_prefill) == \
+        (3, 32, "swap", True)
+    assert paged.max_model_len == 100 and paged.bm.enable_prefix_caching and paged.bm.watermark_blocks == 16
+    assert paged.bm.cpu.num_blocks == 4
+    orca = build_scheduler(ReplicaConfig(64, 8, "orca-max", num_cpu_blocks=4, max_model_len=50, alloc_unit=8))
+    assert orca.max_model_len == 50 and orca.block_size == 8 and orca.alloc.buddy.capacity == 64
+
+
+def test_a_plan_hands_the_executor_its_sequences():
+    """Executors hold no scheduler: each scheduled sequence comes with its Sequence."""
+    sched = make_scheduler("vllm", 32, 4)
+    for i in range(3):
+        sched.add_request(Request(i, 0.0, 5 + i, SamplingParams(max_tokens=4, ignore_eos=True), 4,
+                                  prompt_token_ids=list(range(5 + i))))
+    plan = sched.schedule(0.0)
+    assert len(plan.seqs) == 3
+    for ss in plan.seqs:
+        assert ss.seq is sched.seqs[ss.seq_id] and ss.seq.group.group_id == ss.group_id
+        assert ss.seq.token_ids[ss.start:ss.start + ss.num_new_tokens] == list(range(ss.num_new_tokens))
+
+
+def test_fcfs_is_another_name_for_vllm() -> None:
+    from policies.registry import ALIASES
+    assert ALIASES["fcfs"] == "vllm"
+    sched = make_scheduler("fcfs", 64, 16)
+    assert type(sched) is type(make_scheduler("vllm", 64, 16)) and sched.policy.name == "fcfs"
+    with pytest.raises(ValueError, match=r"unknown policy 'fcfz'; known: vllm"):
+        make_scheduler("fcfz", 64, 16)

@@ -170,7 +170,7 @@ def test_edf_aims_at_the_runs_slo_unless_given_its_own(monkeypatch):
 
 class TokenBucket(QueuePolicy):
     """A user's admission policy written only against the public API: at most `rate` admissions per
-    second, deferring the rest (what the README's example does)."""
+    second, deferring the rest (what docs/policies.md's example does)."""
 
     name = "token-bucket"
 

@@ -94,19 +94,26 @@ def test_progress_bar_on_request_only(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_ci_table_is_the_t_interval_over_seeds():
+def test_ci_table_is_the_t_interval_over_seeds_bounded_where_the_metric_is():
     table = pd.DataFrame({"policy": ["a"] * 3 + ["b"], "rate": [1.0] * 4, "seed": [0, 1, 2, 0],
                           "latency": [1.0, 2.0, 3.0, 5.0], "meets": [True, False, True, True],
-                          "answer": [4, None, 6, None]})
+                          "answer": [4, None, 6, None], "error": [-1.0, 0.5, 2.0, 0.0]})
     summary = ci_table(table, ["policy", "rate"])
     a, b = summary.iloc[0], summary.iloc[1]
-    assert list(summary.columns) == ["policy", "rate", "seeds", "latency", "latency_ci95", "meets", "meets_ci95",
-                                     "answer", "answer_ci95"]
+    assert list(summary.columns) == ["policy", "rate", "seeds"] + [
+        f"{m}{s}" for m in ("latency", "meets", "answer", "error") for s in ("", "_ci95_low", "_ci95_high")]
     assert (a.seeds, b.seeds) == (3, 1)
-    assert a.latency == 2.0 and a.latency_ci95 == pytest.approx(4.302653 / np.sqrt(3))  # t(0.975, 2) * s / sqrt(n)
-    assert a.meets == pytest.approx(2 / 3)
-    assert a.answer == 5.0 and a.answer_ci95 == pytest.approx(12.7062 * np.std([4, 6], ddof=1) / np.sqrt(2), rel=1e-4)
-    assert b.latency == 5.0 and np.isnan(b.latency_ci95) and np.isnan(b.answer)
+    half = 4.302653 / np.sqrt(3)  # t(0.975, 2) * s / sqrt(n)
+    # a latency cannot be negative: the interval stops at 0
+    assert a.latency == 2.0 and a.latency_ci95_low == 0.0 and a.latency_ci95_high == pytest.approx(2 + half)
+    # a share stays inside [0, 1] (the t interval alone gives -0.77 .. 2.1)
+    assert a.meets == pytest.approx(2 / 3) and (a.meets_ci95_low, a.meets_ci95_high) == (0.0, 1.0)
+    answer_half = 12.7062 * np.std([4, 6], ddof=1) / np.sqrt(2)
+    assert a.answer == 5.0 and a.answer_ci95_high == pytest.approx(5 + answer_half, rel=1e-4)
+    # a signed metric is not clipped
+    err_half = 4.302653 * np.std([-1.0, 0.5, 2.0], ddof=1) / np.sqrt(3)
+    assert a.error_ci95_low == pytest.approx(0.5 - err_half) and a.error_ci95_low < -1
+    assert b.latency == 5.0 and np.isnan(b.latency_ci95_low) and np.isnan(b.answer)
 
 
 def test_seeded_sweep_repeats_the_plain_one_at_its_first_seed():
@@ -137,6 +144,7 @@ def test_seeds_on_the_cli_write_a_summary_and_one_seed_writes_todays_table(tmp_p
     assert main([*common, "--seeds", "3", "--out", str(tmp_path / "three")]) == 0
     summary = pd.read_csv(tmp_path / "three" / "sweep_summary.csv")
     assert len(summary) == 4 and (summary.seeds == 3).all()
-    assert {"mean_normalized_latency", "mean_normalized_latency_ci95", "throughput_ci95"} <= set(summary.columns)
-    assert (summary.mean_normalized_latency_ci95 > 0).all()
-    assert "mean +- 95% CI over 3 seeds" in capsys.readouterr().out
+    assert {"mean_normalized_latency", "mean_normalized_latency_ci95_low", "throughput_ci95_high"} <= set(summary.columns)
+    assert (summary.mean_normalized_latency_ci95_low < summary.mean_normalized_latency).all()
+    assert (summary.mean_normalized_latency < summary.mean_normalized_latency_ci95_high).all()
+    assert "mean [95% t interval] over 3 seeds" in capsys.readouterr().out

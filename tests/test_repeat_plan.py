@@ -85,7 +85,7 @@ def test_a_queue_policy_gets_windows_without_a_fast_path():
 def _decoding(n: int = 4, out: int = 40) -> tuple[VllmScheduler, SimulatedExecutor, ReplicaStep, float]:
     """A paged scheduler whose n requests have prefilled (stepped by hand, no clock but `now`)."""
     sched = VllmScheduler(num_gpu_blocks=200)
-    ex = SimulatedExecutor(sched, ConstantCostModel(prefill_per_token=0.001, decode_per_seq=0.01, base=0.1))
+    ex = SimulatedExecutor(ConstantCostModel(prefill_per_token=0.001, decode_per_seq=0.01, base=0.1))
     for i in range(n):
         sched.add_request(Request(i, 0.0, 20 + i, SamplingParams(max_tokens=out + i, ignore_eos=True), out + i))
     rs = ReplicaStep(sched, ex)
@@ -191,7 +191,13 @@ def test_an_admitting_iteration_is_applied_as_one_window_as_stepping_applies_it(
     (a, _, rs_a, now), (b, _, rs_b, _) = _decoding(out=out), _decoding(out=out)
     for sched in (a, b):
         sched.add_request(Request(10, now, 30, SamplingParams(max_tokens=5, ignore_eos=True), 5))
+    executed = []  # the partial plan is all the executor reads: each of its sequences comes with it
+    execute = rs_a.executor.execute
+    rs_a.executor.execute = lambda plan, comp: executed.append([(ss.seq_id, ss.seq) for ss in plan.seqs]) or \
+        execute(plan, comp)
     window = rs_a.begin_window(now)
+    assert [[sid for sid, _ in e] for e in executed] == [([0] if finishing else []) + [a.running[-1].seqs[0].seq_id]]
+    assert all(seq is not None and seq.seq_id == sid for sid, seq in executed[0])
     assert window is not None and len(window.ends) == 1 and not window.exhaustion
     assert a.running[-1].group_id == 10 and a.running[-1].first_scheduled == now
     assert a.departing == finishing  # the finish counts as outstanding until the clock is there

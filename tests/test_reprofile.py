@@ -10,7 +10,7 @@ import pytest
 
 from analysis.reprofile import ReprofileDecision, decide, needs_reprofile
 from analysis.validate import run_validation
-from policies.metrics import write_run
+from pagesim.report_writer import write_run
 from sim.profiled import ProfiledCostModel, load_profile, save_profile
 from sim.run import SimConfig, run_simulation
 from traces import resolve_trace
@@ -108,7 +108,7 @@ def test_validate_records_the_re_profile_and_compares_both_profiles(tmp_path, wo
     out = tmp_path / "val"
     live = _fake_live(tmp_path, trace, cfg, 1.8)
 
-    def fake_serve(trace, cfg, live_opts, out, decision, reps, progress, config):
+    def fake_serve(trace, cfg, live_opts, out, decision, reps, progress, config, write_run):
         d = decide(decision.given, decision.profile, 1.8, decision.threshold, _refit(1.8), out / "profile.json",
                    save=save_profile)
         print(d.message())
@@ -116,7 +116,7 @@ def test_validate_records_the_re_profile_and_compares_both_profiles(tmp_path, wo
         return live, {"before": 1.0, "after": 1.0}, d
 
     monkeypatch.setattr(validate, "_serve", fake_serve)
-    v = run_validation(trace, cfg, out, live=None, reprofile_threshold=0.1)
+    v = run_validation(trace, cfg, out, live=None, reprofile_threshold=0.1, write_run=write_run)
     s = json.loads((out / "validation.json").read_text())
     assert s["profile"] == str(out / "profile.json") and s["given_profile"] == SHIPPED
     assert s["reprofile"]["speed"] == 1.8 and s["reprofile"]["adopted"] and s["reprofile"]["threshold"] == 0.1
@@ -124,10 +124,11 @@ def test_validate_records_the_re_profile_and_compares_both_profiles(tmp_path, wo
     assert (out / "validation_given_profile.csv").is_file() and v.given is not None
     assert "re-profiled:" in capsys.readouterr().out
     # reusing that live run: the profile re-fitted with it is used again, the comparison is the same
-    again = run_validation(trace, cfg, tmp_path / "again", live_run=str(out / "live"))
+    again = run_validation(trace, cfg, tmp_path / "again", live_run=str(out / "live"), write_run=write_run)
     assert again.table.equals(v.table) and again.reprofile.path == str(out / "profile.json")
     # ... unless re-profiling is off: the given profile, as it is
-    off = run_validation(trace, cfg, tmp_path / "off", live_run=str(out / "live"), reprofile_threshold=None)
+    off = run_validation(trace, cfg, tmp_path / "off", live_run=str(out / "live"), reprofile_threshold=None,
+                         write_run=write_run)
     assert off.reprofile.path.endswith("smollm2-135m-cpu.json") and off.table.equals(v.given)
     assert json.loads((tmp_path / "off" / "validation.json").read_text())["reprofile"]["reprofiled"] is False
 

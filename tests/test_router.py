@@ -399,7 +399,7 @@ def test_a_router_by_import_path_runs_with_its_options(tmp_path):
     ("policies.router:Nope", {}, "has no attribute 'Nope'"),
     ("policies.request:Request", {}, "is not a concrete Router"),
     ("policies.router:Router", {}, "is not a concrete Router"),  # abstract
-    ("fastest", {}, "unknown router 'fastest'; known routers: round-robin"),
+    ("fastest", {}, "unknown router 'fastest'; known: round-robin"),
     ("tests.test_router:EveryOther", {"strides": 2}, "unknown parameter 'strides' for router"),
     ("least-loaded", {"max_imbalance": 2}, "unknown parameter 'max_imbalance'"),
 ])

@@ -5,9 +5,7 @@ SIGTERM and reads the tables it writes)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,16 +21,12 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
+from tests.serve_helpers import free_port, metric, run_guidellm, start_server
+
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"
 CLI = [sys.executable, "-m", "pagesim"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,27 +38,14 @@ def server(tmp_path_factory):
     except FileNotFoundError as e:
         pytest.skip(str(e))
     out = tmp_path_factory.mktemp("serve")
-    port = _free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([*CLI, "serve", "--model", MODEL, "--port", str(port), "--attention", "torch",
-                             "--num-gpu-blocks", "256", "--debug", "--out", str(out / "run")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    port = free_port()
     # what `pagesim generate` answers for the same prompt, loaded meanwhile
     gen = subprocess.Popen([*CLI, "generate", "--model", MODEL, "--prompt", PROMPT, "--max-tokens", "8",
                             "--attention", "torch", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
+    proc = start_server(["serve", "--model", MODEL, "--port", str(port), "--attention", "torch", "--num-gpu-blocks",
+                         "256", "--debug", "--out", str(out / "run")], port)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start: {proc.stdout.read()}")
-        time.sleep(0.5)
     generated, err = gen.communicate(timeout=300)
     assert gen.returncode == 0, err
     info = {"base": base, "proc": proc, "out": out / "run", "generated": json.loads(generated)}
@@ -76,18 +57,6 @@ def server(tmp_path_factory):
 
 def _client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server["base"] + "/v1", api_key="none", max_retries=0)
-
-
-def _metric(server, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(server["base"] + "/metrics").text
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name:
-                total += s.value
-    return total
 
 
 def test_completions_greedy_equal_generate_stream_or_not(server):
@@ -158,7 +127,7 @@ def test_openai_client_raises_on_errors(server):
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
-    aborted = _metric(server, "pagesim:requests_aborted_total")
+    aborted = metric(server, "pagesim:requests_aborted_total")
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=60) as r:
         got = 0
@@ -167,11 +136,11 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
             if got == 3:  # three tokens in: hang up
                 break
     deadline = time.time() + 30
-    while _metric(server, "pagesim:requests_aborted_total") < aborted + 1:
+    while metric(server, "pagesim:requests_aborted_total") < aborted + 1:
         assert time.time() < deadline, "the disconnected request was not aborted"
         time.sleep(0.2)
-    assert _metric(server, "vllm:num_requests_running") == 0
-    assert _metric(server, "vllm:kv_cache_usage_perc") == 0  # every block back in the pool
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0  # every block back in the pool
     assert httpx.get(server["base"] + "/health").status_code == 200  # --debug checked the pool after the abort
 
 
@@ -187,12 +156,12 @@ def test_models_and_metrics(server):
                  "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_count",
                  "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
         assert want in names
-    assert _metric(server, "vllm:time_to_first_token_seconds_count") >= 1
+    assert metric(server, "vllm:time_to_first_token_seconds_count") >= 1
 
 
 def _engine_requests(server) -> float:
     """Requests the server's engine has ended so far (finished, aborted or rejected)."""
-    return sum(_metric(server, m) for m in ("vllm:request_success_total", "pagesim:requests_aborted_total",
+    return sum(metric(server, m) for m in ("vllm:request_success_total", "pagesim:requests_aborted_total",
                                            "pagesim:requests_rejected_total"))
 
 
@@ -200,33 +169,12 @@ def test_guidellm_load_and_its_result_file(server, tmp_path):
     """A real benchmark tool (guidellm, concurrent streams on loopback) against the server; its
     result file loads as a measured experiment (analysis.benchmark_results). The client's
     latencies are compared with the server's tables in the last test."""
-    import shutil
-
     from analysis.benchmark_results import load_guidellm
-    from backend.tokenizer import GGUFTokenizer
 
-    exe = shutil.which("guidellm") or str(Path(sys.executable).parent / "guidellm")
-    if not Path(exe).exists():
-        pytest.skip("guidellm is not installed (dev extra)")
-    tok = GGUFTokenizer.from_gguf()  # guidellm counts prompt tokens with a HF tokenizer: the same one
-    (tmp_path / "tok").mkdir()
-    tok.tk.save(str(tmp_path / "tok" / "tokenizer.json"))
-    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token, "eos_token": tok.eos_token}))
-    scenario = {"spec": {
-        "backend": {"kind": "openai_http", "target": server["base"], "model": MODEL,
-                    "request_format": "/v1/completions"},
-        "profile": {"kind": "concurrent", "streams": 4},
-        "data": [{"kind": "synthetic_text", "prompt_tokens": 24, "output_tokens": 6}],
-        "tokenizer": {"kind": "huggingface_auto", "model": str(tmp_path / "tok")},
-        "constraints": [{"kind": "max_requests", "count": 12}]}}
-    (tmp_path / "scenario.json").write_text(json.dumps(scenario))
     before = _engine_requests(server)
-    run = subprocess.run([exe, "run", "--config", str(tmp_path / "scenario.json"), "--output",
-                          f"kind=json,path={tmp_path / 'result.json'}", "--disable-console"],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    (exp,) = load_guidellm(tmp_path / "result.json")
+    # guidellm counts prompt tokens with a HF tokenizer: the server's own, saved as one
+    (exp,) = load_guidellm(run_guidellm(server, MODEL, tmp_path, streams=4, prompt_tokens=24, output_tokens=6,
+                                        count=12))
     stage = exp.stages[0]
     assert stage.successes == 12 and stage.failures == 0 and exp.model == MODEL
     assert set(stage.requests.output_len) == {6}

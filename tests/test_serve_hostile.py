@@ -2,16 +2,16 @@
 prompts, n > 1 (streamed and whole), stops spanning tokens, refused fields, wrong JSON types, bad
 bodies and paths, clients hanging up mid-stream or while queued, SIGTERM while streams run. One
 server subprocess for the module (a small KV cache, --debug: the block pool is checked after every
-step and abort); the last test stops it with SIGTERM."""
+step and abort); the last test stops it with SIGTERM, a stalled client holding its shutdown until a
+second SIGTERM. (tests/backend/test_http_server.py has the read timeouts, pipelined disconnects and the
+shutdown deadline, in process on the tiny model.)"""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -23,16 +23,12 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
+from tests.serve_helpers import free_port, metric, start_server
+
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"
 MAX_SEQS = 2  # so that a third long request waits in the queue
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,24 +40,11 @@ def server(tmp_path_factory):
     except FileNotFoundError as e:
         pytest.skip(str(e))
     out = tmp_path_factory.mktemp("hostile") / "run"
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pagesim", "serve", "--model", MODEL, "--port", str(port),
-                             "--attention", "torch", "--num-gpu-blocks", "64", "--max-num-seqs", str(MAX_SEQS),
-                             "--debug", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    port = free_port()
+    proc = start_server(["serve", "--model", MODEL, "--port", str(port), "--attention", "torch", "--num-gpu-blocks",
+                         "64", "--max-num-seqs", str(MAX_SEQS), "--debug", "--shutdown-timeout", "300", "--out",
+                         str(out)], port)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start: {proc.stdout.read()}")
-        time.sleep(0.5)
     yield {"base": base, "proc": proc, "out": out}
     if proc.poll() is None:
         proc.kill()
@@ -78,18 +61,11 @@ def _post(server, path: str, body, headers: dict | None = None) -> httpx.Respons
                       headers=headers or {"content-type": "application/json"})
 
 
-def _metric(server, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(server["base"] + "/metrics", timeout=30).text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
-
-
 def _wait_idle(server, timeout: float = 60) -> None:
     """Until no request runs or waits and every block is back in the pool; the engine alive."""
     deadline = time.time() + timeout
-    while (_metric(server, "vllm:num_requests_running") or _metric(server, "vllm:num_requests_waiting")
-           or _metric(server, "vllm:kv_cache_usage_perc")):
+    while (metric(server, "vllm:num_requests_running") or metric(server, "vllm:num_requests_waiting")
+           or metric(server, "vllm:kv_cache_usage_perc")):
         assert time.time() < deadline, "requests or blocks left behind"
         time.sleep(0.2)
     assert httpx.get(server["base"] + "/health", timeout=30).status_code == 200
@@ -265,7 +241,7 @@ def _hang_up_after(server, tokens: int, errors: list) -> None:
 
 
 def test_many_clients_hang_up_mid_stream(server):
-    aborted = _metric(server, "pagesim:requests_aborted_total")
+    aborted = metric(server, "pagesim:requests_aborted_total")
     errors: list = []
     threads = [threading.Thread(target=_hang_up_after, args=(server, 1 + k % 3, errors)) for k in range(6)]
     for t in threads:
@@ -274,7 +250,7 @@ def test_many_clients_hang_up_mid_stream(server):
         t.join(120)
     assert not errors
     deadline = time.time() + 60
-    while _metric(server, "pagesim:requests_aborted_total") < aborted + 6:
+    while metric(server, "pagesim:requests_aborted_total") < aborted + 6:
         assert time.time() < deadline, "not every hung-up stream was aborted"
         time.sleep(0.2)
     _wait_idle(server)
@@ -288,7 +264,7 @@ def test_request_aborted_while_queued(server):
     seen: list[int] = []
     streams = [c.completions.create(model=MODEL, prompt=f"Story {k}:", max_tokens=60, temperature=0, stream=True,
                                     extra_body={"ignore_eos": True}) for k in range(MAX_SEQS)]
-    aborted = _metric(server, "pagesim:requests_aborted_total")
+    aborted = metric(server, "pagesim:requests_aborted_total")
 
     def drain(s) -> None:
         seen.extend(1 for ch in s if ch.choices)
@@ -299,7 +275,7 @@ def test_request_aborted_while_queued(server):
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server["base"] + "/v1/completions", json={**C, "max_tokens": 4}, timeout=1.0)
     deadline = time.time() + 30
-    while _metric(server, "pagesim:requests_aborted_total") < aborted + 1:
+    while metric(server, "pagesim:requests_aborted_total") < aborted + 1:
         assert time.time() < deadline, "the queued request was not aborted when its client left"
         time.sleep(0.1)
     assert len(seen) < 60 * MAX_SEQS  # aborted while the others were still running
@@ -310,9 +286,14 @@ def test_request_aborted_while_queued(server):
 
 
 def test_sigterm_while_streams_run_drains_them(server):
-    """Last: SIGTERM with two streams in flight; both finish, new calls are refused, exit 0,
-    and the tables hold the requests with the pool whole."""
+    """Last: SIGTERM with two streams in flight and a client stalled halfway through its body;
+    both streams finish, the stalled client keeps the drain waiting (the shutdown timeout is
+    300 s) until a second SIGTERM stops the server at once; exit 0, and the tables hold the
+    requests with the pool whole and counts that add up."""
     c = _client(server)
+    stalled = socket.create_connection(("127.0.0.1", int(server["base"].rsplit(":", 1)[1])), timeout=60)
+    stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+                    b"content-length: 100\r\n\r\n{\"model\": ")
     seen: dict[int, list] = {0: [], 1: []}
 
     def run(k: int) -> None:
@@ -331,6 +312,17 @@ def test_sigterm_while_streams_run_drains_them(server):
     for t in threads:
         t.join(120)
     assert all(len(v) == 20 and v[-1].finish_reason == "length" for v in seen.values())
-    assert server["proc"].wait(120) == 0
+    with pytest.raises(subprocess.TimeoutExpired):  # the stalled body holds the drain
+        server["proc"].wait(1.0)
+    server["proc"].send_signal(signal.SIGTERM)
+    assert server["proc"].wait(60) == 0  # at once (the shutdown timeout is 300 s); the tables, then the exit
+    stalled.close()
+    import pandas as pd
+
     summary = json.loads((server["out"] / "summary.json").read_text())
+    rows = pd.read_csv(server["out"] / "requests.csv")
     assert summary["pool_whole"] and summary["num_aborted"] >= 7
+    assert summary["num_finished"] + summary["num_rejected"] + summary["num_aborted"] == summary["num_requests"]
+    assert summary["num_aborted"] == (rows.status == "aborted").sum() and (rows.status == "rejected").sum() == 0
+    assert list(rows.request_id) == list(range(len(rows)))  # refused calls used up no ids
+    assert rows[rows.status == "aborted"].ttft.notna().sum() >= 6  # the hung-up streams had their tokens

@@ -18,8 +18,8 @@ from sim.engine import _advance
 from sim.run import SimConfig, run_simulation
 from traces import resolve_trace
 from traces.arrivals import apply_arrivals
-from traces.synthetic import make_synthetic
 from traces.trace import Trace
+from traces.workloads import make_synthetic
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 
@@ -292,3 +292,16 @@ def test_iteration_table_holds_each_iterations_composition(extra):
     comps = iteration_compositions(res.iterations, cfg.block_size)
     assert [cost.step_time(c) for c in comps] == res.iterations.duration.tolist()
     assert res.summary["engine"]["skipped_iterations"] > 0 or extra.get("chunked_prefill")
+
+
+def test_rejected_rows_keep_what_was_asked_and_the_reasons_print_by_kind() -> None:
+    from analysis.report import rejection_lines
+    from traces.trace import Trace
+    trace = Trace(prompt_len=np.array([100, 2040, 2045]), output_len=np.array([10, 30, 39]),
+                  arrival=np.array([0.0, 0.1, 0.2]), name="t")
+    r = run_simulation(SimConfig(model="llama-7b", hardware="a100-80gb"), trace).requests
+    assert list(r.status) == ["finished", "rejected", "rejected"]
+    assert list(r.requested_output_len) == [10, 30, 39] and list(r.output_len) == [10, 0, 0]
+    lines = rejection_lines(r)
+    assert lines[0] == "2 rejected:" and len(lines) == 2
+    assert lines[1].startswith("  2 x prompt # + output # tokens exceeds the model's context of #, e.g. prompt 2040 + ")

@@ -239,7 +239,7 @@ def test_moe_capacity_counts_every_expert() -> None:
 
 # --- hardware ----------------------------------------------------------------------------------------
 
-SHIPPED = ("h100-sxm", "h200", "a100-40gb", "a100-80gb", "l40s", "b200", "mi300x")
+SHIPPED = ("h100-sxm", "h200", "a100-40gb", "a100-80gb", "l40s", "b200", "mi300x", "rtx-pro-6000", "rtx-4090")
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -248,9 +248,18 @@ def test_shipped_hardware_files(name: str) -> None:
     assert hw.name == name and len(hw.source) > 40
     assert hw.peak_fp8_flops == 0 or hw.peak_fp8_flops == pytest.approx(2 * hw.peak_flops, rel=0.05)
     assert 100e12 < hw.peak_flops < 5e15 and 500e9 < hw.mem_bandwidth < 10e12
-    assert 32 * GiB < hw.memory_bytes < 200 * GiB and hw.interconnect_latency_s > 0
+    assert 16 * GiB < hw.memory_bytes < 200 * GiB and hw.interconnect_latency_s > 0
     path = Path(__file__).resolve().parents[1] / "specs" / "hardware" / f"{name}.json"
     assert load_hardware(str(path)) == hw
+
+
+@pytest.mark.parametrize(("gpu", "name"), [("NVIDIA RTX PRO 6000 Blackwell Server Edition", "rtx-pro-6000"),
+                                           ("RTXPRO6000", "rtx-pro-6000"), ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+                                           ("RTX4090", "rtx-4090")])
+def test_pcie_gpus_are_found_by_the_names_profiles_give_them(gpu: str, name: str) -> None:
+    """The llmservingsim profiles' `gpu` (meta.yaml) and folder names; both GPUs link over PCIe only."""
+    hw = load_hardware(gpu)
+    assert hw.name == name and hw.interconnect_bandwidth == hw.pcie_bandwidth and "no NVLink" in hw.source
 
 
 def test_existing_hardware_numbers_kept() -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pagesim.commands.trace import add_trace_parser
 from traces import (
     KNOWN_FORMATS,
     SYNTHETIC,
@@ -25,7 +26,6 @@ from traces import (
     resolve_trace,
 )
 from traces.arrivals import gamma, poisson, rescale
-from traces.cli import add_trace_parser
 from traces.loaders import detect_format
 from traces.synthetic import LengthModel, fit_mu, grouped_prefix, shared_prefix
 from traces.trace import prefix_reuse
@@ -484,8 +484,9 @@ def test_resolve_trace(tmp_path):
     assert len(resolve_trace(str(path), num_requests=2)) == 2
     with pytest.raises(ValueError, match=r"sharegpt-like.*does not exist"):
         resolve_trace(str(tmp_path / "missing.csv"))
+    lengths = make_synthetic("sharegpt-like", 5).save(tmp_path / "lengths.csv")  # no timestamps
     with pytest.raises(ValueError, match="--rate"):
-        resolve_trace("sharegpt-like", num_requests=5)
+        resolve_trace(str(lengths))
     # was ignored: `--trace fixed --trace-format mooncake` ran the synthetic kind
     with pytest.raises(ValueError, match="--trace-format mooncake: applies to trace files, not the synthetic"):
         resolve_trace("fixed", num_requests=5, rate=1.0, format="mooncake")
@@ -549,10 +550,18 @@ def test_cli_generate_multi_client_without_rate(tmp_path, capsys):
 
 def test_package_imports_nothing_else():
     code = (
-        "import sys, traces, traces.cli; "
+        "import sys, traces, traces.clients, traces.loaders, traces.workloads; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & "
         "{'torch', 'simpy', 'triton', 'policies', 'sim', 'backend', 'analysis', 'pagesim', 'scipy'}))"
     )
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_synthetic_workload_without_a_rate_runs_at_the_default_and_says_so() -> None:
+    from traces import DEFAULT_SYNTHETIC_RATE, resolve_trace
+    with pytest.warns(UserWarning, match=r"no --rate given: sharegpt-like arrives at 1 req/s \(Poisson\)"):
+        trace = resolve_trace("sharegpt-like", num_requests=50, seed=3)
+    assert trace.has_timestamps and len(trace) == 50
+    assert np.array_equal(trace.arrival, resolve_trace("sharegpt-like", 50, rate=DEFAULT_SYNTHETIC_RATE, seed=3).arrival)

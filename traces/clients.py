@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from traces.arrivals import constant, gamma, poisson
+from traces.synthetic import LENGTH_WORKLOADS
 from traces.trace import Trace
 
 
@@ -36,6 +37,9 @@ class ClientSpec:
             raise ValueError(f"client {self.name!r}: share must be > 0, got {self.share}")
         if not (self.burstiness >= 0 and math.isfinite(self.burstiness)):
             raise ValueError(f"client {self.name!r}: burstiness must be >= 0, got {self.burstiness}")
+        if self.lengths not in LENGTH_WORKLOADS:
+            raise ValueError(f"client {self.name!r}: unknown synthetic workload {self.lengths!r} for lengths; "
+                             f"known: {', '.join(LENGTH_WORKLOADS)}")
         for k in ("slo_ttft", "slo_tpot"):
             v = getattr(self, k)
             if v is not None and not (v > 0 and math.isfinite(v)):
@@ -61,8 +65,6 @@ def _arrivals(spec: ClientSpec, count: int, rate: float, seed: int) -> np.ndarra
 
 def multi_client(n: int, seed: int = 0, clients: tuple[ClientSpec, ...] = DEFAULT_CLIENTS) -> Trace:
     """`n` requests from `clients` (shares normalised to 1), timestamped at a total rate of 1/s."""
-    from traces.synthetic import make_synthetic  # here: synthetic registers this generator
-
     if not clients:
         raise ValueError("multi_client needs at least one client")
     names = [c.name for c in clients]
@@ -75,7 +77,7 @@ def multi_client(n: int, seed: int = 0, clients: tuple[ClientSpec, ...] = DEFAUL
         share = c.share / total
         count = math.ceil(1.5 * share * n) + 8  # more than needed: the merge keeps the first n
         arrival = _arrivals(c, count, share, int(streams[2 * i].generate_state(1)[0]))
-        lengths = make_synthetic(c.lengths, count, seed=int(streams[2 * i + 1].generate_state(1)[0]))
+        lengths = LENGTH_WORKLOADS[c.lengths](count, seed=int(streams[2 * i + 1].generate_state(1)[0]))
         parts.append((arrival, lengths.prompt_len, lengths.output_len, i))
     arrival = np.concatenate([p[0] for p in parts])
     who = np.concatenate([np.full(len(p[0]), p[3]) for p in parts])

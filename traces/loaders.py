@@ -198,7 +198,7 @@ def _not_utf8(path: Path) -> TraceFormatError:
     return TraceFormatError(f"{path}: not UTF-8 text")  # pragma: no cover - the decoder failed somewhere
 
 
-def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
+def read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
     """(1-based line number, object) for each non-blank line."""
     records = []
     with path.open("rb") as handle:  # bytes, so that a non-UTF-8 line is reported by its number
@@ -369,7 +369,7 @@ def _mooncake_hashes(obj: dict[str, Any], where: str, prompt: int) -> tuple[int,
 
 
 def _load_mooncake(path: Path) -> Trace:
-    records = _read_jsonl(path)
+    records = read_jsonl(path)
     with_hashes = "hash_ids" in records[0][1]
     arrival, prompt, output, hashes = [], [], [], []
     for lineno, obj in records:

@@ -169,15 +169,8 @@ def _prompt_hashes(prefix_id: int, request: int, prefix_len: int, prompt_len: in
     return tuple(hashes)
 
 
-def shared_prefix(
-    n: int,
-    seed: int = 0,
-    num_prefixes: int = 4,
-    prefix_len: int = 512,
-    suffix_len: int = 64,
-    output_len: int = 128,
-    hash_block_size: int = 16,
-) -> Trace:
+def shared_prefix(n: int, seed: int = 0, num_prefixes: int = 4, prefix_len: int = 512, suffix_len: int = 64,
+                  output_len: int = 128, hash_block_size: int = 16) -> Trace:
     """Requests that each start with one of ``num_prefixes`` shared prefixes (chosen uniformly at
     random, seeded) followed by a private suffix.
 
@@ -247,27 +240,11 @@ def grouped_prefix(
     )
 
 
-SYNTHETIC: dict[str, Callable[..., Trace]] = {
+LENGTH_WORKLOADS: dict[str, Callable[..., Trace]] = {
     "sharegpt-like": sharegpt_like,
     "alpaca-like": alpaca_like,
     "fixed": fixed,
     "shared-prefix": shared_prefix,
     "grouped-prefix": grouped_prefix,
-    "multi-client": lambda n, seed=0, **kw: _multi_client(n, seed=seed, **kw),
 }
-
-
-def _multi_client(n: int, seed: int = 0, **kw: Any) -> Trace:
-    """Several clients with their own rate shares, burstiness, lengths, priority and SLO class
-    (traces.clients; timestamped at 1 request/s in all, which --rate rescales)."""
-    from traces.clients import multi_client
-    return multi_client(n, seed=seed, **kw)
-
-
-def make_synthetic(name: str, n: int, seed: int = 0, **kw: Any) -> Trace:
-    """Generate ``n`` requests of the synthetic workload ``name`` (a key of ``SYNTHETIC``)."""
-    if name not in SYNTHETIC:
-        raise ValueError(f"unknown synthetic workload {name!r}; known: {', '.join(SYNTHETIC)}")
-    if int(n) != n or n < 0:
-        raise ValueError(f"num_requests must be an integer >= 0, got {n!r}")
-    return SYNTHETIC[name](int(n), seed=seed, **kw)
+"""The single-stream synthetic workloads (traces.workloads adds the multi-client mix built on them)."""

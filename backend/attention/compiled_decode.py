@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from backend.attention import torch_paged
+import backend.attention.torch_paged as torch_paged  # the module, not the package: no import loop
 from backend.attention.metadata import AttentionMetadata, once_per_step
 
 # One compiled call costs about as much as reading this many more keys (2 CPU cores, SmolLM2 head

@@ -61,8 +61,10 @@ def test_cuda_without_a_cuda_device_is_a_value_error():
 
 
 def test_live_replays_a_trace_and_writes_the_sim_tables(smollm2_path, tmp_path):
+    trace = tmp_path / "t.csv"  # three short requests (the fixed workload's 512 + 128 tokens took minutes on CPU)
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,40,12\n0.1,24,8\n0.2,56,10\n")
     out = tmp_path / "live"
-    code = cli_main(["live", "--trace", "fixed", "--num-requests", "3", "--rate", "20", "--no-realtime",
+    code = cli_main(["live", "--trace", str(trace), "--num-requests", "3", "--rate", "20", "--no-realtime",
                      "--model", "smollm2-135m", "--num-gpu-blocks", "128", "--out", str(out), "--quiet"])
     assert code == 0
     req = pd.read_csv(out / "requests.csv")

@@ -7,9 +7,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend.live import LiveExecutor, replay_prompt_ids, serve, synthetic_prompt_ids
+from backend.live_executor import build_live_replica
 from backend.model_runner import ModelRunner
-from policies import Request, SamplingParams, make_scheduler
+from backend.replay import replay_prompt_ids, serve, synthetic_prompt_ids
+from policies import Request, SamplingParams
+from policies.replica_config import ReplicaConfig
 
 PROMPTS = [
     [1, 504, 3575, 282, 4649, 314],                       # short
@@ -29,17 +31,13 @@ def run(smollm2, prompts, policy="vllm", num_blocks=64, block_size=16, num_cpu=0
     config, weights = smollm2
     runner = ModelRunner(config, weights, "cpu", dtype=torch.float32, num_gpu_blocks=num_blocks,
                          num_cpu_blocks=num_cpu, block_size=block_size)
-    if policy != "vllm":
-        kw["alloc_unit"] = block_size
-    else:
-        kw["num_cpu_blocks"] = num_cpu
-    sched = make_scheduler(policy, num_blocks, block_size, **kw)
+    replica = build_live_replica(ReplicaConfig(num_blocks, block_size, policy, num_cpu_blocks=num_cpu, **kw), runner,
+                                 [config.eos_token_id])
     sp = sampling or SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     reqs = [Request(i, 0.0, len(p), sp, prompt_token_ids=list(p)) for i, p in enumerate(prompts)]
-    ex = LiveExecutor(sched, runner, [config.eos_token_id])
-    result = serve(sched, ex, reqs, realtime=False)
+    result = serve(replica, reqs, realtime=False)
     outs = {g.group_id: [s.token_ids[g.request.prompt_len:] for s in g.finished_seqs] for g in result.groups}
-    return outs, sched, result
+    return outs, replica.scheduler, result
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Every built-in policy, and the README's own-policy example, running live on SmolLM2: the same
+"""Every built-in policy, and the own-policy example of docs/policies.md, running live on SmolLM2: the same
 scheduler objects as in simulation, on the real model, with the policy's rule visible in the run."""
 
 from __future__ import annotations
@@ -8,11 +8,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend.live import LiveExecutor, serve
+from backend.live_executor import build_live_replica
 from backend.model_runner import ModelRunner
+from backend.replay import serve
 from pagesim.cli import main as cli_main
-from policies import Request, SamplingParams, make_scheduler
+from policies import Request, SamplingParams
 from policies.metrics import request_frame
+from policies.replica_config import ReplicaConfig
 from tests.readme_example import install_readme_policy
 
 # (prompt ids, output tokens, client, priority): all four queue at once and run one at a time
@@ -35,11 +37,12 @@ def runner(smollm2):
 
 def run_live(smollm2, runner, policy: str, **options):
     config, _ = smollm2
-    sched = make_scheduler(policy, 32, 16, max_num_seqs=1, policy_options=options)
+    replica = build_live_replica(ReplicaConfig(32, 16, policy, max_num_seqs=1, policy_options=options), runner,
+                                 [config.eos_token_id])
     reqs = [Request(i, 0.0, len(p), SamplingParams(max_tokens=out, ignore_eos=True), out, list(p), client=c,
                     priority=pr) for i, (p, out, c, pr) in enumerate(WORK)]
-    run = serve(sched, LiveExecutor(sched, runner, [config.eos_token_id]), reqs, realtime=False)
-    sched.bm.assert_empty()  # every block back in the pool
+    run = serve(replica, reqs, realtime=False)
+    replica.scheduler.bm.assert_empty()  # every block back in the pool
     frame = request_frame(run.groups)
     assert len(frame) == len(WORK)
     return frame.set_index("request_id")

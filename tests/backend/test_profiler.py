@@ -143,9 +143,10 @@ def test_validate_replays_live_and_simulated(smollm2_path, tmp_path, capsys):
     again = pd.read_csv(out / "validation_speed_adjusted.csv")
     assert list(again.metric) == list(table.metric) and adjusted["mape"] == pytest.approx(again.abs_error.mean())
     assert "scaled by that speed" in capsys.readouterr().out
-    # reusing that live run: the same comparison, the recorded machine speed included
+    # reusing that live run: the same comparison, the recorded machine speed included; the workload
+    # it served comes from its summary (no workload options given)
     out2 = tmp_path / "again"
-    assert cli_main(["validate", "--profile", "smollm2-135m-cpu", "--trace", str(trace), "--num-gpu-blocks", "64",
+    assert cli_main(["validate", "--profile", "smollm2-135m-cpu", "--num-gpu-blocks", "64",
                      "--live-run", str(out / "live"), "--no-reprofile", "--out", str(out2), "--quiet"]) == 0
     assert pd.read_csv(out2 / "validation.csv").equals(table)
     assert json.loads((out2 / "validation.json").read_text())["speed_adjusted"] == adjusted

@@ -9,10 +9,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from backend.live import LiveExecutor, load_model
+from backend.async_engine import AsyncEngine, EngineRequest, RequestOutput
+from backend.live_executor import build_live_replica, load_model
 from backend.model_runner import ModelRunner
-from backend.server import AsyncEngine, EngineRequest, RequestOutput
-from policies import Request, SamplingParams, make_scheduler
+from policies import Request, SamplingParams
+from policies.replica_config import ReplicaConfig
 
 
 class Sink:
@@ -43,8 +44,9 @@ def _engine(tiny, num_blocks=32, max_num_seqs=8, seed=0) -> AsyncEngine:
     config, weights = tiny
     runner = ModelRunner(config, weights, "cpu", dtype=torch.float32, num_gpu_blocks=num_blocks, block_size=16,
                          attention="torch")
-    sched = make_scheduler("vllm", num_blocks, 16, max_num_seqs=max_num_seqs)
-    engine = AsyncEngine(sched, LiveExecutor(sched, runner, [config.eos_token_id], seed=seed))
+    replica = build_live_replica(ReplicaConfig(num_blocks, 16, max_num_seqs=max_num_seqs), runner,
+                                 [config.eos_token_id], seed=seed)
+    engine = AsyncEngine(replica)
     engine.start()
     return engine
 
@@ -90,6 +92,8 @@ def test_abort_running_and_waiting_frees_blocks(tiny):
     engine.stop()
     reqs, _ = engine.tables()
     assert list(reqs.reject_reason) == ["aborted: client disconnected"] * 2
+    assert list(reqs.status) == ["aborted"] * 2  # not "rejected": the scheduler refused neither
+    assert reqs.ttft.notna().tolist() == [True, False]  # the running one's first token is kept
     _pool_whole(engine)
 
 
@@ -105,7 +109,7 @@ def test_shutdown_drains_or_aborts(tiny, drain):
     if drain:
         assert list(reqs.status) == ["finished"] * 3 and all(len(s.tokens()) == 60 for s in sinks)
     else:
-        assert set(reqs.reject_reason) == {"aborted: server shutdown"}
+        assert set(reqs.reject_reason) == {"aborted: server shutdown"} and set(reqs.status) == {"aborted"}
         assert all(s.outs[-1].aborted for s in sinks)
     _pool_whole(engine)
 

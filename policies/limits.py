@@ -1,4 +1,4 @@
-"""Memory the simulator's bookkeeping needs, estimated before it is allocated.
+"""Memory the bookkeeping of blocks, requests and replicas needs, estimated before it is allocated.
 
 A cache of a billion blocks or a workload of a hundred billion requests does not fit in any
 machine's memory; without an estimate up front the run ends in a MemoryError traceback (or the

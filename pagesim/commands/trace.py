@@ -15,7 +15,7 @@ from typing import Any
 
 from traces.arrivals import apply_arrivals
 from traces.loaders import KNOWN_FORMATS, TraceFormatError, load_trace
-from traces.synthetic import SYNTHETIC, make_synthetic
+from traces.workloads import SYNTHETIC, make_synthetic
 
 # Options that only some kinds take: kind -> generator keyword arguments it accepts.
 KIND_OPTIONS: dict[str, tuple[str, ...]] = {

@@ -1,4 +1,5 @@
-"""The live engine behind a server (no HTTP here): `AsyncEngine` runs the DESIGN.md step loop
+"""The live engine behind a server (no HTTP here: that is backend.http_api): `AsyncEngine` steps a
+replica (backend.live_executor.build_live_replica) through the step loop of docs/design.md
 
     plan = scheduler.schedule(now); result = executor.execute(plan); scheduler.on_step_done(...)
 
@@ -10,8 +11,17 @@ that sampled gets one `RequestOutput` with its new tokens, delivered by its own 
 `loop.call_soon_threadsafe`). Every request ends with exactly one output whose `finished` is set:
 done, rejected by the scheduler, or aborted.
 
-Per-request timestamps and per-iteration rows are recorded as `backend.live.serve` records them, so
+Per-request timestamps and per-iteration rows are recorded as `backend.replay.serve` records them, so
 `tables()` gives the same requests / iterations tables as `pagesim live`.
+
+Time comes from a `StepClock`: `WallClock` (the default) measures each iteration on the wall clock;
+an emulated engine (`pagesim serve --emulate`, sim.emulated.PacedClock) plans each one from the
+executor's priced duration and waits for the wall clock to get there before releasing its tokens.
+The replica's executor holds no scheduler and is told about a served request only through its two
+hooks (`ServedExecutor`: `register` before the scheduler sees it, `release` once it has ended):
+`LiveExecutor` or sim.emulated.EmulatedExecutor, both built through policies.replica_config.build_replica. With `output_lag_steps` k > 0 a step's outputs are held until k more
+steps have ended (vLLM V1 sends a step's outputs while the next one runs), and sent at once when
+the engine has nothing left to run or a request ends early.
 """
 
 from __future__ import annotations
@@ -21,17 +31,18 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import pandas as pd
-import torch
 
-from backend.live import LiveExecutor
 from policies.metrics import request_frame
-from policies.request import Request, SequenceGroup
+from policies.plan import StepResult
+from policies.request import Request, Sequence, SequenceGroup
 from policies.scheduler import Scheduler
-from policies.step import ReplicaStep
+from policies.step import ReplicaStep, ServedExecutor
 
 
 @dataclass
@@ -56,6 +67,49 @@ class EngineRequest:
     sink: Callable[[RequestOutput], None]
     stop: tuple[str, ...] = ()
     seed: int | None = None
+
+
+class StepClock(Protocol):
+    """Engine time, and when iterations start, end and release their tokens."""
+
+    def start(self) -> None: ...          # time 0 is now
+
+    def now(self) -> float: ...           # engine seconds since start
+
+    def begin(self, now: float, newest_arrival: float) -> float: ...  # the next iteration's start
+
+    def end(self, start: float, result: StepResult) -> float: ...     # its end (may set result.duration)
+
+    def idle(self) -> None: ...           # nothing ran at the last begin
+
+    def wait(self, end: float, step: float) -> float: ...  # block until its tokens may go out; the lag
+
+
+class WallClock:
+    """The live loop's clock: engine time is wall time; an iteration lasts what it measured."""
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def begin(self, now: float, newest_arrival: float) -> float:
+        return now
+
+    def end(self, start: float, result: StepResult) -> float:
+        end = self.now()
+        result.duration = end - start  # measured: the model, scheduling and bookkeeping
+        return end
+
+    def idle(self) -> None:
+        return
+
+    def wait(self, end: float, step: float) -> float:
+        return 0.0
 
 
 class EngineObserver:
@@ -85,15 +139,22 @@ class _Live:
 
 
 class AsyncEngine:
-    """Owns a scheduler and a live executor and steps them in a thread; see the module docstring.
+    """Owns a served replica (a scheduler and a ServedExecutor: live or emulated) and steps it in a
+    thread; see the module docstring. It tells the executor about a request only through
+    `register` / `release`.
     Invariant: every request submitted is, once the engine has stopped, in `scheduler.done`."""
 
-    def __init__(self, scheduler: Scheduler, executor: LiveExecutor, tokenizer=None,
-                 observer: EngineObserver | None = None, debug: bool = False) -> None:
-        self.scheduler, self.executor, self.tokenizer = scheduler, executor, tokenizer
+    def __init__(self, replica: ReplicaStep, tokenizer=None, observer: EngineObserver | None = None,
+                 debug: bool = False, clock: StepClock | None = None, output_lag_steps: int = 0) -> None:
+        self.replica = replica
+        self.scheduler: Scheduler = replica.scheduler
+        self.executor: ServedExecutor = replica.executor
+        self.tokenizer = tokenizer
+        self.timing: StepClock = clock or WallClock()
+        self.output_lag_steps = output_lag_steps
+        self._held: deque[list[tuple[Callable, RequestOutput]]] = deque()  # outputs of the last steps, unsent
         self.observer = observer or EngineObserver()
         self.debug = debug  # check the block pool after every step
-        self.replica = ReplicaStep(scheduler, executor)
         self.log = self.replica.log
         self.error: str | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -101,21 +162,20 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._count_lock = threading.Lock()
         self._outstanding = 0
-        self._t0 = time.perf_counter()
+        self._newest_arrival = 0.0  # of the requests added so far: no iteration starts before it
         self._stopping: bool | None = None  # None: serving; True: drain then stop; False: abort all and stop
         self._thread = threading.Thread(target=self._run, name="pagesim-engine", daemon=True)
-        executor.stop_check = self._stop_check
 
     # ---------------------------------------------------------------- caller side (any thread)
     def clock(self) -> float:
-        """Seconds since the engine was made: the time base of every timestamp it records."""
-        return time.perf_counter() - self._t0
+        """Engine seconds since the engine started: the time base of every timestamp it records."""
+        return self.timing.now()
 
     def new_request_id(self) -> int:
         return next(self._ids)
 
     def start(self) -> None:
-        self._t0 = time.perf_counter()
+        self.timing.start()
         self._thread.start()
 
     def submit(self, req: EngineRequest) -> None:
@@ -159,6 +219,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
+                if not self.scheduler.has_unfinished():
+                    self._flush()  # idle: nothing follows that a held output would wait for
                 self._read_inbox(block=not self.scheduler.has_unfinished())
                 if self._stopping is not None and not self.scheduler.has_unfinished():
                     break
@@ -195,15 +257,15 @@ class AsyncEngine:
 
     def _add(self, req: EngineRequest) -> None:
         r = req.request
-        if req.seed is not None:
-            try:  # a seed torch refuses (outside int64) fails this request alone, not the engine
-                gen = torch.Generator(device=self.executor.runner.device).manual_seed(req.seed)
-            except (ValueError, RuntimeError, OverflowError) as e:
-                with self._count_lock:
-                    self._outstanding -= 1
-                req.sink(RequestOutput(r.request_id, {}, finished=True, error=f"invalid seed {req.seed}: {e}"))
-                return
-            self.executor.generators[r.request_id] = gen
+        stop = (lambda seq, token: self._hits_stop(req.stop, seq, token)) if req.stop and self.tokenizer else None
+        try:  # a seed the executor refuses fails this request alone, not the engine
+            self.executor.register(r, req.seed, stop)
+        except ValueError as e:
+            with self._count_lock:
+                self._outstanding -= 1
+            req.sink(RequestOutput(r.request_id, {}, finished=True, error=str(e)))
+            return
+        self._newest_arrival = max(self._newest_arrival, r.arrival)
         live = self._live[r.request_id] = _Live(req, [0] * r.sampling.n)
         group = self.scheduler.add_request(r)
         if group.rejected is not None:  # refused on arrival
@@ -214,36 +276,48 @@ class AsyncEngine:
         group = self.scheduler.abort(request_id, self.clock(), reason)
         if group is None or live is None:
             return
-        self.executor.beams.pop(request_id, None)
         self._end(group, live, error=reason, aborted=True)
         if self.debug:
             self._check_pool()
 
     def _step(self) -> None:
         sched = self.scheduler
-        now = self.clock()
+        now = self.timing.begin(self.clock(), self._newest_arrival)
         step = self.replica.begin(now)  # the loop's one iteration, as the simulator runs it
         plan = step.plan
         for gid, reason in plan.rejected:
             group = next(g for g in reversed(sched.done) if g.group_id == gid)
             self._end(group, self._live[gid], error=reason)
         if step.idle:
+            self.timing.idle()
+            self._flush()
             if not plan.rejected:  # nothing can run until something arrives or a policy's wait ends
                 wait = min(max(sched.wake_time(now) - now, 0.0), 0.05)
                 self._read_inbox(block=True, timeout=wait or 0.001)
             return
         sampling = {ss.seq_id: sched.seqs[ss.seq_id].group for ss in plan.seqs if ss.samples}
-        end = self.clock()
-        step.result.duration = end - now  # measured wall time
+        end = self.timing.end(now, step.result)  # live: measured wall time; emulated: the priced time
         finished = self.replica.complete(step, end)
         self.observer.on_step(sched, step.result.duration, len(plan.preempted))
+        self.timing.wait(end, step.result.duration)  # emulated: tokens go out when the wall clock gets there
         done = {g.group_id for g in finished}
-        for group in {g.group_id: g for g in sampling.values()}.values():
-            self._publish(group, end, group.group_id in done)
+        self._held.append([self._publish(group, end, group.group_id in done)
+                           for group in {g.group_id: g for g in sampling.values()}.values()])
+        while len(self._held) > self.output_lag_steps:
+            self._deliver(self._held.popleft())
         if self.debug:
             self._check_pool()
 
-    def _publish(self, group: SequenceGroup, now: float, finished: bool) -> None:
+    def _deliver(self, outputs: list[tuple[Callable, RequestOutput]]) -> None:
+        for sink, out in outputs:
+            sink(out)
+
+    def _flush(self) -> None:
+        while self._held:
+            self._deliver(self._held.popleft())
+
+    def _publish(self, group: SequenceGroup, now: float, finished: bool) -> tuple[Callable, RequestOutput]:
+        """The step's output for `group` (its new tokens, finish reasons) and the sink it goes to."""
         live = self._live[group.group_id]
         choices = sorted(group.seqs + group.finished_seqs, key=lambda s: s.seq_id)
         if len(live.sent) < len(choices):
@@ -266,14 +340,16 @@ class AsyncEngine:
         finished_ids = {s.seq_id for s in group.finished_seqs}
         for i, s in enumerate(choices):
             if s.seq_id in finished_ids:
-                out.finish_reasons[i] = "length" if s.output_len >= group.request.max_output else "stop"
+                # "length": it reached max_tokens (an emulated request may stop before, at its drawn length)
+                out.finish_reasons[i] = "length" if s.output_len >= group.request.sampling.max_tokens else "stop"
         if finished:
             out.finished = True
             self._forget(group)
             self.observer.on_end(group, "length" if set(out.finish_reasons.values()) == {"length"} else "stop")
-        live.req.sink(out)
+        return live.req.sink, out
 
     def _end(self, group: SequenceGroup, live: _Live, error: str, aborted: bool = False) -> None:
+        self._flush()  # what it was sent before goes first
         self._forget(group)
         self.observer.on_end(group, "abort" if aborted else "rejected")
         live.req.sink(RequestOutput(group.group_id, {}, finished=True, error=error, aborted=aborted))
@@ -285,12 +361,13 @@ class AsyncEngine:
         if self._live.pop(gid, None) is not None:
             with self._count_lock:
                 self._outstanding -= 1
-        self.executor.generators.pop(gid, None)
+        self.executor.release(gid)
         for s in group.seqs + group.finished_seqs:
             s.token_ids = None
         group.request.prompt_token_ids = None
 
     def _fail_all(self, message: str) -> None:
+        self._flush()
         for live in list(self._live.values()):
             live.req.sink(RequestOutput(live.req.request.request_id, {}, finished=True, error=message))
         self._live.clear()
@@ -308,14 +385,12 @@ class AsyncEngine:
             self.scheduler.assert_drained()
 
     # ---------------------------------------------------------------- stop strings
-    def _stop_check(self, seq, token: int) -> bool:
-        live = self._live.get(seq.group.group_id)
-        if live is None or not live.req.stop or self.tokenizer is None:
-            return False
-        longest = max(len(s) for s in live.req.stop)
+    def _hits_stop(self, stop: tuple[str, ...], seq: Sequence, token: int) -> bool:
+        """Whether `token` completes one of the request's stop strings in its sequence's text."""
+        longest = max(len(s) for s in stop)
         # every token is at least one byte and a character at most four, so the text of the last
         # 4 * longest + 1 tokens holds any stop string that ends in this token
         tail = seq.token_ids[max(seq.prompt_len, len(seq.token_ids) - 4 * longest):] + [token]
         text = self.tokenizer.decode(tail)
-        return any(s in text for s in live.req.stop)
+        return any(s in text for s in stop)
 

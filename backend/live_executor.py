@@ -1,31 +1,31 @@
 """Live execution of the same policies: a `LiveExecutor` that turns StepPlans into forward passes
-of a real model on the paged KV cache, and the serving loop that replays a trace in real time.
+of a real model on the paged KV cache, and the models it runs (`load_model`).
 
 The scheduler and block manager from policies/ run unchanged; the executor only adds what a model
-decides (tokens, beams, EOS). For trace replay every request decodes exactly its trace output
-length (EOS ignored), so that simulation and live runs do identical work.
+decides (tokens, beams, EOS). It holds no scheduler: each plan hands it the sequences it runs
+(their token ids and block tables). The loop that steps a replica in wall-clock time is
+backend.replay.serve; the one behind the HTTP server is backend.async_engine.AsyncEngine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from backend.config import PRESETS, ModelConfig
 from backend.model_runner import Batch, ModelRunner, SeqInput
 from backend.sampler import BeamSearcher, Sampler, log_softmax
 from backend.sampler import SamplingParams as RowParams
-from policies.metrics import IterationLog
-from policies.plan import SeqOutcome, StepComposition, StepPlan, StepResult
+from policies.plan import ScheduledSeq, SeqOutcome, StepComposition, StepPlan, StepResult
+from policies.replica_config import ReplicaConfig, build_replica
 from policies.request import Request, SequenceGroup
-from policies.scheduler import Scheduler
-from policies.step import ReplicaStep
+from policies.request import Sequence as Seq
+from policies.step import ReplicaStep, StopCheck
 
 
 # ---- models ---------------------------------------------------------------------------------------
@@ -66,22 +66,41 @@ class _BeamState:
 
 
 class LiveExecutor:
-    """Executes plans on a `ModelRunner` and decides outcomes from the model's logits."""
+    """Executes plans on a `ModelRunner` and decides outcomes from the model's logits. A request
+    may have its own sampling generator and stop check (`register`, dropped by `release`);
+    `beam_observer(group id, number of current beams, parent rank of each new beam)` sees every
+    beam-search step; a finished beam search's best beams are in `beam_results`."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, eos_token_ids: list[int], seed: int = 0) -> None:
-        self.scheduler = scheduler
+    def __init__(self, runner: ModelRunner, eos_token_ids: list[int], seed: int = 0,
+                 beam_observer: Callable[[int, int, list[int]], None] | None = None) -> None:
         self.runner = runner
         runner.warm_up()  # compile and first-touch costs now, not in the first served iteration
         self.eos = set(eos_token_ids)
         self.sampler = Sampler(seed=seed, device=runner.device)
         self.beams: dict[int, _BeamState] = {}
         self.beam_results: dict[int, list[tuple[list[int], float]]] = {}
-        # called as beam_observer(group id, number of current beams, parent rank of each new beam)
-        self.beam_observer = None
-        # group id -> the request's own seeded generator (a served request's `seed`); its owner drops it
-        self.generators: dict[int, torch.Generator] = {}
-        # stop_check(seq, token) -> True when `token` ends the sequence early (a served request's stop strings)
-        self.stop_check = None
+        self.beam_observer = beam_observer
+        self._generators: dict[int, torch.Generator] = {}  # group id -> the request's own seeded generator
+        self._stops: dict[int, StopCheck] = {}              # group id -> its stop check
+
+    def register(self, request: Request, seed: int | None = None, stop: StopCheck | None = None) -> None:
+        """Give a served request its own sampling generator, seeded with `seed`, and its stop check
+        (an engine hook, before the scheduler sees the request). ValueError (naming the seed) when
+        torch refuses the seed, e.g. outside int64."""
+        group_id = request.request_id
+        if seed is not None:
+            try:
+                self._generators[group_id] = torch.Generator(device=self.runner.device).manual_seed(seed)
+            except (ValueError, RuntimeError, OverflowError) as e:
+                raise ValueError(f"invalid seed {seed}: {e}") from None
+        if stop is not None:
+            self._stops[group_id] = stop
+
+    def release(self, group_id: int) -> None:
+        """Forget what the executor keeps for a request that ended (finished or aborted)."""
+        self._generators.pop(group_id, None)
+        self._stops.pop(group_id, None)
+        self.beams.pop(group_id, None)
 
     def execute(self, plan: StepPlan, comp: StepComposition | None = None) -> StepResult:
         """Run the plan's forward pass and sample (`comp`, the plan's composition, is not needed
@@ -90,10 +109,9 @@ class LiveExecutor:
         for gid, mode in plan.preempted:
             if mode == "restart":
                 self.beams.pop(gid, None)  # a restarted beam search starts over
-        seqs = self.scheduler.seqs
         inputs = []
         for ss in plan.seqs:
-            ids = seqs[ss.seq_id].token_ids
+            ids = ss.seq.token_ids
             if ids is None:
                 raise ValueError(f"sequence {ss.seq_id} has no token ids; live execution needs prompt ids")
             inputs.append(SeqInput(ids[ss.start:ss.start + ss.num_new_tokens], ss.start, list(ss.block_table),
@@ -113,45 +131,42 @@ class LiveExecutor:
         req = seq.group.request
         if seq.output_len + 1 >= req.max_output:
             return True
-        if self.stop_check is not None and self.stop_check(seq, token):
+        stop = self._stops.get(seq.group.group_id)
+        if stop is not None and stop(seq, token):
             return True
         return not req.sampling.ignore_eos and token in self.eos
 
-    def _sample_plain(self, sampling, logits, rows, result: StepResult) -> None:
-        seqs = self.scheduler.seqs
-        plain = [ss for ss in sampling if seqs[ss.seq_id].group.request.sampling.beam_width == 1]
+    def _sample_plain(self, sampling: list[ScheduledSeq], logits, rows, result: StepResult) -> None:
+        plain = [ss.seq for ss in sampling if ss.seq.group.request.sampling.beam_width == 1]
         if not plain:
             return
-        draws: list[tuple[int, int]] = []  # (seq id, how many tokens)
-        for ss in plain:
-            seq = seqs[ss.seq_id]
+        draws: list[tuple[Seq, int]] = []  # (sequence, how many tokens)
+        for seq in plain:
             sp = seq.group.request.sampling
             first = seq.output_len == 0 and len(seq.group.seqs) == 1 and not seq.group.finished_seqs
-            draws.append((ss.seq_id, sp.n if (sp.n > 1 and first) else 1))
-        idx = [rows[sid] for sid, k in draws for _ in range(k)]
+            draws.append((seq, sp.n if (sp.n > 1 and first) else 1))
+        idx = [rows[seq.seq_id] for seq, k in draws for _ in range(k)]
         params = []
-        for sid, k in draws:
-            sp = seqs[sid].group.request.sampling
+        for seq, k in draws:
+            sp = seq.group.request.sampling
             params += [RowParams(sp.temperature, sp.top_k, sp.top_p)] * k
         gens = None
-        if self.generators:
-            gens = [self.generators.get(seqs[sid].group.group_id) for sid, k in draws for _ in range(k)]
+        if self._generators:
+            gens = [self._generators.get(seq.group.group_id) for seq, k in draws for _ in range(k)]
         tokens = self.sampler(logits[idx], params, gens).tolist()
         logp = log_softmax(logits[idx]).gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
         pos = 0
-        for sid, k in draws:
-            seq = seqs[sid]
+        for seq, k in draws:
             toks = tokens[pos:pos + k]
-            out = SeqOutcome(sid, toks[0], True, toks[1:], self._finished(seq, toks[0]),
+            out = SeqOutcome(seq.seq_id, toks[0], True, toks[1:], self._finished(seq, toks[0]),
                              seq.cum_logprob + logp[pos], [self._finished(seq, t) for t in toks[1:]])
-            result.outcomes[sid] = out
+            result.outcomes[seq.seq_id] = out
             pos += k
 
-    def _step_beams(self, sampling, logits, rows, result: StepResult) -> None:
-        seqs = self.scheduler.seqs
+    def _step_beams(self, sampling: list[ScheduledSeq], logits, rows, result: StepResult) -> None:
         groups: dict[int, SequenceGroup] = {}
         for ss in sampling:
-            g = seqs[ss.seq_id].group
+            g = ss.seq.group
             if g.request.sampling.beam_width > 1:
                 groups[g.group_id] = g
         for gid, group in groups.items():
@@ -181,81 +196,13 @@ class LiveExecutor:
                 del self.beams[gid]
 
 
-# ---- the serving loop -----------------------------------------------------------------------------
-@dataclass
-class LiveRun:
-    groups: list[SequenceGroup]
-    log: IterationLog
-    wall_time: float
-    beam_results: dict[int, list[tuple[list[int], float]]] = field(default_factory=dict)
-
-
-def serve(scheduler: Scheduler, executor: LiveExecutor, requests: list[Request], realtime: bool = True,
-          on_progress=None, observer=None) -> LiveRun:
-    """Replay requests (arrival offsets in seconds) against the live engine. With `realtime`, a
-    request enters the queue when the wall clock reaches its arrival; without, all are queued at
-    once. Each iteration's duration is measured wall time, scheduling and bookkeeping included.
-    `observer(start, duration, scheduler)` is called after every iteration, as in simulation."""
-    pending = deque(sorted(requests, key=lambda r: r.arrival))
-    replica = ReplicaStep(scheduler, executor)  # the loop's one iteration, as the simulator runs it
-    t0 = time.perf_counter()
-    def clock() -> float:
-        return time.perf_counter() - t0
-
-    if not realtime:
-        for r in pending:
-            r.arrival = 0.0
-    while pending or scheduler.has_unfinished():
-        now = clock()
-        while pending and pending[0].arrival <= now:
-            scheduler.add_request(pending.popleft())
-        if not scheduler.has_unfinished():
-            time.sleep(max(0.0, pending[0].arrival - clock()))
-            continue
-        step = replica.begin(now)
-        if step.idle:
-            if not step.plan.rejected:
-                if not pending:
-                    raise RuntimeError(f"scheduler {scheduler.name} is stuck with nothing running")
-                time.sleep(max(0.0, min(pending[0].arrival - clock(), 0.01)))
-            continue
-        end = clock()
-        step.result.duration = end - now  # measured: the model, scheduling and bookkeeping
-        replica.complete(step, end)
-        if observer is not None:
-            observer(now, step.result.duration, scheduler)
-        if on_progress is not None:
-            on_progress(end, len(scheduler.done))
-    scheduler.assert_drained()
-    return LiveRun(list(scheduler.done), replica.log, time.perf_counter() - t0, executor.beam_results)
-
-
-def replay_prompt_ids(request: Request, vocab_size: int, seed: int = 0) -> list[int]:
-    """The prompt a trace request replays: the trace's own token ids (checked against the model's
-    vocabulary: an id outside it would index past the embedding), else seeded synthetic ones."""
-    ids = request.prompt_token_ids
-    if ids is None:
-        return synthetic_prompt_ids(request, vocab_size, seed)
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"request {request.request_id}: prompt token id {bad} is outside the model's vocabulary "
-                         f"[0, {vocab_size})")
-    return list(ids)
-
-
-def synthetic_prompt_ids(request: Request, vocab_size: int, seed: int = 0) -> list[int]:
-    """Token ids for a length-only trace request, seeded. Prompt blocks named by equal prefix
-    hashes get equal tokens, so prefix caching finds the same sharing live as in simulation."""
-    ids: list[int] = []
-    lo = min(256, vocab_size // 2)  # stay clear of special tokens at the start of the vocabulary
-    if request.prefix_hashes is not None:
-        hbs = request.hash_block_size
-        for h in request.prefix_hashes:
-            need = min(hbs, request.prompt_len - len(ids))
-            rng = np.random.default_rng([seed, int(h) & 0xFFFFFFFFFFFF])
-            ids += rng.integers(lo, vocab_size, need).tolist()
-    rest = request.prompt_len - len(ids)
-    if rest > 0:
-        rng = np.random.default_rng([seed, 1 << 40, request.request_id])
-        ids += rng.integers(lo, vocab_size, rest).tolist()
-    return ids[:request.prompt_len]
+def build_live_replica(config: ReplicaConfig, runner: ModelRunner, eos_token_ids: list[int], seed: int = 0,
+                       beam_observer: Callable[[int, int, list[int]], None] | None = None) -> ReplicaStep:
+    """A replica on the runner's cache: `config` (whose cache must be the runner's) refusing
+    requests beyond the model's context, a contiguous policy placing its chunks in whole blocks
+    (they must map onto the cache's), and a live executor (built here: it warms the model up)."""
+    if (config.num_gpu_blocks, config.block_size) != (runner.num_gpu_blocks, runner.block_size):
+        raise ValueError(f"num_gpu_blocks, block_size: the replica's ({config.num_gpu_blocks}, {config.block_size}) "
+                         f"are not the runner's cache ({runner.num_gpu_blocks}, {runner.block_size})")
+    config = dataclasses.replace(config, max_model_len=runner.config.max_position, alloc_unit=runner.block_size)
+    return build_replica(config, LiveExecutor(runner, eos_token_ids, seed=seed, beam_observer=beam_observer))

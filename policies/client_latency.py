@@ -1,0 +1,140 @@
+"""What a client measures beyond the server: the client terms of a cost model, applied to a run's tables.
+
+A client-side latency (an HTTP benchmark's TTFT and E2E) holds more than the engine's own times: a
+fixed add (HTTP, tokenization, the first chunk), an optional per-output-token add (streaming), and
+an output lag: a token reaches the client `output_lag_steps` engine iterations after the iteration
+that produced it (an engine that sends a step's outputs while the next step runs), so the lag costs
+whatever those iterations take, and nothing once the engine is idle.
+
+A cost model that carries such terms (a calibrated one) says so through `CostModel.client_terms`;
+the run applies them once, where its request table is made (`with_client_latencies`), so that every
+run and study sees the same client columns. Lives in policies/ beside metrics.py because simulated
+runs, live comparisons and analysis all read the same table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+# the request table's client columns, each the client's view of a server column of the same table
+CLIENT_COLUMNS = {"client_ttft": "ttft", "client_tpot": "tpot", "client_e2e_latency": "e2e_latency",
+                  "client_normalized_latency": "normalized_latency"}
+
+
+@dataclass(frozen=True)
+class ClientTerms:
+    """A fixed add to TTFT (and so to E2E), a per-output-token add (after the first token) to E2E,
+    and an output lag in engine iterations (see the module docstring). All >= 0."""
+
+    ttft_s: float = 0.0
+    per_output_token_s: float = 0.0
+    output_lag_steps: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "per_output_token_s", "output_lag_steps"):
+            v = getattr(self, name)
+            if not np.isfinite(v) or v < 0:
+                raise ValueError(f"client terms: {name} must be a finite number >= 0, got {v!r}")
+
+
+def lagged_times(times: np.ndarray, iterations: pd.DataFrame, lag_steps: float) -> np.ndarray:
+    """When tokens produced at `times` (each the end of an iteration) are sent, `lag_steps` iterations
+    later: the end of the n-th following iteration, plus the fraction f of the one after it
+    (lag = n + f). Only back-to-back iterations count: once the engine is idle it has nothing to
+    overlap with, so whatever is still owed is sent at once. One replica's iterations."""
+    times = np.asarray(times, dtype=np.float64)
+    if lag_steps <= 0 or not len(times) or iterations.empty:
+        return times
+    start = iterations.start.to_numpy(np.float64)
+    order = np.argsort(start, kind="stable")
+    start = start[order]
+    end = start + iterations.duration.to_numpy(np.float64)[order]
+    # iteration i + 1 continues a busy period when it starts where i ended (float slack of 1 ns)
+    joined = np.append(start[1:] <= end[:-1] + 1e-9, False)
+    at = np.searchsorted(end, times - 1e-9, side="left")  # the iteration that produced each token
+    sent = times.copy()
+    whole, frac = int(lag_steps), lag_steps - int(lag_steps)
+    live = at < len(end)
+    for m in range(whole + (frac > 0)):
+        nxt = at + 1
+        live &= nxt < len(end)
+        live[live] &= joined[at[live]]
+        share = 1.0 if m < whole else frac
+        idx = np.where(live, nxt, 0)
+        sent = np.where(live, sent + share * (end[idx] - sent), sent)
+        at = np.where(live, nxt, at)
+    return sent
+
+
+def sent_times(times: np.ndarray, iterations: pd.DataFrame, lag_steps: float,
+               replica: np.ndarray | None = None) -> np.ndarray:
+    """`lagged_times` over the iterations of the replica that made each token: `replica[i]` names
+    time i's replica in the iterations' `replica` column (None, or no such column: one replica)."""
+    times = np.asarray(times, dtype=np.float64)
+    if lag_steps <= 0:
+        return times
+    if replica is None or "replica" not in iterations.columns:
+        return lagged_times(times, iterations, lag_steps)
+    out = times.copy()
+    for r, its in iterations.groupby("replica"):
+        mine = replica == r
+        out[mine] = lagged_times(times[mine], its, lag_steps)
+    return out
+
+
+def client_timestamps(requests: pd.DataFrame, iterations: pd.DataFrame | None,
+                      lag_steps: float) -> tuple[np.ndarray, np.ndarray]:
+    """(first token, last token) per row of `requests` as sent to the client after the output lag
+    (NaN where the server has none), each over its own replica's iterations (the table's replica
+    column, when it has one)."""
+    first = requests.first_token_time.to_numpy(np.float64)
+    last = requests.finish_time.to_numpy(np.float64)
+    if lag_steps <= 0:
+        return first, last
+    if iterations is None:
+        raise ValueError("an output lag needs the run's iteration table")
+    replica = requests.replica.to_numpy() if "replica" in requests.columns else None
+    return sent_known(first, iterations, lag_steps, replica), sent_known(last, iterations, lag_steps, replica)
+
+
+def sent_known(times: np.ndarray, iterations: pd.DataFrame, lag_steps: float,
+               replica: np.ndarray | None = None) -> np.ndarray:
+    """`sent_times` of the times that are not NaN; NaN stays NaN."""
+    known = ~np.isnan(times)
+    out = times.copy()
+    out[known] = sent_times(times[known], iterations, lag_steps, None if replica is None else replica[known])
+    return out
+
+
+def client_columns(requests: pd.DataFrame, first_sent: np.ndarray, last_sent: np.ndarray,
+                   terms: ClientTerms) -> pd.DataFrame:
+    """`requests` with `CLIENT_COLUMNS` beside the server's latencies, from the first and last tokens'
+    send times (`client_timestamps`) and the fixed and per-token adds."""
+    arrival = requests.arrival.to_numpy(np.float64)
+    out = requests.output_len.to_numpy(np.float64)
+    done = (requests.status == "finished").to_numpy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ttft = np.where(done, first_sent - arrival + terms.ttft_s, np.nan)
+        e2e = np.where(done, last_sent - arrival + terms.ttft_s + terms.per_output_token_s * np.maximum(out - 1, 0),
+                       np.nan)
+        columns = {"client_ttft": ttft,
+                   "client_tpot": np.where(done & (out > 1), (e2e - ttft) / (out - 1), np.nan),
+                   "client_e2e_latency": e2e,
+                   "client_normalized_latency": np.where(done & (out > 0), e2e / out, np.nan)}
+    return requests.assign(**columns)
+
+
+def with_client_latencies(requests: pd.DataFrame, iterations: pd.DataFrame | None,
+                          terms: ClientTerms | None) -> pd.DataFrame:
+    """`requests` with the client's TTFT, time per output token, E2E and normalized latency
+    (`CLIENT_COLUMNS`) beside the server's; unchanged (the same object) when `terms` is None."""
+    if terms is None:
+        return requests
+    return client_columns(requests, *client_timestamps(requests, iterations, terms.output_lag_steps), terms)
+
+
+def has_client_latencies(requests: pd.DataFrame) -> bool:
+    return "client_ttft" in requests.columns

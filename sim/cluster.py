@@ -1,0 +1,72 @@
+"""The simulated cluster both kinds of run are built from: replicas (a ReplicaConfig's scheduler
+stepped with a simulated executor), their SimPy processes, and the checks at the end of every run.
+
+`run_simulation` (sim/run.py) builds one pool of replicas behind a router; `run_disaggregated`
+(sim/disagg.py) a prefill pool behind a router and a decode pool fed by KV transfers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterable
+
+import numpy as np
+import simpy
+
+from policies.replica_config import ReplicaConfig, build_replica
+from policies.router import Router
+from policies.scheduler import Scheduler
+from sim.cost_model import CostModel
+from sim.engine import ArrivalFeed, Replica, arrival_process, engine_process
+from sim.executor import BeamPicks, SimulatedExecutor
+
+
+def sim_replica(env: simpy.Environment, config: ReplicaConfig, cost: CostModel, seed: int | np.random.SeedSequence,
+                beam_rank_decay: float = 0.5, beam_picks: dict[int, BeamPicks] | None = None,
+                routed: bool = False, counts_only: bool = False, **engine: object) -> Replica:
+    """One simulated replica: `config`'s scheduler stepped with a simulated executor that prices
+    iterations with `cost` and draws outcomes seeded with `seed`. `routed`, `counts_only`: see
+    policies.step.ReplicaStep; `engine`: the sim.engine.Replica's own options (fast_forward,
+    debug, hooks, index)."""
+    executor = SimulatedExecutor(cost, seed=seed, beam_rank_decay=beam_rank_decay, beam_picks=beam_picks)
+    return Replica(env, build_replica(config, executor, routed=routed, counts_only=counts_only), **engine)
+
+
+def run_replicas(env: simpy.Environment, feed: ArrivalFeed, front: list[Replica], router: Router | None,
+                 fed: Iterable[tuple[Replica, ArrivalFeed]] = ()) -> None:
+    """Run the cluster to the end: the feed's arrivals spread over the `front` replicas by the
+    router (none: one replica), each replica in `fed` taking its arrivals from its own feed; then
+    every replica's end-of-run checks."""
+    fed = list(fed)
+    env.process(arrival_process(env, feed, front, router))
+    for replica in front:
+        env.process(engine_process(env, replica, feed))
+    for replica, own in fed:
+        env.process(engine_process(env, replica, own))
+    env.run()
+    for replica in front + [r for r, _ in fed]:
+        final_checks(replica.scheduler, replica.scheduler.num_added)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Requests live for the whole run; the cyclic collector would rescan all of them again and
+    again (superlinear in the number of requests). Per-iteration objects are acyclic and freed
+    by reference counting, so collection is paused for the run and its tables."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def final_checks(sched: Scheduler, num_requests: int) -> None:
+    """Conservation at the end of every run: all requests accounted for, no block leaked."""
+    sched.check_conservation()
+    if sched.has_unfinished() or len(sched.done) != num_requests:
+        raise AssertionError(f"{num_requests} requests in, {len(sched.done)} out")
+    sched.assert_drained()
+    sched.check_invariants()
