@@ -14,7 +14,7 @@ import pandas as pd
 from analysis.parallel import run_tasks
 from analysis.plots import rate_panels
 from analysis.rate_study import RateStudy
-from analysis.report import Report
+from analysis.report import Report, table_value
 from analysis.sweep import headline
 from policies.metrics import headline_latency
 from sim.run import SimConfig, run_simulation
@@ -53,7 +53,7 @@ def disagg_study(trace: Trace, base: SimConfig, gpus: int, rates: Sequence[float
 def _run(cfg: SimConfig, timed: Trace, setup: str, rate: float) -> dict:
     s = run_simulation(cfg, timed).summary
     return {"setup": setup, "rate": rate, **headline(s), "tpot_mean": headline_latency(s, "tpot")["mean"],
-            "slo_attainment": s["slo_attainment"]}
+            "slo_attainment": table_value(s["slo_attainment"])}
 
 
 def disagg_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:

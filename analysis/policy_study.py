@@ -26,7 +26,7 @@ import pandas as pd
 
 from analysis.parallel import Workers, run_tasks
 from analysis.plots import save_figure
-from analysis.report import Report
+from analysis.report import Report, table_value
 from analysis.seeds import ci_table, few_seeds_note, rate_line, seeds_note
 from policies.metrics import headline_latency, headline_mean_normalized_latency, per_client
 from policies.registry import resolve_policy
@@ -99,8 +99,8 @@ def _one_run(cfg: SimConfig, trace: Trace, rate: float) -> dict:
             "rejected": s["num_rejected"], "throughput": s["request_throughput"],
             "mean_normalized_latency": headline_mean_normalized_latency(s),
             "ttft_mean": headline_latency(s, "ttft")["mean"], "ttft_p90": headline_latency(s, "ttft")["p90"],
-            "e2e_mean": headline_latency(s, "e2e_latency")["mean"], "goodput": s["goodput"],
-            "slo_attainment": s["slo_attainment"],
+            "e2e_mean": headline_latency(s, "e2e_latency")["mean"], "goodput": table_value(s["goodput"]),
+            "slo_attainment": table_value(s["slo_attainment"]),
             "min_client_attainment": float(clients.slo_attainment.min()) if len(clients) else float("nan"),
             "jain_service": fairness["jain_service"], "max_service_gap": fairness["max_service_gap"],
             "preemptions": s["num_preemptions"], "wall_s": time.perf_counter() - t0}

@@ -40,6 +40,12 @@ CLIENT_ROWS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+def table_value(x: Any) -> Any:
+    """A summary value as a study's table holds it: a null (no SLO, so no goodput) is NaN, as a CSV
+    reads it back."""
+    return math.nan if x is None else x
+
+
 def _get(summary: dict[str, Any], path: str) -> Any:
     cur: Any = summary
     for part in path.split("."):

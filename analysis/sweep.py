@@ -12,7 +12,7 @@ import pandas as pd
 from analysis.parallel import run_tasks
 from analysis.plots import latency_vs_rate, memory_breakdown, serving_panels
 from analysis.rate_study import RateStudy
-from analysis.report import Report
+from analysis.report import Report, table_value
 from analysis.seeds import seeded, seeded_report, seeds_note
 from policies.metrics import headline_latency, headline_mean_normalized_latency
 from policies.registry import PAGED_ONLY_DEFAULTS
@@ -65,7 +65,7 @@ def headline(s: dict) -> dict:
     return {"throughput": s["request_throughput"], "mean_normalized_latency": headline_mean_normalized_latency(s),
             "ttft_mean": ttft["mean"], "ttft_p50": ttft["p50"], "ttft_p90": ttft["p90"],
             "tpot_p50": headline_latency(s, "tpot")["p50"], "tpot_p90": headline_latency(s, "tpot")["p90"],
-            "e2e_p90": headline_latency(s, "e2e_latency")["p90"], "goodput": s["goodput"],
+            "e2e_p90": headline_latency(s, "e2e_latency")["p90"], "goodput": table_value(s["goodput"]),
             "preemptions": s["num_preemptions"],
             "rejected": s["num_rejected"], "kv_token_state_fraction": s["kv_token_state_fraction"],
             "mean_batched_seqs": s["mean_batched_seqs"], "prefix_hit_tokens": s["prefix_hit_tokens"],

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from policies.plan import StepComposition
-from sim.cost_model import make_cost_model
+from sim.cost_registry import make_cost_model
 from sim.profiled import (
     FEATURES,
     ProfiledCostModel,
