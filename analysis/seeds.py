@@ -134,8 +134,9 @@ FEW_SEEDS = 3  # below this, a 95% t interval is too wide (or too unstable) to t
 def few_seeds_note(seeds: int) -> str | None:
     """A warning for a seeded study run on fewer than FEW_SEEDS seeds, else None."""
     if 1 < seeds < FEW_SEEDS:
+        from scipy import stats  # deferred: scipy is slow to import and only seeded studies need it
         return (f"only {seeds} seeds: a 95% interval from {seeds} values means little (t = "
-                f"{12.71 if seeds == 2 else 4.30:.2f} times the standard error); use --seeds {FEW_SEEDS} or more")
+                f"{stats.t.ppf(0.975, seeds - 1):.2f} times the standard error); use --seeds {FEW_SEEDS} or more")
     return None
 
 

@@ -62,10 +62,11 @@ def _resolve_specs(args: argparse.Namespace) -> None:
     if isinstance(model, str) and model:
         # raises, naming the file and field or what was tried
         resolved = resolve_model_name(model, list(getattr(args, "models_dir", None) or []))
-        if not Path(model).exists() and catalogue_name(model) is None:  # a HF id: its config, or a variant's
+        entry = catalogue_name(model)
+        if not Path(model).exists() and entry is None:  # a HF id: its config, or a variant's
             args.model = resolved
-        elif catalogue_name(model) not in (None, model):  # an alias: runs record the name it stands for
-            args.model = _say_resolved("model", model, catalogue_name(model))
+        elif entry not in (None, model):  # an alias: runs record the name it stands for
+            args.model = _say_resolved("model", model, entry)
     hardware = getattr(args, "hardware", None)
     if isinstance(hardware, str) and hardware:
         spec = load_hardware(hardware)

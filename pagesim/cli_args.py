@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -332,9 +334,6 @@ BUSY_LOAD = 1.5  # run-queue length per CPU above which live step times stop des
 def machine_load() -> dict[str, float]:
     """This machine's CPUs, 1-minute load average and torch's intra-op threads (when torch is
     imported), as a live run's summary records them."""
-    import os
-    import sys
-
     cpus = os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     torch = sys.modules.get("torch")
