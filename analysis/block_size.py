@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+from matplotlib.figure import Figure
 
 from analysis.parallel import run_tasks
-from analysis.plots import save_figure
+from analysis.plots import CATEGORY_COLORS, legend_below, save_figure, series_colors, style_axes
 from analysis.rate_study import RateStudy
 from analysis.report import Report
 from policies.metrics import headline_latency, headline_mean_normalized_latency
@@ -80,38 +81,43 @@ def best_block_sizes(table: pd.DataFrame, tolerance: float = 0.01) -> dict[float
     return out
 
 
-def block_size_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
-    """Left: mean normalized latency against block size, one line per rate; right: what moves it,
-    internal fragmentation and the cost model's price of a reference decode step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def block_size_figure(table: pd.DataFrame, title: str = "") -> Figure:
+    """Left: mean normalized latency against block size, one line per rate, relative to that rate's
+    best block size (log scale: no curve leaves the panel); right: what moves it, internal
+    fragmentation and the cost model's price of a reference decode step. House style: the legend
+    under the panels."""
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.8))
+    colors = series_colors(table.rate)
+    relative = []
     for rate, g in table.groupby("rate", sort=False):
         best = g.mean_normalized_latency.min()
-        ax.plot(g.block_size, g.mean_normalized_latency / best, marker="o",
+        relative.append(g.mean_normalized_latency / best)
+        ax.plot(g.block_size, relative[-1], marker="o", color=colors[rate],
                 label=f"{rate:g} req/s (best {best:.3g} s/token)")
-    ax.set_xlabel("block size (tokens)")
-    ax.set_ylabel("mean normalized latency / the best block size's")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    style_axes(ax, "block size (tokens)", "mean normalized latency / the best block size's",
+               pd.concat(relative).to_numpy() if relative else None)
     first = table[table.rate == table.rate.iloc[0]]
-    ax2.plot(first.block_size, 100 * first.internal_frag, marker="o", color="#c44e52", label="internal fragmentation")
+    frag_color, step_color = CATEGORY_COLORS["kv_internal_frag"], CATEGORY_COLORS["kv_token_states"]
+    ax2.plot(first.block_size, 100 * first.internal_frag, marker="o", color=frag_color)
     sizes = sorted(table.block_size.unique())
     for a in (ax, ax2):
         a.set_xscale("log", base=2)
         a.set_xticks(sizes, [str(b) for b in sizes])
-    ax2.set_xlabel("block size (tokens)")
-    ax2.set_ylabel("allocated KV slots empty (%)", color="#c44e52")
+    style_axes(ax2, "block size (tokens)", "allocated KV slots empty (%)")
+    ax2.yaxis.label.set_color(frag_color)
     ax3 = ax2.twinx()
-    ax3.plot(first.block_size, first.reference_decode_ms, marker="s", color="#4c72b0")
-    ax3.set_ylabel(f"decode step, {REFERENCE_DECODE[0]} seqs x {REFERENCE_DECODE[1]} tokens (ms)", color="#4c72b0")
-    ax2.set_title(f"at {first.rate.iloc[0]:g} req/s")
-    ax2.grid(alpha=0.3)
-    fig.suptitle(title)
-    return save_figure(fig, path)
+    ax3.plot(first.block_size, first.reference_decode_ms, marker="s", color=step_color)
+    ax3.set_ylabel(f"decode step, {REFERENCE_DECODE[0]} seqs x {REFERENCE_DECODE[1]} tokens (ms)", color=step_color)
+    ax2.set_title(f"at {first.rate.iloc[0]:g} req/s", fontsize=10)
+    legend_below(fig, *ax.get_legend_handles_labels(), title, max_cols=3)
+    return fig
+
+
+def block_size_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
+    """`block_size_figure` written to `path`."""
+    return save_figure(block_size_figure(table, title), path, layout=False)
 
 
 # ---- the study `pagesim block-size` runs ----

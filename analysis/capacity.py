@@ -14,13 +14,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import pandas as pd
+from matplotlib.figure import Figure
 
 from analysis.parallel import run_tasks
-from analysis.plots import save_figure
+from analysis.plots import Panel, house_legend, legend_below, rate_figure, save_figure, series_colors
 from analysis.rate_study import RateStudy
 from analysis.report import Report
-from analysis.seeds import rate_line, seeded, seeded_report, seeds_note
+from analysis.seeds import seeded, seeded_report, seeds_note
 from policies.metrics import headline_latency, headline_mean_normalized_latency
 from sim.run import SimConfig, run_simulation
 from traces import apply_arrivals
@@ -104,26 +106,30 @@ def capacity_table(trace: Trace | Sequence[Trace], base: SimConfig, routers: Seq
     return pd.DataFrame(answers), pd.DataFrame([r for rows in tried for r in rows])
 
 
-def capacity_plot(answers: pd.DataFrame, path: str | Path, title: str = "") -> Path:
-    """Fewest replicas meeting the SLOs against request rate, one line per router (with a seed
-    column: the mean over seeds and a 95% CI band)."""
-    import matplotlib
+def capacity_figure(answers: pd.DataFrame, title: str = "", max_replicas: int | None = None) -> Figure:
+    """Fewest replicas meeting the SLOs against request rate, one line per router in the house
+    style (with a seed column: the mean over seeds and its 95% interval). A (router, rate) that no
+    count up to `max_replicas` serves is a triangle above that count, not a missing point."""
+    table = answers.astype({"min_replicas": float})
+    fig = rate_figure(table, "router", [Panel("min_replicas", "fewest replicas meeting the SLOs", log=False,
+                                              integer=True)], legend=False)
+    fig.set_size_inches(7, 5)
+    ax = fig.axes[0]
+    extra = []
+    missing = table[table.min_replicas.isna()]
+    if max_replicas is not None and len(missing):
+        colors = series_colors(table.router)
+        for router, g in missing.groupby("router", sort=False):
+            ax.plot(g.rate, [max_replicas] * len(g), "^", color=colors[router], markersize=9)
+        extra.append((plt.Line2D([], [], marker="^", color="0.3", linestyle=""), f"more than {max_replicas} replicas"))
+    ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], (max_replicas or 0) + 1 if len(missing) else 0))
+    legend_below(fig, *house_legend(fig, extra=extra), title, max_cols=4)
+    return fig
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for router, g in answers.groupby("router", sort=False):
-        rate_line(ax, g.astype({"min_replicas": float}), "min_replicas", router)
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("fewest replicas meeting the SLOs")
-    ax.set_ylim(bottom=0)
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title(title, fontsize=9, wrap=True)
-    return save_figure(fig, path)
+def capacity_plot(answers: pd.DataFrame, path: str | Path, title: str = "", max_replicas: int | None = None) -> Path:
+    """`capacity_figure` written to `path`."""
+    return save_figure(capacity_figure(answers, title, max_replicas), path, layout=False)
 
 
 # ---- the study `pagesim capacity` runs ----
@@ -162,6 +168,7 @@ def capacity_report(result: CapacityTables) -> Report:
     report = seeded_report(result.answers, "capacity.csv", ["router", "rate"], "min_replicas")
     report.table("capacity_runs.csv", result.tried)
     report.figure("capacity.png", lambda path: capacity_plot(
-        result.answers, path, f"{study.trace.name}, {study.title}, {study.slo}" + seeds_note(study.seeds)))
+        result.answers, path, f"{study.trace.name}, {study.title}, {study.slo}" + seeds_note(study.seeds),
+        study.max_replicas))
     report.wrote("capacity.csv", "capacity_runs.csv", "capacity.png")
     return report

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+from matplotlib.figure import Figure
 
 from analysis.parallel import run_tasks
-from analysis.plots import rate_panels
+from analysis.plots import Panel, serving_figure, serving_panels
 from analysis.rate_study import RateStudy
 from analysis.report import Report, table_value
 from analysis.sweep import headline
@@ -56,11 +57,22 @@ def _run(cfg: SimConfig, timed: Trace, setup: str, rate: float) -> dict:
             "slo_attainment": table_value(s["slo_attainment"])}
 
 
+NORMALIZED_PANEL = Panel("mean_normalized_latency", "mean normalized latency (s/token)")
+
+
+def setup_label(setup: str) -> str:
+    return setup if setup == "colocated" else f"{setup} (prefill+decode)"
+
+
+def disagg_figure(table: pd.DataFrame, title: str = "") -> Figure:
+    """The serving panels (analysis.plots.serving_figure: throughput, TTFT and TPOT p50/p90, E2E
+    p90) one line per setup, and mean normalized latency."""
+    return serving_figure(table, title, by="setup", label=setup_label, extra=[NORMALIZED_PANEL])
+
+
 def disagg_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
-    """P90 TTFT, P90 TPOT and mean normalized latency against rate, one line per setup (log scale)."""
-    return rate_panels(table, "setup", [("ttft_p90", "P90 TTFT (s)", True, None), ("tpot_p90", "P90 TPOT (s)", True, None),
-                                        ("mean_normalized_latency", "mean normalized latency (s/token)", True, None)],
-                       path, title, label=lambda s: s if s == "colocated" else f"{s} (prefill+decode)")
+    """`disagg_figure` written to `path`."""
+    return serving_panels(table, path, title, by="setup", label=setup_label, extra=[NORMALIZED_PANEL])
 
 
 # ---- the study `pagesim disagg` runs ----

@@ -1,8 +1,16 @@
-"""Figures for sweeps and runs (matplotlib, written to PNG)."""
+"""Figures for sweeps and runs (matplotlib, written to PNG), in one house style: panels against the
+offered request rate, one colour per policy, router or configuration (the same colour for a name in
+every figure), latencies on log axes so that no curve leaves its panel, the legend under the panels
+(over no data), titles that name files rather than paths, and with seeds the mean and its 95% t
+interval as bands, said in the title (analysis.seeds.seeds_note)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -10,62 +18,98 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import MaxNLocator
 
 from analysis.seeds import rate_line
+from policies.registry import ALIASES, POLICIES
+from policies.router import ROUTERS
 from sim.profiled import FEATURES, composition_of, features
 
+RATE_LABEL = "offered request rate (req/s)"
+PALETTE = tuple(f"C{i}" for i in range(10))
+# colours for names past the palette (plug-ins, many setups): tab20's light shades
+EXTRA = ("#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7", "#dbdb8d",
+         "#9edae5")
+# a built-in policy or router keeps its registry place's colour in every figure (policies and routers
+# never share a figure, so their places may share colours)
+KNOWN = {**{n: i for i, n in enumerate(POLICIES)}, **{n: i for i, n in enumerate(ROUTERS)},
+         **{a: list(POLICIES).index(p) for a, p in ALIASES.items()}}
 
-def save_figure(fig: plt.Figure, path: str | Path, dpi: int = 120) -> Path:
-    """Lay `fig` out, write it to `path` (PNG) and close it (an open figure keeps its memory)."""
-    fig.tight_layout()
+
+def series_colors(keys: Iterable[Any]) -> dict[Any, str]:
+    """One colour per key. Invariant: a built-in policy or router name gets the same colour in every
+    figure (its place in the registry); other keys (plug-ins, setups, rates) take the colours this
+    figure leaves free, in order of appearance."""
+    keys = list(dict.fromkeys(keys))
+    colors = {k: PALETTE[KNOWN[k] % len(PALETTE)] for k in keys if isinstance(k, str) and k in KNOWN}
+    free = [c for c in PALETTE + EXTRA if c not in colors.values()]
+    for k in keys:
+        if k not in colors:
+            colors[k] = free.pop(0) if free else "0.4"
+    return colors
+
+
+def save_figure(fig: plt.Figure, path: str | Path, dpi: int = 120, layout: bool = True) -> Path:
+    """Lay `fig` out (unless `layout` is False: `legend_below` laid it out around its legend), write
+    it to `path` (PNG) and close it (an open figure keeps its memory)."""
+    if layout:
+        fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return Path(path)
+
+
+def legend_below(fig: plt.Figure, handles: Sequence[Any], labels: Sequence[str], title: str = "",
+                 max_cols: int = 6) -> None:
+    """The house legend: one legend for the whole figure, centred under the panels so that it covers
+    no data, and the figure's title; lays the figure out around both."""
+    cols = max(1, min(len(labels), max_cols))
+    rows = math.ceil(len(labels) / cols) if labels else 0
+    if labels:
+        fig.legend(handles, labels, loc="lower center", ncol=cols, frameon=False, fontsize=9)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    height = fig.get_size_inches()[1]
+    fig.tight_layout(rect=(0, min(0.45, (0.3 * rows + 0.05) / height) if rows else 0, 1, 1))
+
+
+def style_axes(ax: Any, xlabel: str, ylabel: str, values: np.ndarray | None = None) -> None:
+    """Axis labels and grid; a log y axis when `values` (what the panel draws) are all > 0, so that
+    curves spanning decades stay in the frame (no clipping limits)."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if values is not None:
+        finite = np.asarray(values, dtype=float)
+        finite = finite[np.isfinite(finite)]
+        if len(finite) and (finite > 0).all():
+            ax.set_yscale("log")
+    ax.grid(alpha=0.3, which="both" if ax.get_yscale() == "log" else "major")
+
+
+def _values(table: pd.DataFrame, cols: Iterable[str | None]) -> np.ndarray:
+    present = [c for c in cols if c and c in table]
+    return table[present].apply(pd.to_numeric, errors="coerce").to_numpy(float) if present else np.array([])
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel against rate: the column (its p50 or mean, solid), an optional second column drawn
+    dotted in the same colour (its p90), the y label, whether it may be log scale (when all its
+    values are > 0), fixed y limits (for a share: (0, 1); values outside them are marked at the
+    edge), and whether its ticks are whole numbers."""
+
+    col: str
+    ylabel: str
+    second: str | None = None
+    log: bool = True
+    ylim: tuple[float, float] | None = None
+    integer: bool = False
 
 
 CATEGORY_COLORS = {"kv_token_states": "#4c72b0", "kv_reserved": "#dd8452", "kv_internal_frag": "#c44e52",
                    "kv_external_frag": "#8172b3"}
 CATEGORY_LABELS = {"kv_token_states": "token states", "kv_reserved": "reserved",
                    "kv_internal_frag": "internal fragmentation", "kv_external_frag": "external fragmentation"}
-
-
-def latency_vs_rate(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
-    """Mean normalized latency (s/token) against request rate, one line per policy (with a seed
-    column: the mean over seeds and a 95% CI band)."""
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for policy, g in table.groupby("policy", sort=False):
-        rate_line(ax, g, "mean_normalized_latency", policy)
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("mean normalized latency (s/token)")
-    finite = table.mean_normalized_latency[table.mean_normalized_latency.notna()]
-    if len(finite):
-        ax.set_ylim(0, min(float(finite.max()), 10 * float(finite.min()) + 0.5))
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    return save_figure(fig, path)
-
-
-def rate_panels(table: pd.DataFrame, by: str, panels: list[tuple[str, str, bool, tuple | None]],
-                path: str | Path, title: str = "", label=str) -> Path:
-    """One panel per (column, y label, log scale, y limits or None) against request rate, one line
-    per value of `by` (legend text `label(value)` in the first panel; log only where every value
-    is > 0). With a seed column: the mean over seeds and a 95% CI band per line."""
-    fig, axes = plt.subplots(1, len(panels), figsize=(13, 4))
-    for ax, (col, ylabel, log, ylim) in zip(axes, panels):
-        for key, g in table.groupby(by, sort=False):
-            rate_line(ax, g, col, label(key))
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel(ylabel)
-        if log and (table[col] > 0).all():
-            ax.set_yscale("log")
-        if ylim is not None:
-            ax.set_ylim(*ylim)
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(title)
-    return save_figure(fig, path)
-
 
 SATURATED = 0.9  # achieved throughput under this share of the offered rate: the server no longer keeps up
 
@@ -78,49 +122,124 @@ def saturation_rate(g: pd.DataFrame) -> float:
     return float(behind.index[0]) if len(behind) else float("nan")
 
 
-def serving_panels(table: pd.DataFrame, path: str | Path, title: str = "", by: str = "policy") -> Path:
+def rate_figure(table: pd.DataFrame, by: str, panels: Sequence[Panel], title: str = "",
+                label: Callable[[Any], str] = str, cols: int | None = None, saturation: bool = False,
+                legend: bool = True) -> plt.Figure:
+    """The house figure: one panel per `Panel` against the offered rate (`cols` panels a row, default
+    all of up to four, else three), one
+    line per value of `by` in its `series_colors` colour, with seeds the mean and 95% interval bands.
+    `saturation`: the table has a throughput column; each line's saturation point (`saturation_rate`)
+    is a vertical line in its colour, and a panel of achieved throughput gets the offered rate
+    dashed. `legend`: place the legend now (False: the caller adds to the figure, then calls
+    `legend_below(fig, *house_legend(fig))`)."""
+    cols = cols or (len(panels) if len(panels) <= 4 else 3)
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.6 * rows + 0.6), squeeze=False)
+    colors = series_colors(table[by])
+    rates = np.sort(table.rate.unique())
+    for ax, panel in zip(axes.flat, panels):
+        if saturation and panel.col == "throughput":
+            ax.plot(rates, rates, color="0.6", linestyle="--", linewidth=1, label="offered rate")
+        for key, g in table.groupby(by, sort=False):
+            rate_line(ax, g, panel.col, label(key), color=colors[key])
+            if panel.second is not None and panel.second in g:
+                rate_line(ax, g, panel.second, "_", color=colors[key], linestyle=":")
+            knee = saturation_rate(g) if saturation else math.nan
+            if knee == knee:
+                ax.axvline(knee, color=colors[key], linewidth=1, alpha=0.6)
+        style_axes(ax, RATE_LABEL, panel.ylabel, _values(table, (panel.col, panel.second)) if panel.log else None)
+        if panel.ylim is not None:
+            _limit(ax, table, panel, colors, by)
+        if panel.integer:
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    if legend:
+        legend_below(fig, *house_legend(fig, p90=any(p.second for p in panels), saturation=saturation), title)
+    elif title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def _limit(ax: Any, table: pd.DataFrame, panel: Panel, colors: dict, by: str) -> None:
+    """Fix a panel's y limits; a value outside them is drawn as a triangle on the edge it passes."""
+    lo, hi = panel.ylim
+    ax.set_ylim(lo, hi)
+    for key, g in table.groupby(by, sort=False):
+        y = pd.to_numeric(g[panel.col], errors="coerce")
+        for edge, outside, marker in ((hi, y > hi, "^"), (lo, y < lo, "v")):
+            if outside.any():
+                ax.plot(g.rate[outside], [edge] * int(outside.sum()), marker, color=colors[key], clip_on=False)
+
+
+def house_legend(fig: plt.Figure, p90: bool = False, saturation: bool = False,
+                 extra: Sequence[tuple[Any, str]] = ()) -> tuple[list, list[str]]:
+    """The legend's entries: every labelled line of the figure once (the series), then the keys to
+    line styles the figure uses (offered rate, p50/p90, saturation) and `extra` (handle, label) pairs."""
+    handles, labels = [], []
+    for ax in fig.axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    if "offered rate" in labels:  # a key to a line style: after the series, with the other keys
+        i = labels.index("offered rate")
+        handles.append(handles.pop(i))
+        labels.append(labels.pop(i))
+    if p90:
+        handles += [plt.Line2D([], [], color="0.3"), plt.Line2D([], [], color="0.3", linestyle=":")]
+        labels += ["p50", "p90"]
+    if saturation:
+        handles.append(plt.Line2D([], [], color="0.3", linewidth=1, alpha=0.6))
+        labels.append(f"saturation (throughput < {SATURATED:.0%} of offered)")
+    for h, lab in extra:
+        handles.append(h)
+        labels.append(lab)
+    return handles, labels
+
+
+SERVING_PANELS = (Panel("throughput", "achieved throughput (req/s)", log=False),
+                  Panel("ttft_p50", "TTFT (s)", "ttft_p90"),
+                  Panel("tpot_p50", "time per output token (s)", "tpot_p90"),
+                  Panel("e2e_p90", "E2E latency p90 (s)"))
+
+
+def serving_figure(table: pd.DataFrame, title: str = "", by: str = "policy", label: Callable[[Any], str] = str,
+                   extra: Sequence[Panel] = ()) -> plt.Figure:
     """What `vllm bench serve` and guidellm report, against the offered rate, one colour per `by`:
     achieved throughput (the offered rate dashed), TTFT and time per output token (p50 solid, p90
     dotted) and E2E p90, log scale for latencies so that no curve leaves a panel; each
-    configuration's saturation point (`saturation_rate`) marked by a vertical line in its colour.
-    With a seed column, means over seeds and their 95% interval as bands. The legend sits under the
-    panels, over no data."""
-    panels = [("throughput", None, "achieved throughput (req/s)"), ("ttft_p50", "ttft_p90", "TTFT (s)"),
-              ("tpot_p50", "tpot_p90", "time per output token (s)"), ("e2e_p90", None, "E2E latency p90 (s)")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(16, 4.2))
-    rates = np.sort(table.rate.unique())
-    axes[0].plot(rates, rates, color="0.6", linestyle="--", linewidth=1, label="offered rate")
-    colors = {key: f"C{i}" for i, key in enumerate(table[by].unique())}  # one colour per line in every panel
-    for ax, (p50, p90, ylabel) in zip(axes, panels):
-        for key, g in table.groupby(by, sort=False):
-            color = colors[key]
-            rate_line(ax, g, p50, str(key) if ax is axes[0] else "_", color=color)
-            if p90 is not None and p90 in g:
-                rate_line(ax, g, p90, "_", color=color, linestyle=":")
-            knee = saturation_rate(g)
-            if knee == knee:
-                ax.axvline(knee, color=color, linewidth=1, alpha=0.6)
-        latencies = table[[c for c in (p50, p90) if c and c in table]].to_numpy(float)
-        if ax is not axes[0] and (latencies[np.isfinite(latencies)] > 0).all():
-            ax.set_yscale("log")
-        ax.set_xlabel("offered request rate (req/s)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels()
-    handles += [plt.Line2D([], [], color="0.3"), plt.Line2D([], [], color="0.3", linestyle=":"),
-                plt.Line2D([], [], color="0.3", linewidth=1, alpha=0.6)]
-    labels += ["p50", "p90", f"saturation (throughput < {SATURATED:.0%} of offered)"]
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
-    fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    configuration's saturation point (`saturation_rate`) marked by a vertical line in its colour;
+    then the study's own `extra` panels. With a seed column, means over seeds and their 95%
+    interval as bands. The legend sits under the panels, over no data."""
+    return rate_figure(table, by, [*SERVING_PANELS, *extra], title, label, saturation=True)
+
+
+def serving_panels(table: pd.DataFrame, path: str | Path, title: str = "", by: str = "policy",
+                   label: Callable[[Any], str] = str, extra: Sequence[Panel] = ()) -> Path:
+    """`serving_figure` written to `path`."""
+    return save_figure(serving_figure(table, title, by, label, extra), path, layout=False)
+
+
+def rate_panels(table: pd.DataFrame, by: str, panels: Sequence[Panel], path: str | Path, title: str = "",
+                label: Callable[[Any], str] = str, cols: int | None = None) -> Path:
+    """`rate_figure` written to `path`."""
+    return save_figure(rate_figure(table, by, panels, title, label, cols), path, layout=False)
+
+
+def latency_vs_rate(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
+    """Mean normalized latency (s/token) against request rate, one line per policy, log scale (the
+    vLLM paper's Figure 12; with a seed column: the mean over seeds and its 95% interval)."""
+    fig = rate_figure(table, "policy", [Panel("mean_normalized_latency", "mean normalized latency (s/token)")],
+                      legend=False)
+    fig.set_size_inches(6.5, 4.8)
+    legend_below(fig, *house_legend(fig), title, max_cols=4)
+    return save_figure(fig, path, layout=False)
 
 
 def memory_breakdown(memory: dict[str, dict[str, float]], path: str | Path, title: str = "") -> Path:
     """Stacked bars: allocated KV slots by category per policy, as shares (the paper's Figure 2)."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6, 4.6))
     policies = list(memory)
     bottoms = [0.0] * len(policies)
     for cat, color in CATEGORY_COLORS.items():
@@ -135,9 +254,8 @@ def memory_breakdown(memory: dict[str, dict[str, float]], path: str | Path, titl
         ax.text(i, 2, f"{100 * memory[p].get('kv_token_states', 0) / total:.1f}%", ha="center", color="white")
     ax.set_ylabel("% of allocated KV slots")
     ax.set_ylim(0, 100)
-    ax.set_title(title)
-    ax.legend(loc="upper right", fontsize=8)
-    return save_figure(fig, path)
+    legend_below(fig, *ax.get_legend_handles_labels(), title, max_cols=2)  # bars fill 0-100%: no room inside
+    return save_figure(fig, path, layout=False)
 
 
 def profile_fit_plot(profile: dict, path: str | Path) -> Path:

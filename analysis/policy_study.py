@@ -11,23 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.figure import Figure
 
 from analysis.parallel import Workers, run_tasks
-from analysis.plots import save_figure
+from analysis.plots import Panel, rate_figure, save_figure
 from analysis.report import Report, table_value
-from analysis.seeds import ci_table, few_seeds_note, rate_line, seeds_note
+from analysis.seeds import add_seed_summary, seeds_note
 from policies.metrics import headline_latency, headline_mean_normalized_latency, per_client
 from policies.registry import resolve_policy
 from sim.run import SimConfig, run_simulation
@@ -106,26 +102,24 @@ def _one_run(cfg: SimConfig, trace: Trace, rate: float) -> dict:
             "preemptions": s["num_preemptions"], "wall_s": time.perf_counter() - t0}
 
 
-def summary_table(table: pd.DataFrame) -> pd.DataFrame:
-    """Mean and 95% interval over seeds per (policy, rate) of each figure metric (analysis.seeds.ci_table:
-    the interval the figure draws, bounded where the metric is)."""
-    return ci_table(table, ["policy", "rate"], list(METRICS))
+PANELS = [Panel("throughput", METRICS["throughput"], log=False),
+          Panel("mean_normalized_latency", METRICS["mean_normalized_latency"]),
+          Panel("ttft_p90", METRICS["ttft_p90"]),
+          Panel("slo_attainment", METRICS["slo_attainment"], log=False, ylim=(0, 1.02)),
+          Panel("min_client_attainment", METRICS["min_client_attainment"], log=False, ylim=(0, 1.02)),
+          Panel("max_service_gap", METRICS["max_service_gap"])]
+
+
+def policy_figure(table: pd.DataFrame, title: str = "") -> Figure:
+    """One panel per metric against rate in the house style (analysis.plots.rate_figure), a line per
+    policy: with seeds, the mean and its 95% interval (the one policies_summary.csv gives); each
+    policy's saturation point marked."""
+    return rate_figure(table, "policy", PANELS, title, cols=3, saturation=True)
 
 
 def policy_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
-    """One panel per metric against rate, a line per policy: with seeds, the mean and its 95% interval
-    (the one policies_summary.csv gives)."""
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    for ax, (metric, label) in zip(axes.flat, METRICS.items()):
-        for policy, g in table.groupby("policy", sort=False):
-            rate_line(ax, g, metric, policy)
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel(label)
-        if metric == "mean_normalized_latency" and (table[metric] > 0).all():
-            ax.set_yscale("log")
-    axes.flat[0].legend()
-    fig.suptitle(title)
-    return save_figure(fig, path, dpi=110)
+    """`policy_figure` written to `path`."""
+    return save_figure(policy_figure(table, title), path, dpi=110, layout=False)
 
 
 # ---- the study `pagesim policies` runs ----
@@ -157,11 +151,10 @@ def policy_report(study: PolicyStudy, table: pd.DataFrame) -> Report:
     """policies.csv, policies_summary.csv and policies.png."""
     report = Report()
     report.table("policies.csv", table)
-    report.table("policies_summary.csv", summary_table(table))
+    # the lines name SLO attainment, or without an SLO (attainment all NaN) normalized latency
+    metric = "slo_attainment" if table.slo_attainment.notna().any() else "mean_normalized_latency"
+    add_seed_summary(report, table, ["policy", "rate"], "policies_summary.csv", metric, list(METRICS))
     report.figure("policies.png", lambda path: policy_plot(
         table, path, f"{study.spec}, {study.num_requests} requests, {study.title}" + seeds_note(study.seeds)))
-    note = few_seeds_note(study.seeds)
-    if note:
-        warnings.warn(note, stacklevel=2)
-    report.wrote("policies.csv", "policies_summary.csv", "policies.png")
+    report.wrote("policies.csv", "policies.png")
     return report

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+from matplotlib.figure import Figure
 
-from analysis.plots import save_figure
+from analysis.plots import house_legend, legend_below, save_figure, style_axes
 from analysis.report import Report
 from policies.metrics import headline_mean_normalized_latency
 from policies.plan import StepComposition
@@ -79,38 +80,36 @@ def crossover(micro: pd.DataFrame) -> int | None:
     return best
 
 
-def preemption_plot(micro: pd.DataFrame, e2e: pd.DataFrame | None, path: str | Path, title: str = "") -> Path:
+def preemption_figure(micro: pd.DataFrame, e2e: pd.DataFrame | None, title: str = "") -> Figure:
     """Left: swap and recompute time against block size; right (when simulated): mean normalized
-    latency with each preemption mode against block size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    latency with each preemption mode against block size. House style: log axes, one colour per
+    mode in both panels, the legend under the panels."""
     import matplotlib.pyplot as plt
 
     panels = 2 if e2e is not None and len(e2e) else 1
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.6), squeeze=False)
     ax = axes[0][0]
-    ax.plot(micro.block_size, micro.swap_ms, marker="o", color=COLORS["swap"], label="swap out + in")
+    ax.plot(micro.block_size, micro.swap_ms, marker="o", color=COLORS["swap"], label="swap (out + in)")
     ax.plot(micro.block_size, micro.recompute_ms, marker="s", color=COLORS["recompute"], label="recompute")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("block size (tokens)")
-    ax.set_ylabel("time (ms)")
+    style_axes(ax, "block size (tokens)", "time (ms)", micro[["swap_ms", "recompute_ms"]].to_numpy(float))
     ax.set_title("microbenchmark", fontsize=10)
-    ax.legend()
-    ax.grid(alpha=0.3, which="both")
     if panels == 2:
         ax = axes[0][1]
         for mode, g in e2e.groupby("preemption", sort=False):
-            ax.plot(g.block_size, g.mean_normalized_latency, marker="o", color=COLORS[mode], label=mode)
+            ax.plot(g.block_size, g.mean_normalized_latency, marker="o", color=COLORS[mode],
+                    label="swap (out + in)" if mode == "swap" else mode)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("block size (tokens)")
-        ax.set_ylabel("mean normalized latency (s/token)")
+        style_axes(ax, "block size (tokens)", "mean normalized latency (s/token)",
+                   e2e.mean_normalized_latency.to_numpy(float))
         ax.set_title("end to end (simulated)", fontsize=10)
-        ax.legend()
-        ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=10)
-    return save_figure(fig, path)
+    legend_below(fig, *house_legend(fig), title)
+    return fig
+
+
+def preemption_plot(micro: pd.DataFrame, e2e: pd.DataFrame | None, path: str | Path, title: str = "") -> Path:
+    """`preemption_figure` written to `path`."""
+    return save_figure(preemption_figure(micro, e2e, title), path, layout=False)
 
 
 # ---- the study `pagesim preemption` runs ----

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+from matplotlib.figure import Figure
 
 from analysis.parallel import run_tasks
-from analysis.plots import rate_panels
+from analysis.plots import Panel, serving_figure, serving_panels
 from analysis.rate_study import RateStudy
 from analysis.report import Report
 from analysis.seeds import seeded, seeded_report, seeds_note
@@ -62,13 +63,18 @@ def _routing_run(cfg: SimConfig, timed: Trace, rate: float, tag_seed: bool = Fal
             "affinity_share": router_info.get("affinity_routed", float("nan")) / max(len(res.requests), 1)}
 
 
+PREFIX_PANEL = Panel("prefix_hit_fraction", "prompt tokens from prefix cache", log=False, ylim=(0, 1))
+
+
+def routing_figure(table: pd.DataFrame, title: str = "") -> Figure:
+    """The serving panels (analysis.plots.serving_figure) one line per router, and the share of
+    prompt tokens served from prefix caches."""
+    return serving_figure(table, title, by="router", extra=[PREFIX_PANEL])
+
+
 def routing_plot(table: pd.DataFrame, path: str | Path, title: str = "") -> Path:
-    """Three panels against request rate, one line per router: mean TTFT, mean normalized latency,
-    and the share of prompt tokens served from prefix caches."""
-    return rate_panels(table, "router", [("ttft_mean", "mean TTFT (s)", True, None),
-                                         ("mean_normalized_latency", "mean normalized latency (s/token)", True, None),
-                                         ("prefix_hit_fraction", "prompt tokens from prefix cache", False, (0, 1))],
-                       path, title)
+    """`routing_figure` written to `path`."""
+    return serving_panels(table, path, title, by="router", extra=[PREFIX_PANEL])
 
 
 # ---- the study `pagesim routing` runs ----

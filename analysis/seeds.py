@@ -155,17 +155,25 @@ def seeded_report(table: pd.DataFrame, name: str, keys: list[str], metric: str) 
     return report
 
 
-def add_seed_summary(report: Report, table: pd.DataFrame, keys: list[str], name: str, metric: str) -> None:
-    """The per-configuration means and 95% CIs over seeds as the report's file `name`, and `metric`'s lines."""
-    summary = ci_table(table, keys)
+def add_seed_summary(report: Report, table: pd.DataFrame, keys: list[str], name: str, metric: str,
+                     metrics: Sequence[str] | None = None) -> pd.DataFrame:
+    """The one place a study's seed summary and its warning are made: the per-configuration means
+    and 95% intervals over seeds (`ci_table` of `metrics`, default every numeric column) as the
+    report's file `name`, `metric`'s mean and interval per configuration as lines, and, under
+    FEW_SEEDS seeds, the warning that the interval means little. Returns the summary."""
+    summary = ci_table(table, keys, metrics)
     report.table(name, summary)
-    seeds = int(summary.seeds.max())
-    report.say(f"\n{metric}, mean [95% t interval] over {seeds} seeds:")
+    seeds = int(summary.seeds.max()) if len(summary) else 0
+    if seeds > 1:
+        report.say(f"\n{metric}, mean [95% t interval] over {seeds} seeds:")
+    else:
+        report.say(f"\n{metric} (one seed: no interval; --seeds {FEW_SEEDS} or more gives one):")
     for r in summary.itertuples(index=False):
         d = r._asdict()
-        report.say("  " + " ".join(f"{d[k]}" for k in keys)
-                   + f": {d[metric]:.4g} [{d[metric + '_ci95_low']:.4g}, {d[metric + '_ci95_high']:.4g}]")
+        interval = f" [{d[metric + '_ci95_low']:.4g}, {d[metric + '_ci95_high']:.4g}]" if seeds > 1 else ""
+        report.say("  " + " ".join(f"{d[k]}" for k in keys) + f": {d[metric]:.4g}" + interval)
     note = few_seeds_note(seeds)
     if note:
-        warnings.warn(note, stacklevel=2)
+        warnings.warn(note, stacklevel=3)
     report.wrote(name)
+    return summary
