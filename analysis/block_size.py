@@ -75,6 +75,7 @@ def best_block_sizes(table: pd.DataFrame, tolerance: float = 0.01) -> dict[float
     """Per rate, the block sizes whose mean normalized latency is within `tolerance` (relative) of
     the lowest: differences smaller than that are not worth naming a winner for."""
     out = {}
+    table = table.sort_values(["rate", "block_size"], kind="stable")  # block sizes given out of order: one line
     for rate, g in table.groupby("rate", sort=False):
         best = g.mean_normalized_latency.min()
         out[float(rate)] = [int(b) for b in g.block_size[g.mean_normalized_latency <= best * (1 + tolerance)]]
@@ -91,6 +92,7 @@ def block_size_figure(table: pd.DataFrame, title: str = "") -> Figure:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.8))
     colors = series_colors(table.rate)
     relative = []
+    table = table.sort_values(["rate", "block_size"], kind="stable")  # block sizes given out of order: one line
     for rate, g in table.groupby("rate", sort=False):
         best = g.mean_normalized_latency.min()
         relative.append(g.mean_normalized_latency / best)

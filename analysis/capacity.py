@@ -82,12 +82,13 @@ def capacity_table(trace: Trace | Sequence[Trace], base: SimConfig, routers: Seq
     when its search ends. A sequence of traces, one per seed (analysis.seeds), searches each
     seed's workload on its own and adds a `seed` column to both tables."""
     runs, tagged = seeded(trace, base.seed)
-    tasks, tags = [], []
-    for rate in rates:
-        for seed, workload in runs:
-            timed = apply_arrivals(workload, rate=rate, seed=seed)
-            for router in routers:
-                tasks.append((timed, dataclasses.replace(base, router=router, seed=seed), attainment, max_replicas))
+    timed = {(rate, seed): apply_arrivals(workload, rate=rate, seed=seed) for rate in rates for seed, workload in runs}
+    tasks, tags = [], []  # the tables' order (and the printed rows'): router, then rate, then seed
+    for router in routers:
+        for rate in rates:
+            for seed, _ in runs:
+                tasks.append((timed[rate, seed], dataclasses.replace(base, router=router, seed=seed), attainment,
+                              max_replicas))
                 tags.append({"router": router, "rate": rate, **({"seed": seed} if tagged else {})})
     answers: list[dict] = [{} for _ in tasks]
     tried: list[list[dict]] = [[] for _ in tasks]

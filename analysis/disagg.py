@@ -41,12 +41,11 @@ def disagg_study(trace: Trace, base: SimConfig, gpus: int, rates: Sequence[float
     """One row per (setup, rate). Colocated runs `gpus` replicas behind base.router; each split
     runs its prefill replicas behind base.router and its decode replicas behind least-loaded.
     `jobs` worker processes, or `executor` "ray" at `address`, run the simulations (same table)."""
-    tasks = []
-    for rate in rates:
-        timed = apply_arrivals(trace, rate=rate, seed=base.seed)
-        for name, split in setups(gpus, splits):
-            cfg = dataclasses.replace(base, replicas=1 if split else gpus, disaggregate=split)
-            tasks.append((cfg, timed, name, rate))
+    timed = {rate: apply_arrivals(trace, rate=rate, seed=base.seed) for rate in rates}
+    tasks = []  # the table's order (and the printed rows'): setup, then rate
+    for name, split in setups(gpus, splits):
+        cfg = dataclasses.replace(base, replicas=1 if split else gpus, disaggregate=split)
+        tasks += [(cfg, timed[rate], name, rate) for rate in rates]
     return pd.DataFrame(run_tasks(_run, tasks, jobs, None if on_result is None else (lambda i, r: on_result(r)),
                                   executor, address))
 

@@ -37,14 +37,14 @@ def router_sweep(trace: Trace | Sequence[Trace], base: SimConfig, routers: Seque
     if base.replicas < 2:
         raise ValueError(f"a router study needs replicas >= 2, got {base.replicas}")
     runs, tagged = seeded(trace, base.seed)
-    tasks = []
-    for rate in rates:
-        for seed, workload in runs:
-            timed = apply_arrivals(workload, rate=rate, seed=seed)
-            for router in routers:
-                opts = (router_options or {}) if router in MATCH_ROUTERS else {}
-                tasks.append((dataclasses.replace(base, router=router, router_options=opts, seed=seed), timed, rate,
-                              tagged))
+    timed = {(rate, seed): apply_arrivals(workload, rate=rate, seed=seed) for rate in rates for seed, workload in runs}
+    tasks = []  # the table's order (and the printed rows'): router, then rate, then seed
+    for router in routers:
+        opts = (router_options or {}) if router in MATCH_ROUTERS else {}
+        for rate in rates:
+            for seed, _ in runs:
+                tasks.append((dataclasses.replace(base, router=router, router_options=opts, seed=seed),
+                              timed[rate, seed], rate, tagged))
     rows = run_tasks(_routing_run, tasks, jobs, None if on_result is None else (lambda i, r: on_result(r)),
                      executor, address)
     return pd.DataFrame(rows)

@@ -112,7 +112,8 @@ def rate_line(ax: Any, data: pd.DataFrame, y: str, label: str, x: str = "rate", 
     band (`mean_interval`, the interval the summary table gives); without, the points as they are.
     `style`: matplotlib line properties (color, linestyle)."""
     if "seed" not in data:
-        ax.plot(data[x], data[y], marker="o", label=label, **style)
+        data = data.sort_values(x, kind="stable")  # rates given out of order still draw one line left to right
+        ax.plot(data[x], pd.to_numeric(data[y], errors="coerce"), marker="o", label=label, **style)
         return
     bounds = metric_bounds(y, _values(data[y]))
     points = [(at, *mean_interval(_values(g[y]).astype(float), bounds)) for at, g in data.groupby(x, sort=True)]

@@ -35,13 +35,14 @@ def sweep(trace: Trace | Sequence[Trace], base: SimConfig, policies: Sequence[st
     runs them on the Ray cluster at `address` (the same table either way). A sequence of traces,
     one per seed (analysis.seeds), repeats the sweep for each and adds a `seed` column."""
     runs, tagged = seeded(trace, base.seed)
-    tasks = []
-    for rate in rates:
-        for seed, workload in runs:
-            timed = apply_arrivals(workload, rate=rate, seed=seed)  # Poisson, or a timestamped trace rescaled
-            for policy in policies:
+    # Poisson, or a timestamped trace rescaled; one object per (rate, seed), shared by the policies
+    timed = {(rate, seed): apply_arrivals(workload, rate=rate, seed=seed) for rate in rates for seed, workload in runs}
+    tasks = []  # the table's order (and the printed rows'): policy, then rate, then seed
+    for policy in policies:
+        for rate in rates:
+            for seed, _ in runs:
                 cfg = dataclasses.replace(base, policy=policy, seed=seed, **({} if policy == "vllm" else PAGED_ONLY))
-                tasks.append((cfg, timed, rate, rate == max(rates) and seed == runs[0][0], tagged))
+                tasks.append((cfg, timed[rate, seed], rate, rate == max(rates) and seed == runs[0][0], tagged))
     done = run_tasks(_sweep_run, tasks, jobs, None if on_result is None else (lambda i, r: on_result(r[0])),
                      executor, address)
     memory = {row["policy"]: mem for row, mem in done if mem is not None}

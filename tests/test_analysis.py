@@ -15,13 +15,17 @@ def test_sweep_writes_table_and_figures(tmp_path, capsys):
                      "--out", str(out)])
     assert code == 0
     table = pd.read_csv(out / "sweep.csv")
-    assert len(table) == 4 and set(table.policy) == {"vllm", "orca-max"}
+    # a stable order, policy then rate (as given), in the table and in the rows printed as runs finish
+    assert list(zip(table.policy, table.rate)) == [("vllm", 0.5), ("vllm", 4), ("orca-max", 0.5), ("orca-max", 4)]
     # paged memory is better used than max-length reservations at the high rate
     high = table[table.rate == 4].set_index("policy")
     assert high.kv_token_state_fraction["vllm"] > high.kv_token_state_fraction["orca-max"]
     for png in ("latency_vs_rate.png", "serving.png", "memory_breakdown.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "highest swept rate" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "highest swept rate" in printed
+    rows = [line.split()[:2] for line in printed.splitlines() if line.split()[:1] in (["vllm"], ["orca-max"])]
+    assert rows[:4] == [["vllm", "0.50"], ["vllm", "4.00"], ["orca-max", "0.50"], ["orca-max", "4.00"]]
 
 
 def test_max_sustainable_rate():
