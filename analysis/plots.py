@@ -60,10 +60,11 @@ def save_figure(fig: plt.Figure, path: str | Path, dpi: int = 120, layout: bool 
 
 
 def legend_below(fig: plt.Figure, handles: Sequence[Any], labels: Sequence[str], title: str = "",
-                 max_cols: int = 6) -> None:
+                 max_cols: int | None = None) -> None:
     """The house legend: one legend for the whole figure, centred under the panels so that it covers
-    no data, and the figure's title; lays the figure out around both."""
-    cols = max(1, min(len(labels), max_cols))
+    no data (`max_cols` entries a row, default what the figure's width holds), and the figure's
+    title; lays the figure out around both."""
+    cols = max(1, min(len(labels), max_cols or max(2, int(fig.get_size_inches()[0] / 2))))
     rows = math.ceil(len(labels) / cols) if labels else 0
     if labels:
         fig.legend(handles, labels, loc="lower center", ncol=cols, frameon=False, fontsize=9)
