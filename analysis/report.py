@@ -88,17 +88,27 @@ def _rows(summaries: Iterable[dict[str, Any]]) -> tuple[tuple[str, str, str], ..
     return (*ROWS[:at], *CLIENT_ROWS, ("goodput, client latencies (req/s)", "goodput", "{:.3f}"), *ROWS[at + 1:])
 
 
+NUMBER = r"\d[\d,.]*"
+
+
 def rejection_lines(requests: pd.DataFrame, examples: int = 1) -> list[str]:
     """Why requests were rejected, most common kind first: reasons that differ only in their
-    numbers are one kind, printed with its count and an example (nothing when none were)."""
+    numbers are one kind, printed with its count, the numbers every one of them shares (the
+    model's context), N for those that vary, and an example (nothing when none were rejected)."""
     reasons = requests.reject_reason[requests.status == "rejected"].fillna("").astype(str)
     if reasons.empty:
         return []
-    kinds = reasons.str.replace(r"\d[\d,.]*", "#", regex=True)
+    kinds = reasons.str.replace(NUMBER, "#", regex=True)
     lines = [f"{len(reasons):,} rejected:"]
     for kind, count in kinds.value_counts().items():
-        example = reasons[kinds == kind].iloc[:examples].tolist()
-        lines.append(f"  {count:,} x " + (f"{kind}, e.g. {'; '.join(example)}" if "#" in kind else kind or "(no reason)"))
+        group = reasons[kinds == kind]
+        if "#" not in kind:
+            lines.append(f"  {count:,} x {kind or '(no reason)'}")
+            continue
+        numbers = group.str.findall(NUMBER).tolist()  # same count in each: they share the kind
+        shared = [n if all(ns[i] == n for ns in numbers) else "N" for i, n in enumerate(numbers[0])]
+        text = "".join(part + number for part, number in zip(kind.split("#"), [*shared, ""]))
+        lines.append(f"  {count:,} x {text}, e.g. {'; '.join(group.iloc[:examples].tolist())}")
     return lines
 
 

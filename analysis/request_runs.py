@@ -43,7 +43,7 @@ from analysis.measurement_formats import (
     tp_field,
 )
 from analysis.measurements import Experiment, Latency, Stage
-from analysis.plots import save_figure
+from analysis.plots import house_legend, legend_below, save_figure
 from analysis.report import Report
 from policies.client_latency import ClientTerms, has_client_latencies, with_client_latencies
 from sim.specs import get_hardware
@@ -409,7 +409,6 @@ def report_figure(report: RequestRunReport, path: str | Path, title: str = "") -
         ax.set_xlabel(labels[m])
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
-        ax.legend()
     if report.over_time is not None:
         for ax, g in zip(axes[1], OVER_TIME):
             e = report.over_time_errors.get(g)
@@ -419,9 +418,9 @@ def report_figure(report: RequestRunReport, path: str | Path, title: str = "") -
             ax.set_ylabel(g.replace("_", " "))
             ax.set_title("not logged" if e is None else f"MAE {e['relative_mae_pct']:.1f}% of the measured mean")
             ax.grid(alpha=0.3)
-            ax.legend()
-    fig.suptitle(title or report.name)
-    return save_figure(fig, path, dpi=110)
+    fig.set_size_inches(15, 4 * rows + 0.6)
+    legend_below(fig, *house_legend(fig), title or report.name)  # one legend under the panels, over no data
+    return save_figure(fig, path, dpi=110, layout=False)
 
 
 def add_request_run(out: Report, report: RequestRunReport, folder: str, title: str = "") -> None:

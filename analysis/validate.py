@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.benchmark_results import guidellm_requests
-from analysis.plots import save_figure
+from analysis.plots import house_legend, legend_below, save_figure
 from analysis.reprofile import ReprofileDecision, check_and_reprofile
 from policies.metrics import ITERATION_COLUMNS, iteration_compositions, summarize
 from sim.profiled import ProfiledCostModel, load_profile
@@ -141,7 +141,7 @@ def validation_table(table: pd.DataFrame) -> str:
 def _ecdf(ax: plt.Axes, values: pd.Series, label: str, color: str) -> None:
     x = np.sort(values.dropna().to_numpy(dtype=float))
     if len(x):
-        ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=f"{label} (n={len(x)})", color=color)
+        ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=label, color=color)
 
 
 def validation_plot(live_requests: pd.DataFrame, sim_requests: pd.DataFrame, path: str | Path,
@@ -152,16 +152,16 @@ def validation_plot(live_requests: pd.DataFrame, sim_requests: pd.DataFrame, pat
     sim = sim_requests[sim_requests.status == "finished"]
     fig, axes = plt.subplots(1, len(CDF_PANELS), figsize=(13, 4))
     for ax, (col, label) in zip(axes, CDF_PANELS):
-        _ecdf(ax, live[col], "live", LIVE_COLOR)
-        _ecdf(ax, sim[col], "sim", SIM_COLOR)
+        # one label per side in every panel, so that the figure's one legend names each side once
+        _ecdf(ax, live[col], f"live ({len(live)} finished requests)", LIVE_COLOR)
+        _ecdf(ax, sim[col], f"simulated ({len(sim)} finished requests)", SIM_COLOR)
         ax.set_xlabel(label)
         ax.set_ylabel("fraction of requests")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="lower right")
-    fig.suptitle(title)
-    return save_figure(fig, path)
+    fig.set_size_inches(13, 4.6)
+    legend_below(fig, *house_legend(fig), title)  # under the panels: a CDF's tail runs to the lower right
+    return save_figure(fig, path, layout=False)
 
 
 def per_request_errors(live_requests: pd.DataFrame, sim_requests: pd.DataFrame) -> pd.DataFrame:

@@ -304,4 +304,5 @@ def test_rejected_rows_keep_what_was_asked_and_the_reasons_print_by_kind() -> No
     assert list(r.requested_output_len) == [10, 30, 39] and list(r.output_len) == [10, 0, 0]
     lines = rejection_lines(r)
     assert lines[0] == "2 rejected:" and len(lines) == 2
-    assert lines[1].startswith("  2 x prompt # + output # tokens exceeds the model's context of #, e.g. prompt 2040 + ")
+    # the numbers that vary read N, the one they share (the context) is kept
+    assert lines[1].startswith("  2 x prompt N + output N tokens exceeds the model's context of 2048, e.g. prompt 2040 + ")
