@@ -102,6 +102,9 @@ def test_dp1_prices_and_runs_as_before() -> None:
     pd.testing.assert_frame_equal(a.requests, b.requests)
     pd.testing.assert_frame_equal(a.iterations, b.iterations)
     assert "dp" not in a.summary and not a.extra
+    # the config echoed in summary.json names dp and ep only when set: a single server's reads as before
+    assert not {"dp", "ep"} & set(a.summary["config"])
+    assert SimConfig(model=str(MOE), hardware="h100-sxm", dp=2, ep=True).to_dict()["dp"] == 2
 
 
 def test_a_dense_models_dp_ranks_are_independent_replicas() -> None:
