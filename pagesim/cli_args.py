@@ -113,6 +113,13 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
                    help="a keyword option of the router class (repeatable), e.g. --router-arg max_imbalance=4")
     g.add_argument("--replica-hardware", nargs="+", metavar="GPU",
                    help="each replica's GPU spec, e.g. a100-80gb a100-80gb h100-sxm (sets --replicas; roofline only)")
+    g.add_argument("--dp", type=positive_int, default=1, metavar="N",
+                   help="vLLM data parallelism (--data-parallel-size): N ranks of one server, each with its own "
+                        "requests and KV cache, fed by vLLM's balancer (fewest waiting*4 + running); an MoE model's "
+                        "ranks step in lockstep, its MoE layers shared over all ranks (default 1)")
+    g.add_argument("--ep", action="store_true",
+                   help="expert parallelism (--enable-expert-parallel): an MoE model's experts spread whole over "
+                        "dp x tp GPUs (without it, each expert is sharded over them)")
     g.add_argument("--disaggregate", type=positive_int, nargs=2, metavar=("PREFILL", "DECODE"),
                    help="disaggregated serving: PREFILL replicas compute prompts and first tokens, the KV moves to "
                         "DECODE replicas (policy vllm)")

@@ -112,12 +112,18 @@ def sent_known(times: np.ndarray, iterations: pd.DataFrame, lag_steps: float,
 def client_columns(requests: pd.DataFrame, first_sent: np.ndarray, last_sent: np.ndarray,
                    terms: ClientTerms) -> pd.DataFrame:
     """`requests` with `CLIENT_COLUMNS` beside the server's latencies, from the first and last tokens'
-    send times (`client_timestamps`) and the fixed and per-token adds."""
+    send times (`client_timestamps`) and the fixed and per-token adds. Finished rows get all four;
+    an aborted row gets `client_ttft` when it produced a first token (as the server's `ttft`), NaN
+    for the rest; rejected rows get none."""
     arrival = requests.arrival.to_numpy(np.float64)
     out = requests.output_len.to_numpy(np.float64)
-    done = (requests.status == "finished").to_numpy()
+    status = requests.status.to_numpy()
+    done = status == "finished"
+    # an aborted row that got its first token has a client TTFT (NaN first_sent otherwise), and
+    # nothing that needs a finish: its last token never reached the client as a last token
+    first_seen = done | (status == "aborted")
     with np.errstate(divide="ignore", invalid="ignore"):
-        ttft = np.where(done, first_sent - arrival + terms.ttft_s, np.nan)
+        ttft = np.where(first_seen, first_sent - arrival + terms.ttft_s, np.nan)
         e2e = np.where(done, last_sent - arrival + terms.ttft_s + terms.per_output_token_s * np.maximum(out - 1, 0),
                        np.nan)
         columns = {"client_ttft": ttft,

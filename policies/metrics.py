@@ -186,7 +186,9 @@ def per_client(requests: pd.DataFrame, slo_ttft: float | None = None, slo_tpot: 
     totals over the run would measure demand instead, equal under every policy. Latencies are the
     client's when the table has them."""
     ttft, e2e = latency_column(requests, "ttft"), latency_column(requests, "e2e_latency")
-    r = requests.assign(client=requests.client.fillna("").astype(str) if "client" in requests else "")
+    # object dtype first: a trace without clients reads back as an all-NaN float column, which
+    # pandas will not fill with a string
+    r = requests.assign(client=requests.client.astype(object).fillna("").astype(str) if "client" in requests else "")
     ok = meets_slo(r, slo_ttft, slo_tpot)
     fin = r.status == "finished"
     service = np.where(fin, input_weight * r.prompt_len + output_weight * r.output_len, 0.0)

@@ -112,13 +112,17 @@ class _Gemm:
 
 
 class CalibratedCostModel(CostModel):
-    """See the module docstring. `ep` > 1: experts divided over ep devices (expert parallelism)."""
+    """See the module docstring. `ep` > 1: experts divided over ep devices (expert parallelism).
+    `dp` > 1 (an MoE model): this is one of dp data-parallel ranks whose MoE layers run together
+    (sim/dp.py): the experts are spread over dp x tp GPUs (whole experts when ep = dp x tp, else each
+    expert sharded over them), `step_time` leaves the MoE layers out, and `moe_group_time` prices
+    them, with their all-to-all, for the tokens of all ranks at once."""
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, params: CalibrationParams | None = None,
-                 tp: int = 1, ep: int = 1) -> None:
-        if tp < 1 or ep < 1:
-            raise ValueError(f"tp and ep must be >= 1, got tp={tp}, ep={ep}")
-        self.model, self.hardware, self.tp, self.ep = model, hardware, tp, ep
+                 tp: int = 1, ep: int = 1, dp: int = 1) -> None:
+        if tp < 1 or ep < 1 or dp < 1:
+            raise ValueError(f"tp, ep and dp must be >= 1, got tp={tp}, ep={ep}, dp={dp}")
+        self.model, self.hardware, self.tp, self.ep, self.dp = model, hardware, tp, ep, dp
         self.params = p = params or CalibrationParams()
         self._d = model.dtype_bytes
         self._compute = hardware.peak_flops * p.gemm_eff_max
@@ -157,8 +161,10 @@ class CalibratedCostModel(CostModel):
         self._kv_bytes = m.kv_bytes_per_token / tp
         self._pair_flops = s.attn_flops_per_pair / tp
         self._ar_bytes = self._d * h * 2 * (tp - 1) / tp  # ring traffic per token per all-reduce
+        # a DP group's MoE layers are priced once for all ranks (moe_group_time), not in step_time
+        self._grouped = s.is_moe and self.dp > 1
         if s.is_moe:
-            self._experts_dev = self.ep if self.ep > 1 else tp
+            self._experts_dev = self.ep if self.ep > 1 else tp * self.dp
             self._distinct = distinct_experts_table(s.num_experts, s.top_k)
 
     # --- the pricing maths: floats or arrays, the same IEEE operations either way -------------------
@@ -184,7 +190,7 @@ class CalibratedCostModel(CostModel):
             distinct = float(self._distinct[int(min(tokens, last))])
         distinct = distinct / self._experts_dev if self.ep > 1 else distinct
         passes = tokens * s.top_k / (self.ep if self.ep > 1 else 1)
-        per = s.expert_params / (1 if self.ep > 1 else self.tp)
+        per = s.expert_params / (1 if self.ep > 1 else self._experts_dev)
         compute = 2 * per * (passes + distinct * self.params.gemm_m_half) / self._compute
         memory = distinct * per * self._d / self._wbw
         return s.moe_layers * (2 * self.params.gemm_latency_s + self._max(compute, memory))  # gate_up, down
@@ -193,9 +199,17 @@ class CalibratedCostModel(CostModel):
         total = 0.0
         for g in self._gemms:
             total = total + self._gemm(g, tokens)
-        if self.shapes.is_moe:
+        if self.shapes.is_moe and not self._grouped:
             total = total + self._experts(tokens)
         return total + self._ew_floor + tokens * self._ew_bytes / self._ebw
+
+    def _all_to_all(self, tokens: float) -> float:
+        """Dispatch and combine of every MoE layer over the dp ranks, as vLLM's default all2all
+        backend (allgather_reducescatter) moves them: an all-gather of all ranks' hidden states and a
+        reduce-scatter of the experts' outputs, each (dp - 1) / dp of the group's tokens' bytes
+        through each GPU's link, plus the collective's latency."""
+        per_layer = (self.dp - 1) / self.dp * tokens * self.model.hidden_size * self._d / self._icbw
+        return self.shapes.moe_layers * 2 * (self.params.allreduce_latency_s + per_layer)
 
     def _allreduce(self, tokens: ArrayLike) -> ArrayLike:
         return 2 * self.model.num_layers * (self.params.allreduce_latency_s + self._ar_bytes * tokens / self._icbw)
@@ -248,6 +262,14 @@ class CalibratedCostModel(CostModel):
                                         np.asarray(context_tokens, dtype=np.float64))
         return np.where(seqs > 0, self._decode_time(seqs, ctx), 0.0)
 
+    def moe_group_time(self, tokens: float) -> float | None:
+        """The MoE layers on one GPU of a DP group whose ranks run `tokens` tokens in all (all of
+        them go through every rank's GPUs: experts, then all-to-all); None unless dp > 1 on an MoE
+        model (step_time then prices the experts itself)."""
+        if not self._grouped:
+            return None
+        return float(self._experts(float(tokens))) + self._all_to_all(float(tokens))
+
     def swap_time(self, num_blocks: int, block_size: int) -> float:
         per_block = (2 * self.model.num_layers * self.params.memcpy_latency_s
                      + block_size * self._kv_bytes / self._pcie)
@@ -272,12 +294,13 @@ class Calibration:
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
     source: str = ""
 
-    def cost_model(self, model: ModelSpec, hardware: HardwareSpec, tp: int = 1, ep: int = 1) -> CalibratedCostModel:
+    def cost_model(self, model: ModelSpec, hardware: HardwareSpec, tp: int = 1, ep: int = 1,
+                   dp: int = 1) -> CalibratedCostModel:
         """The cost model of `model` on `hardware`; warns when `hardware` is not the fitted one."""
         if get_hardware(self.hardware).name != hardware.name:
             warnings.warn(f"calibration {self.name or self.source} was fitted on {self.hardware}, but is used on "
                           f"{hardware.name}: its efficiencies and overheads may not hold there", stacklevel=2)
-        return CalibratedCostModel(model, hardware, self.params, tp=tp, ep=ep)
+        return CalibratedCostModel(model, hardware, self.params, tp=tp, ep=ep, dp=dp)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, "name": self.name,

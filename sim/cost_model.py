@@ -34,6 +34,12 @@ class CostModel(ABC):
     def swap_time(self, num_blocks: int, block_size: int) -> float:
         """Seconds to move `num_blocks` KV blocks of `block_size` tokens between CPU and GPU."""
 
+    def moe_group_time(self, tokens: float) -> float | None:
+        """The MoE layers of one data-parallel rank of a group whose ranks run `tokens` tokens in all
+        (sim/dp.py: vLLM's DP ranks of an MoE model step together): None when this model prices its
+        MoE layers in `step_time` (no DP group, a dense model, or a model that cannot say)."""
+        return None
+
     def client_terms(self) -> ClientTerms | None:
         """What a client measures beyond this model's server times (policies/client_latency.py), or
         None: the model prices the server only, and runs report server latencies alone."""
@@ -105,7 +111,10 @@ class RooflineCostModel(CostModel):
     - mixture of experts (sim/moe.py): expert weights are read once per distinct expert the batch's
       tokens touch (expected E (1 - (1 - k/E)^T) per MoE layer), expert FLOPs are T * k passes;
       shared experts and routers are priced like dense weights. `ep` > 1 divides the experts over
-      ep devices (expert parallelism) instead of sharding each over tp.
+      ep devices (expert parallelism) instead of sharding each over tp. `dp` > 1: one of dp
+      data-parallel ranks whose MoE layers run together (sim/dp.py): the experts are spread over
+      dp x tp devices, step_time leaves them out and `moe_group_time` prices them (and their
+      all-to-all over the interconnect) for all ranks' tokens at once.
     - tensor parallel (tp > 1): two all-reduces of the hidden states per layer, ring algorithm,
       2 (tp - 1) / tp of the bytes over the interconnect plus a fixed latency each.
     - swap: KV blocks over PCIe; each device moves its own shard over its own link. vLLM issues
@@ -135,12 +144,13 @@ class RooflineCostModel(CostModel):
                  compute_efficiency: float = 0.7, memory_efficiency: float = 0.8,
                  attention_compute_efficiency: float = 0.5, attention_memory_efficiency: float = 0.64,
                  interconnect_efficiency: float = 0.75, allreduce_latency_s: float = 10e-6,
-                 pcie_efficiency: float = 0.75, memcpy_latency_s: float = 2.3e-6, ep: int = 1) -> None:
+                 pcie_efficiency: float = 0.75, memcpy_latency_s: float = 2.3e-6, ep: int = 1,
+                 dp: int = 1) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
-        if ep < 1:
-            raise ValueError(f"ep must be >= 1, got {ep}")
-        self.ep = ep
+        if ep < 1 or dp < 1:
+            raise ValueError(f"ep and dp must be >= 1, got ep={ep}, dp={dp}")
+        self.ep, self.dp = ep, dp
         effs = {"compute_efficiency": compute_efficiency, "memory_efficiency": memory_efficiency,
                 "attention_compute_efficiency": attention_compute_efficiency,
                 "attention_memory_efficiency": attention_memory_efficiency,
@@ -167,9 +177,12 @@ class RooflineCostModel(CostModel):
         m, d, tp = self.model, self.model.dtype_bytes, self.tp
         h, f, q, kv, L = m.hidden_size, m.intermediate_size, m.q_size, m.kv_size, m.num_layers
         shapes = LayerShapes.of(m)
+        self._grouped = shapes.is_moe and self.dp > 1  # MoE layers priced by moe_group_time, not step_time
+        self._moe_layers = shapes.moe_layers
         if shapes.is_moe:
             self._linear_params = shapes.dense_params / tp
-            experts_dev = self.ep if self.ep > 1 else tp  # experts split over ep devices, else each sharded over tp
+            # experts split over ep devices, else each sharded over the tp (x dp) devices
+            experts_dev = self.ep if self.ep > 1 else tp * self.dp
             self._expert_params = shapes.moe_layers * shapes.expert_params / experts_dev
             self._expert_passes = shapes.top_k
             self._distinct = distinct_experts_table(shapes.num_experts, shapes.top_k)
@@ -200,10 +213,22 @@ class RooflineCostModel(CostModel):
     def _linear(self, tokens: ArrayLike) -> ArrayLike:
         flops = 2 * self._linear_params * tokens
         nbytes = self._linear_params * self.model.dtype_bytes + self._linear_act_bytes * tokens
-        if self._expert_params:
+        if self._expert_params and not self._grouped:
             flops = flops + 2 * self._expert_params * self._expert_passes * tokens
             nbytes = nbytes + self._expert_params * self.model.dtype_bytes * self._experts_read(tokens)
         return self._roof(flops, nbytes, self._flops, self._bw)
+
+    def moe_group_time(self, tokens: float) -> float | None:
+        if not self._grouped:
+            return None
+        tokens = float(tokens)
+        experts = self._roof(2 * self._expert_params * self._expert_passes * tokens,
+                             self._expert_params * self.model.dtype_bytes * self._experts_read(tokens),
+                             self._flops, self._bw)
+        # vLLM's default all2all (allgather_reducescatter): both ways (dp - 1) / dp of the group's
+        # hidden states through each device's link, plus a collective's latency, per MoE layer
+        moved = (self.dp - 1) / self.dp * tokens * self.model.hidden_size * self.model.dtype_bytes / self._ic_bw
+        return float(experts) + self._moe_layers * 2 * (self.allreduce_latency_s + moved)
 
     def _experts_read(self, tokens: ArrayLike) -> ArrayLike:
         """Expected distinct experts per MoE layer for `tokens` tokens (a table lookup: the scalar and

@@ -15,6 +15,7 @@ import pandas as pd
 import simpy
 
 from policies.client_latency import ClientTerms, with_client_latencies
+from policies.dp_router import VllmDPRouter
 from policies.limits import CPU_BLOCK_BYTES, GPU_BLOCK_BYTES, REPLICA_BYTES, check_fits
 from policies.metrics import request_frame, summarize
 from policies.replica_config import ReplicaConfig
@@ -24,6 +25,7 @@ from policies.trace_requests import requests_from_trace
 from sim.cluster import gc_paused, run_replicas, sim_replica
 from sim.cost_model import CostModel, RooflineCostModel
 from sim.disagg import run_disaggregated
+from sim.dp import run_dp_group
 from sim.engine import ArrivalFeed, Replica
 from sim.executor import load_beam_picks
 from sim.specs import get_hardware, get_model, kv_capacity_blocks
@@ -34,7 +36,8 @@ from traces.trace import Trace
 class SimConfig:
     """One simulation's settings. Construction refuses values no run could use (ValueError naming
     the field and the `pagesim` flag that sets it): tp must split the model's attention and KV heads
-    evenly; num_gpu_blocks, when given, is >= 1 (None derives it from the hardware); seeds lie in
+    evenly; dp >= 1, ep only on an MoE model, and dp > 1 is one server (no --replicas, --disaggregate,
+    --replica-hardware or --router-arg with it; its ranks are fed by vLLM's balancer); num_gpu_blocks, when given, is >= 1 (None derives it from the hardware); seeds lie in
     [0, 2**32); SLOs are finite and > 0; a given cache size must fit in this machine's memory."""
 
     model: str = "opt-13b"
@@ -43,6 +46,9 @@ class SimConfig:
     policy: str = "vllm"                   # a registry name, package.module:Class, or an entry point
     policy_options: dict[str, Any] = field(default_factory=dict)  # the policy class's keyword options
     replicas: int = 1                      # model replicas serving the trace, each with its own KV cache
+    dp: int = 1                            # vLLM data-parallel ranks of one server, each with its own requests and
+                                           # KV cache; an MoE model's ranks step in lockstep (sim.dp)
+    ep: bool = False                       # expert parallelism: an MoE model's experts spread whole over dp x tp GPUs
     router: str = "round-robin"            # how arrivals are spread over replicas (policies.router)
     router_options: dict[str, Any] = field(default_factory=dict)
     replica_hardware: tuple[str, ...] = ()  # each replica's GPU spec (default: every replica on `hardware`)
@@ -75,7 +81,13 @@ class SimConfig:
         _check_config(self)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as plain data; dp and ep only when set (a single server's config reads as it did
+        before they existed, so its summary is unchanged)."""
+        d = dataclasses.asdict(self)
+        for name, default in (("dp", 1), ("ep", False)):
+            if d[name] == default:
+                del d[name]
+        return d
 
     def replica(self, hardware: str | None = None) -> ReplicaConfig:
         """One replica's configuration, on `hardware` (default self.hardware): the policy fields of
@@ -109,6 +121,7 @@ def _check_config(cfg: SimConfig) -> None:
         raise ValueError(f"gpu_memory_utilization (--gpu-memory-utilization): must be in (0, 1], "
                          f"got {cfg.gpu_memory_utilization}")
     _check_tp(cfg)
+    _check_dp(cfg)
     _check_cache_memory(cfg)
     if cfg.replicas > 1 or cfg.disaggregate or cfg.router_options:
         try:
@@ -134,10 +147,38 @@ def _check_tp(cfg: SimConfig) -> None:
                          f"{model.num_kv_heads} KV heads evenly; use one of {', '.join(map(str, fits))}")
 
 
+def _check_dp(cfg: SimConfig) -> None:
+    """Data parallelism (--dp) and expert parallelism (--ep), as vLLM's --data-parallel-size and
+    --enable-expert-parallel: one server of dp ranks; experts only where the model has them."""
+    if not isinstance(cfg.dp, (int, np.integer)) or isinstance(cfg.dp, bool) or cfg.dp < 1:
+        raise ValueError(f"dp (--dp): must be an integer >= 1, got {cfg.dp!r}")
+    if not isinstance(cfg.ep, (bool, np.bool_)):
+        raise ValueError(f"ep (--ep): must be true or false, got {cfg.ep!r}")
+    if cfg.dp > 1:
+        for name, flag, given in (("replicas", "--replicas", cfg.replicas > 1),
+                                  ("disaggregate", "--disaggregate", bool(cfg.disaggregate)),
+                                  ("replica_hardware", "--replica-hardware", bool(cfg.replica_hardware)),
+                                  ("router_options", "--router-arg", bool(cfg.router_options))):
+            if given:
+                raise ValueError(f"dp (--dp): {cfg.dp} ranks of one server are fed by vLLM's own balancer; "
+                                 f"{name} ({flag}) does not combine with it")
+    if (cfg.ep or cfg.dp > 1) and cfg.cost_model.strip().lower() == "profiled":
+        raise ValueError("dp/ep (--dp, --ep): a profile prices one device's iterations; use the roofline or "
+                         "a calibration")
+    if cfg.ep:
+        try:
+            model = get_model(cfg.model)
+        except (ValueError, OSError):
+            return  # an unknown model fails where it is used, listing the known ones
+        if not model.is_moe:
+            raise ValueError(f"ep (--ep): {model.name} is a dense model; expert parallelism needs a "
+                             f"mixture-of-experts model")
+
+
 def _check_cache_memory(cfg: SimConfig) -> None:
     """Every replica's cache (given, or derived from the hardware) and bookkeeping must fit in memory
     (--replicas 100000 with derived caches was killed by the OOM killer, not refused)."""
-    replicas = sum(cfg.disaggregate) if cfg.disaggregate else max(cfg.replicas, 1)
+    replicas = sum(cfg.disaggregate) if cfg.disaggregate else max(cfg.replicas, cfg.dp, 1)
     if cfg.num_gpu_blocks is None and cfg.num_cpu_blocks is None and replicas == 1:
         return  # one cache derived from a hardware spec: at most a few million blocks
     gpu, cpu = cfg.num_gpu_blocks, cfg.num_cpu_blocks
@@ -167,15 +208,19 @@ def build_cost_model(cfg: SimConfig) -> CostModel:
     """The roofline model of cfg.model on cfg.hardware, or the profiled model in cfg.profile (which
     must have been measured on cfg.model, at tensor-parallel degree 1, and needs an explicit
     num_gpu_blocks: a profile does not say how large the measured machine's cache was). With
-    cfg.calibration, the roofline is the calibrated one (warns when fitted on other hardware)."""
+    cfg.calibration, the roofline is the calibrated one (warns when fitted on other hardware).
+    With cfg.ep the experts are spread whole over dp x tp GPUs; with cfg.dp > 1 on an MoE model the
+    model prices one rank of a DP group, its MoE layers by group (sim.dp)."""
     kind = cfg.cost_model.strip().lower()
+    ep, dp = expert_layout(cfg)
     if cfg.calibration and kind in ("roofline", "calibrated"):
         from sim.calibrated import load_calibration
-        return load_calibration(cfg.calibration).cost_model(get_model(cfg.model), get_hardware(cfg.hardware), tp=cfg.tp)
+        return load_calibration(cfg.calibration).cost_model(get_model(cfg.model), get_hardware(cfg.hardware), tp=cfg.tp,
+                                                            ep=ep, dp=dp)
     if kind == "calibrated":
         raise ValueError("cost_model 'calibrated' needs a calibration (a calibration file, or a shipped one's name)")
     if kind == "roofline":
-        return RooflineCostModel(get_model(cfg.model), get_hardware(cfg.hardware), tp=cfg.tp)
+        return RooflineCostModel(get_model(cfg.model), get_hardware(cfg.hardware), tp=cfg.tp, ep=ep, dp=dp)
     if kind != "profiled":
         raise ValueError(f"cost_model: unknown {cfg.cost_model!r}; known: roofline, calibrated, profiled")
     from sim.profiled import ProfiledCostModel, load_profile
@@ -191,6 +236,20 @@ def build_cost_model(cfg: SimConfig) -> CostModel:
         raise ValueError("num_gpu_blocks: a profiled simulation needs the KV cache size in blocks (--num-gpu-blocks; "
                          "`pagesim live` uses 512 unless told otherwise)")
     return ProfiledCostModel.from_profile(profile, sim_block_size=cfg.block_size)
+
+
+def expert_layout(cfg: SimConfig) -> tuple[int, int]:
+    """(EP size, DP ranks sharing the MoE layers) a cost model of cfg takes: (dp x tp with --ep, else
+    1; dp for an MoE model, else 1: a dense model's DP ranks are independent replicas)."""
+    if cfg.dp == 1 and not cfg.ep:
+        return 1, 1
+    moe = get_model(cfg.model).is_moe
+    return (cfg.dp * cfg.tp if cfg.ep else 1), (cfg.dp if moe else 1)
+
+
+def is_dp_group(cfg: SimConfig) -> bool:
+    """Whether cfg's replicas are the lockstep ranks of a DP group (dp > 1 on an MoE model)."""
+    return cfg.dp > 1 and get_model(cfg.model).is_moe
 
 
 def run_client_terms(cost_models: Iterable[CostModel]) -> ClientTerms | None:
@@ -214,9 +273,10 @@ def num_blocks_for(cfg: SimConfig, hardware: str | None = None) -> tuple[int, in
     """(GPU KV blocks, CPU swap blocks) for the configuration, on `hardware` (default cfg.hardware)."""
     model, hw = get_model(cfg.model), get_hardware(hardware or cfg.hardware)
     gpu = cfg.num_gpu_blocks  # 0 is refused by SimConfig, never replaced by the derived size
-    if gpu is None:
+    if gpu is None:  # one rank's cache: an MoE model's DP ranks hold 1/dp of the experts each
         gpu = kv_capacity_blocks(model, hw, block_size=cfg.block_size, tp=cfg.tp,
-                                 gpu_memory_utilization=cfg.gpu_memory_utilization)
+                                 gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                 expert_shards=cfg.dp if model.is_moe else 1)
         if gpu < 1:  # the scheduler's "num_blocks must be >= 1" named no flag
             raise ValueError(f"block_size (--block-size): the KV memory left on {cfg.tp} x {hw.name} after "
                              f"{model.name}'s weights holds no whole block of {cfg.block_size:,} tokens; use a "
@@ -239,7 +299,9 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
 
     With cfg.replicas > 1, each replica has its own scheduler, KV cache and executor (on
     cfg.replica_hardware[i] when given, else cfg.hardware), the router spreads arrivals, and the
-    tables gain a `replica` column."""
+    tables gain a `replica` column. With cfg.dp > 1, the replicas are the server's DP ranks, fed by
+    vLLM's balancer (policies.dp_router); an MoE model's ranks step in lockstep (sim.dp: the summary's
+    `dp` entry, the group's per-rank iterations in `extra["dp_group"]`)."""
     t0 = time.perf_counter()
     if cfg.disaggregate:
         replica = cfg.replica()
@@ -255,7 +317,9 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
             costs[hw] = cost_model or build_cost_model(cfg if hw == cfg.hardware else dataclasses.replace(cfg, hardware=hw))
     configs = {hw: cfg.replica(hw) for hw in costs}
     picks = beam_picks if beam_picks is not None else (load_beam_picks(cfg.beam_picks) if cfg.beam_picks else None)
-    router = run_router(cfg) if cfg.replicas > 1 else None
+    router = run_router(cfg) if cfg.replicas > 1 else (VllmDPRouter() if cfg.dp > 1 else None)
+    grouped = is_dp_group(cfg)
+    group_log = None
     env = simpy.Environment()
     with gc_paused():
         feed = ArrivalFeed(requests_from_trace(trace, configs[hardware[0]].max_model_len, cfg.n, cfg.beam_width))
@@ -267,9 +331,12 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
             seed = cfg.seed if i == 0 else np.random.SeedSequence([cfg.seed, i])
             replicas.append(sim_replica(env, configs[hw], costs[hw], seed, cfg.beam_rank_decay, picks,
                                         routed=router is not None, counts_only=router is not None and counts_only(router),
-                                        fast_forward=cfg.fast_forward, debug=cfg.debug, on_progress=tick,
-                                        observer=observer, index=i))
-        run_replicas(env, feed, replicas, router)
+                                        fast_forward=cfg.fast_forward and not grouped, debug=cfg.debug,
+                                        on_progress=tick, observer=observer, index=i))
+        if grouped:
+            group_log = run_dp_group(env, feed, replicas, router, costs[cfg.hardware])
+        else:
+            run_replicas(env, feed, replicas, router)
         if bar is not None:
             bar.close()
         requests, iterations = _tables(replicas)
@@ -289,16 +356,23 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
     if router is not None:
         summary["router"] = _router_summary(router, requests, iterations,
                                             [(hw, configs[hw].num_gpu_blocks) for hw in hardware])
+    extra: dict[str, Any] = {}
+    if cfg.dp > 1 or cfg.ep:
+        ep, _ = expert_layout(cfg)
+        summary["dp"] = {"ranks": cfg.dp, "expert_parallel_size": ep, "lockstep": grouped,
+                         **(group_log.summary() if group_log is not None else {})}
+    if group_log is not None:
+        extra["dp_group"] = group_log.frame()
     summary["trace"] = trace.name
     summary["config"] = cfg.to_dict()
-    return SimResult(requests, iterations, summary, cfg)
+    return SimResult(requests, iterations, summary, cfg, extra)
 
 
 def _replica_hardware(cfg: SimConfig, cost_model: CostModel | None) -> list[str]:
     """Each replica's GPU spec: cfg.replica_hardware when given, else cfg.hardware for all."""
     hw = cfg.replica_hardware
     if not hw:
-        return [cfg.hardware] * cfg.replicas
+        return [cfg.hardware] * (cfg.dp if cfg.dp > 1 else cfg.replicas)
     if len(hw) != cfg.replicas:
         raise ValueError(f"replica_hardware names {len(hw)} GPUs for {cfg.replicas} replicas")
     if len(set(hw)) > 1 and (cost_model is not None or cfg.cost_model.strip().lower() != "roofline"):

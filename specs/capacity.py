@@ -53,14 +53,33 @@ def _mlp_width(model: ModelSpec) -> int:
     return max(dense, moe)
 
 
+def expert_weight_bytes(model: ModelSpec) -> int:
+    """The routed experts' weights, all MoE layers (0 for a dense model)."""
+    return model.num_moe_layers * model.num_experts * model.expert_params * model.dtype_bytes
+
+
+def rank_weight_bytes(model: ModelSpec, expert_shards: int = 1) -> int:
+    """Weights one data-parallel rank's GPUs hold when the routed experts are spread over
+    `expert_shards` ranks (vLLM's DP for MoE: attention and dense layers replicated per rank, the
+    experts split over all ranks' GPUs); `model.weight_bytes` itself at 1."""
+    if expert_shards < 1:
+        raise ValueError(f"expert_shards must be >= 1, got {expert_shards}")
+    if expert_shards == 1:
+        return model.weight_bytes
+    experts = expert_weight_bytes(model)
+    return model.weight_bytes - experts + experts // expert_shards
+
+
 def kv_capacity_tokens(model: ModelSpec, hardware: HardwareSpec, tp: int = 1,
                        gpu_memory_utilization: float = 0.9,
-                       activation_reserve_bytes: int | None = None) -> int:
+                       activation_reserve_bytes: int | None = None, expert_shards: int = 1) -> int:
     """Token slots of KV cache left after weights and activations, summed over `tp` devices.
 
     capacity bytes = gpu_memory_utilization * memory_bytes * tp - weight_bytes - activation reserve,
     where the reserve defaults to `estimate_activation_reserve(model, tp)` (see there). Each token slot
     costs `model.kv_bytes_per_token` (sharded across devices under tensor parallelism).
+    `expert_shards` > 1: these tp devices are one data-parallel rank of an MoE model whose experts are
+    spread over that many ranks (`rank_weight_bytes`).
     Raises ValueError when the weights and activations leave no room.
     """
     if tp < 1:
@@ -71,10 +90,11 @@ def kv_capacity_tokens(model: ModelSpec, hardware: HardwareSpec, tp: int = 1,
     if reserve is None:
         reserve = estimate_activation_reserve(model, tp)
     usable = gpu_memory_utilization * hardware.memory_bytes * tp
-    free = usable - model.weight_bytes - reserve
+    weights = rank_weight_bytes(model, expert_shards)
+    free = usable - weights - reserve
     if free < model.kv_bytes_per_token:
         raise ValueError(
-            f"{model.name} does not fit on {tp} x {hardware.name}: weights {model.weight_bytes / GiB:.1f} GiB"
+            f"{model.name} does not fit on {tp} x {hardware.name}: weights {weights / GiB:.1f} GiB"
             f" + activations {reserve / GiB:.2f} GiB exceed {usable / GiB:.1f} GiB usable"
             f" (gpu_memory_utilization={gpu_memory_utilization}); use a larger tp or device")
     return int(free // model.kv_bytes_per_token)
@@ -82,10 +102,11 @@ def kv_capacity_tokens(model: ModelSpec, hardware: HardwareSpec, tp: int = 1,
 
 def kv_capacity_blocks(model: ModelSpec, hardware: HardwareSpec, block_size: int = 16, tp: int = 1,
                        gpu_memory_utilization: float = 0.9,
-                       activation_reserve_bytes: int | None = None) -> int:
+                       activation_reserve_bytes: int | None = None, expert_shards: int = 1) -> int:
     """Whole KV blocks of `block_size` tokens that fit (see `kv_capacity_tokens`)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    tokens = kv_capacity_tokens(model, hardware, tp, gpu_memory_utilization, activation_reserve_bytes)
+    tokens = kv_capacity_tokens(model, hardware, tp, gpu_memory_utilization, activation_reserve_bytes,
+                                expert_shards)
     return tokens // block_size
 

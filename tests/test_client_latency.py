@@ -115,3 +115,37 @@ def test_a_calibration_run_reports_both_and_the_report_says_which() -> None:
 def test_client_terms_refuse_negative_values() -> None:
     with pytest.raises(ValueError, match="output_lag_steps"):
         ClientTerms(output_lag_steps=-1.0)
+
+
+def test_an_aborted_row_gets_the_client_ttft_of_its_first_token_and_nothing_else() -> None:
+    """A row aborted after its first token has a client TTFT (its first token lagged and added to, as a
+    finished row's); one aborted before any token, and a rejected one, have no client latency at all."""
+    from policies.client_latency import with_client_latencies
+    nan = float("nan")
+    requests = pd.DataFrame({"arrival": [0.0, 0.0, 0.0, 0.0], "output_len": [3, 2, 0, 0],
+                             "first_token_time": [0.10, 0.10, nan, nan], "finish_time": [0.30, 0.25, 0.2, nan],
+                             "status": ["finished", "aborted", "aborted", "rejected"]})
+    iterations = pd.DataFrame({"start": [0.0, 0.1, 0.2], "duration": [0.1, 0.1, 0.1]})
+    r = with_client_latencies(requests, iterations, TERMS)
+    # the first token came out of the iteration ending at 0.1: one step's lag sends it at 0.2
+    assert r.client_ttft.iloc[0] == pytest.approx(0.2 + 0.02) and r.client_ttft.iloc[1] == pytest.approx(0.2 + 0.02)
+    for name in ("client_tpot", "client_e2e_latency", "client_normalized_latency"):
+        assert np.isnan(r[name].iloc[1:]).all() and not np.isnan(r[name].iloc[0]), name
+    assert np.isnan(r.client_ttft.iloc[2:]).all()
+
+
+def test_per_client_reads_a_trace_without_clients_without_a_warning() -> None:
+    """A request table whose client column reads back as all-NaN floats (no trace classes): one
+    client named "", and no pandas warning about filling a float column with a string."""
+    import warnings
+
+    from policies.metrics import per_client
+    requests = pd.DataFrame({"arrival": [0.0, 1.0], "prompt_len": [4, 4], "output_len": [2, 2],
+                             "ttft": [0.1, 0.1], "tpot": [0.01, 0.01], "e2e_latency": [0.2, 0.2],
+                             "normalized_latency": [0.1, 0.1], "finish_time": [0.2, 1.2],
+                             "first_scheduled": [0.0, 1.0], "status": ["finished", "finished"],
+                             "client": [float("nan"), float("nan")]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        table, _ = per_client(requests, None, None)
+    assert list(table.client) == [""] and int(table.requests.iloc[0]) == 2
