@@ -219,8 +219,10 @@ class OpenAIServer:
     """The routes, over one engine. `draining` (set on shutdown) answers new calls 503;
     `cut_off()` (the shutdown's deadline) also ends the body reads still waiting, with 503."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer, metrics: ServeMetrics, options: ServeOptions) -> None:
+    def __init__(self, engine: AsyncEngine, tokenizer, metrics: ServeMetrics, options: ServeOptions,
+                 extra_routes: list[Route] | None = None) -> None:
         self.engine, self.tokenizer, self.metrics, self.options = engine, tokenizer, metrics, options
+        self.extra_routes = extra_routes or []  # served beside the OpenAI routes (an emulator's KV events)
         self.draining = False
         self.cut = False  # the shutdown deadline passed: body reads still waiting end
 
@@ -231,6 +233,7 @@ class OpenAIServer:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
+            *self.extra_routes,
         ], exception_handlers={HTTPException: _http_error, Exception: _internal_error}))
 
     def cut_off(self) -> None:
