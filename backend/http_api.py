@@ -71,22 +71,48 @@ class _ClientGone(Exception):
 
 class _Text:
     """One choice's text, decoded incrementally: a delta never ends inside a UTF-8 character or
-    inside what may become a stop string; the stop string and what follows are never sent."""
+    inside what may become a stop string; the stop string and what follows are never sent.
+
+    Each token costs a decode of the few tokens since the last stable point, not of the whole
+    text (which made a stream's decoding quadratic in its length): the new text is what
+    decode(ids[prefix:]) adds to decode(ids[prefix:read]) (vLLM's incremental detokenization;
+    decoding both from the same token keeps a tokenizer's leading-space rules out of the delta),
+    held back while it ends in an incomplete character. The final call decodes the whole text
+    once, so the text sent in all equals decode(ids) whenever the deltas were a prefix of it."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
         self.tokenizer, self.stop = tokenizer, stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.longest = max((len(s) for s in stop), default=0)
+        self.hold = max(self.longest, 1) - 1
         self.ids: list[int] = []
+        self.text = ""      # decoded so far (up to `read`)
+        self.prefix = 0     # ids[prefix:read] decode to the end of `text`
+        self.read = 0
+        self.searched = 0   # no stop string ends inside text[:searched]
         self.sent = 0
         self.stopped = False  # a stop string was found
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def add(self, ids: list[int], final: bool) -> str:
         self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if final:
+            self.text = self._decode(self.ids)
+        elif ids:
+            before = self._decode(self.ids[self.prefix:self.read])
+            after = self._decode(self.ids[self.prefix:])
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                self.text += after[len(before):]
+                self.prefix, self.read = self.read, len(self.ids)
+        text = self.text
         end = len(text)
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            end, self.stopped, final = min(hits), True, True
+        if self.stop:
+            start = max(0, self.searched - self.longest + 1)
+            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            self.searched = end
+            if hits:
+                end, self.stopped, final = min(hits), True, True
         if not final:
             end -= self.hold
             while end > self.sent and text[end - 1] == "\ufffd":
