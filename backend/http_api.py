@@ -4,7 +4,8 @@ Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent e
 per token per choice, or whole), GET /v1/models, /health and /metrics (Prometheus text).
 
 Each prompt of a call is one engine request; its outputs come back on the engine thread and are
-moved onto this event loop with `loop.call_soon_threadsafe`. A call waits for its first output
+moved onto this event loop by `_Handoff` (one `loop.call_soon_threadsafe` per step, however many
+requests got tokens). A call waits for its first output
 before answering, so a request the scheduler rejects still gets an HTTP error status; a client
 that goes away (while waiting, or mid-stream) has its requests aborted, which frees their blocks.
 The client is gone when the HTTP layer reports a disconnect or when a send fails (OSError, as
@@ -23,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 
 from starlette.applications import Starlette
@@ -58,6 +60,9 @@ class ServeOptions:
     max_body_bytes: int = 8 << 20  # a larger request body is answered 413 before it is read whole
     body_timeout: float | None = 30.0  # seconds for a call's whole body to arrive, else 408 (None: no limit)
     frontend_delay_s: float = 0.0  # wall seconds a call waits before it is read (an emulated frontend's cost)
+    # the same delay in engine seconds: the call arrives that long after it came in, however late
+    # the event loop wakes it (the loop's own lateness is this server's overhead, not the frontend's)
+    frontend_delay_engine_s: float = 0.0
 
 
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it samples greedily
@@ -122,6 +127,31 @@ class _Text:
         return delta
 
 
+class _Handoff:
+    """Outputs from the engine thread to the event loop: the engine's sinks append to one list and
+    the first of a batch schedules one loop callback that hands them all over, in order (one
+    wake-up of the loop per step, not one per request)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: list[tuple[Callable[[RequestOutput], None], RequestOutput]] = []
+        self._lock = threading.Lock()
+
+    def put(self, deliver: Callable[[RequestOutput], None], out: RequestOutput) -> None:
+        """On any thread: `deliver(out)` on the loop, after what was put before."""
+        with self._lock:
+            self._items.append((deliver, out))
+            first = len(self._items) == 1
+        if first:
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for deliver, out in items:
+            deliver(out)
+
+
 class _Call:
     """One HTTP call's engine requests and what has come back for them."""
 
@@ -175,13 +205,13 @@ class _Call:
                            code="context_length_exceeded")
         return req
 
-    def submit(self, loop: asyncio.AbstractEventLoop) -> None:
+    def submit(self, handoff: _Handoff) -> None:
         put = self.queue.put_nowait
         self.requests = [replace(r, request_id=self.api.engine.new_request_id()) for r in self.requests]
         for r in self.requests:
             self.rids.append(r.request_id)
             self.open.add(r.request_id)
-            self.api.engine.submit(EngineRequest(r, lambda out: loop.call_soon_threadsafe(put, out),
+            self.api.engine.submit(EngineRequest(r, lambda out: handoff.put(put, out),
                                                  self.parsed.params.stop, self.parsed.params.seed))
 
     def abort_open(self) -> None:
@@ -251,6 +281,7 @@ class OpenAIServer:
         self.extra_routes = extra_routes or []  # served beside the OpenAI routes (an emulator's KV events)
         self.draining = False
         self.cut = False  # the shutdown deadline passed: body reads still waiting end
+        self._handoff: _Handoff | None = None  # the engine's outputs to the loop serving this API
 
     def app(self) -> ASGIApp:
         return _QuietWhenGone(Starlette(routes=[
@@ -290,9 +321,10 @@ class OpenAIServer:
         return await self._generate(request, parse_chat)
 
     async def _generate(self, request: HttpRequest, parse) -> Response:
+        arrival = self.engine.clock()
         if self.options.frontend_delay_s > 0:
             await asyncio.sleep(self.options.frontend_delay_s)
-        arrival = self.engine.clock()
+            arrival = min(arrival + self.options.frontend_delay_engine_s, self.engine.clock())
         try:
             call = await self._accept(request, parse, arrival)
         except _ClientGone as e:
@@ -305,7 +337,10 @@ class OpenAIServer:
             else:
                 self.metrics.refused.inc()
             return _error(e)
-        call.submit(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        if self._handoff is None or self._handoff.loop is not loop:
+            self._handoff = _Handoff(loop)
+        call.submit(self._handoff)
         streaming = False
         try:  # on any way out but the stream (which owns them then), what is still open is aborted
             first = await self._next(call, request)
@@ -387,6 +422,8 @@ class OpenAIServer:
 
     async def _next(self, call: _Call, request: HttpRequest, poll: float = 0.25) -> RequestOutput:
         """The call's next output; raises _ClientGone when the client disconnects meanwhile."""
+        if not call.queue.empty():  # already here (a step's outputs come together): no waiter needed
+            return call.queue.get_nowait()
         getter = asyncio.ensure_future(call.queue.get())
         try:
             while True:

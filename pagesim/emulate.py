@@ -208,7 +208,7 @@ def build_replicas(args: argparse.Namespace) -> list[Replica]:
                              output_lag_steps=lag_steps)
         api = OpenAIServer(engine, tokenizer, metrics, ServeOptions(
             args.model, max_len, args.max_pending, int(time.time()), body_timeout=args.body_timeout,
-            frontend_delay_s=frontend / args.time_scale))
+            frontend_delay_s=frontend / args.time_scale, frontend_delay_engine_s=frontend))
         r = Replica(i, engine, api, metrics, clock, gpu)
         replicas.append(r)
         if args.kv_events or args.kv_events_zmq:
