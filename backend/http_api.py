@@ -25,6 +25,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
@@ -59,12 +60,17 @@ class ServeOptions:
     created: int = 0            # when the server started (unix seconds), for /v1/models
     max_body_bytes: int = 8 << 20  # a larger request body is answered 413 before it is read whole
     body_timeout: float | None = 30.0  # seconds for a call's whole body to arrive, else 408 (None: no limit)
-    frontend_delay_s: float = 0.0  # wall seconds a call waits before it is read (an emulated frontend's cost)
-    # the same delay in engine seconds: the call arrives that long after it came in, however late
-    # the event loop wakes it (the loop's own lateness is this server's overhead, not the frontend's)
+    # an emulated frontend's cost: a call is read this many wall seconds after its first byte came
+    # in (this server's own reading of it counts towards them), and arrives at the engine
+    # `frontend_delay_engine_s` engine seconds after that byte, however late the event loop wakes
+    # it (the loop's lateness is this server's overhead, not the frontend's)
+    frontend_delay_s: float = 0.0
     frontend_delay_engine_s: float = 0.0
 
 
+# the ASGI scope key under which the HTTP protocol (backend/http_server.py) puts when a request's
+# first byte was read (time.perf_counter)
+RECEIVED = "pagesim.received"
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it samples greedily
 # the server's own log lines go to uvicorn's error log, so that they share its format and level
 log = logging.getLogger("uvicorn.error")
@@ -322,8 +328,13 @@ class OpenAIServer:
 
     async def _generate(self, request: HttpRequest, parse) -> Response:
         arrival = self.engine.clock()
-        if self.options.frontend_delay_s > 0:
-            await asyncio.sleep(self.options.frontend_delay_s)
+        delay = self.options.frontend_delay_s
+        if delay > 0:  # an emulated frontend: its delay runs from the request's first byte, so that
+            # this server's own reading and routing of the request is hidden inside it (up to all of it)
+            received = request.scope.get(RECEIVED)
+            spent = min(max(time.perf_counter() - received, 0.0), delay) if received is not None else 0.0
+            arrival -= spent * self.options.frontend_delay_engine_s / delay
+            await asyncio.sleep(delay - spent)
             arrival = min(arrival + self.options.frontend_delay_engine_s, self.engine.clock())
         try:
             call = await self._accept(request, parse, arrival)
