@@ -135,25 +135,29 @@ class _Text:
 
 class _Handoff:
     """Outputs from the engine thread to the event loop: the engine's sinks append to one list and
-    the first of a batch schedules one loop callback that hands them all over, in order (one
-    wake-up of the loop per step, not one per request)."""
+    the first of a batch schedules one loop callback that hands them all over (one wake-up of the
+    loop per step, not one per request). Outputs of calls still waiting for their first are handed
+    over first (their tasks run before those of the step's other streams: a new request's first
+    token does not queue behind every running stream's next one); each call's own stay in order."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self._items: list[tuple[Callable[[RequestOutput], None], RequestOutput]] = []
+        self._first: list[tuple[Callable[[RequestOutput], None], RequestOutput]] = []
+        self._rest: list[tuple[Callable[[RequestOutput], None], RequestOutput]] = []
         self._lock = threading.Lock()
 
-    def put(self, deliver: Callable[[RequestOutput], None], out: RequestOutput) -> None:
-        """On any thread: `deliver(out)` on the loop, after what was put before."""
+    def put(self, deliver: Callable[[RequestOutput], None], out: RequestOutput, first: bool = False) -> None:
+        """On any thread: `deliver(out)` on the loop; `first`: the call has had no output yet."""
         with self._lock:
-            self._items.append((deliver, out))
-            first = len(self._items) == 1
-        if first:
+            (self._first if first else self._rest).append((deliver, out))
+            wake = len(self._first) + len(self._rest) == 1
+        if wake:
             self.loop.call_soon_threadsafe(self._drain)
 
     def _drain(self) -> None:
         with self._lock:
-            items, self._items = self._items, []
+            items = self._first + self._rest
+            self._first, self._rest = [], []
         for deliver, out in items:
             deliver(out)
 
@@ -172,6 +176,7 @@ class _Call:
         self.tokens: dict[tuple[int, int], int] = {}
         self.open: set[int] = set()                          # engine requests not yet finished
         self.aborted = False                                 # one of them was aborted (shutdown)
+        self.answered = False                                # its first output has been taken in
         self.prompt_tokens = sum(len(ids) for ids in parsed.prompts)
         self.requests = [self._request(ids, arrival) for ids in parsed.prompts]
         for i in range(len(parsed.prompts)):
@@ -217,7 +222,7 @@ class _Call:
         for r in self.requests:
             self.rids.append(r.request_id)
             self.open.add(r.request_id)
-            self.api.engine.submit(EngineRequest(r, lambda out: handoff.put(put, out),
+            self.api.engine.submit(EngineRequest(r, lambda out: handoff.put(put, out, not self.answered),
                                                  self.parsed.params.stop, self.parsed.params.seed))
 
     def abort_open(self) -> None:
@@ -355,6 +360,7 @@ class OpenAIServer:
         streaming = False
         try:  # on any way out but the stream (which owns them then), what is still open is aborted
             first = await self._next(call, request)
+            call.answered = True
             if first.aborted:
                 raise _failure(first)
             events = call.apply(first)
