@@ -4,7 +4,8 @@ Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent e
 per token per choice, or whole), GET /v1/models, /health and /metrics (Prometheus text).
 
 Each prompt of a call is one engine request; its outputs come back on the engine thread and are
-moved onto this event loop with `loop.call_soon_threadsafe`. A call waits for its first output
+moved onto this event loop by `_Handoff` (one `loop.call_soon_threadsafe` per step, however many
+requests got tokens). A call waits for its first output
 before answering, so a request the scheduler rejects still gets an HTTP error status; a client
 that goes away (while waiting, or mid-stream) has its requests aborted, which frees their blocks.
 The client is gone when the HTTP layer reports a disconnect or when a send fails (OSError, as
@@ -23,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
+import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 
 from starlette.applications import Starlette
@@ -57,9 +60,17 @@ class ServeOptions:
     created: int = 0            # when the server started (unix seconds), for /v1/models
     max_body_bytes: int = 8 << 20  # a larger request body is answered 413 before it is read whole
     body_timeout: float | None = 30.0  # seconds for a call's whole body to arrive, else 408 (None: no limit)
-    frontend_delay_s: float = 0.0  # wall seconds a call waits before it is read (an emulated frontend's cost)
+    # an emulated frontend's cost: a call is read this many wall seconds after its first byte came
+    # in (this server's own reading of it counts towards them), and arrives at the engine
+    # `frontend_delay_engine_s` engine seconds after that byte, however late the event loop wakes
+    # it (the loop's lateness is this server's overhead, not the frontend's)
+    frontend_delay_s: float = 0.0
+    frontend_delay_engine_s: float = 0.0
 
 
+# the ASGI scope key under which the HTTP protocol (backend/http_server.py) puts when a request's
+# first byte was read (time.perf_counter)
+RECEIVED = "pagesim.received"
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it samples greedily
 # the server's own log lines go to uvicorn's error log, so that they share its format and level
 log = logging.getLogger("uvicorn.error")
@@ -71,22 +82,48 @@ class _ClientGone(Exception):
 
 class _Text:
     """One choice's text, decoded incrementally: a delta never ends inside a UTF-8 character or
-    inside what may become a stop string; the stop string and what follows are never sent."""
+    inside what may become a stop string; the stop string and what follows are never sent.
+
+    Each token costs a decode of the few tokens since the last stable point, not of the whole
+    text (which made a stream's decoding quadratic in its length): the new text is what
+    decode(ids[prefix:]) adds to decode(ids[prefix:read]) (vLLM's incremental detokenization;
+    decoding both from the same token keeps a tokenizer's leading-space rules out of the delta),
+    held back while it ends in an incomplete character. The final call decodes the whole text
+    once, so the text sent in all equals decode(ids) whenever the deltas were a prefix of it."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
         self.tokenizer, self.stop = tokenizer, stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.longest = max((len(s) for s in stop), default=0)
+        self.hold = max(self.longest, 1) - 1
         self.ids: list[int] = []
+        self.text = ""      # decoded so far (up to `read`)
+        self.prefix = 0     # ids[prefix:read] decode to the end of `text`
+        self.read = 0
+        self.searched = 0   # no stop string ends inside text[:searched]
         self.sent = 0
         self.stopped = False  # a stop string was found
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def add(self, ids: list[int], final: bool) -> str:
         self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if final:
+            self.text = self._decode(self.ids)
+        elif ids:
+            before = self._decode(self.ids[self.prefix:self.read])
+            after = self._decode(self.ids[self.prefix:])
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                self.text += after[len(before):]
+                self.prefix, self.read = self.read, len(self.ids)
+        text = self.text
         end = len(text)
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            end, self.stopped, final = min(hits), True, True
+        if self.stop:
+            start = max(0, self.searched - self.longest + 1)
+            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            self.searched = end
+            if hits:
+                end, self.stopped, final = min(hits), True, True
         if not final:
             end -= self.hold
             while end > self.sent and text[end - 1] == "\ufffd":
@@ -94,6 +131,35 @@ class _Text:
         delta = text[self.sent:max(end, self.sent)]
         self.sent = max(end, self.sent)
         return delta
+
+
+class _Handoff:
+    """Outputs from the engine thread to the event loop: the engine's sinks append to one list and
+    the first of a batch schedules one loop callback that hands them all over (one wake-up of the
+    loop per step, not one per request). Outputs of calls still waiting for their first are handed
+    over first (their tasks run before those of the step's other streams: a new request's first
+    token does not queue behind every running stream's next one); each call's own stay in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._first: list[tuple[Callable[[RequestOutput], None], RequestOutput]] = []
+        self._rest: list[tuple[Callable[[RequestOutput], None], RequestOutput]] = []
+        self._lock = threading.Lock()
+
+    def put(self, deliver: Callable[[RequestOutput], None], out: RequestOutput, first: bool = False) -> None:
+        """On any thread: `deliver(out)` on the loop; `first`: the call has had no output yet."""
+        with self._lock:
+            (self._first if first else self._rest).append((deliver, out))
+            wake = len(self._first) + len(self._rest) == 1
+        if wake:
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items = self._first + self._rest
+            self._first, self._rest = [], []
+        for deliver, out in items:
+            deliver(out)
 
 
 class _Call:
@@ -110,6 +176,7 @@ class _Call:
         self.tokens: dict[tuple[int, int], int] = {}
         self.open: set[int] = set()                          # engine requests not yet finished
         self.aborted = False                                 # one of them was aborted (shutdown)
+        self.answered = False                                # its first output has been taken in
         self.prompt_tokens = sum(len(ids) for ids in parsed.prompts)
         self.requests = [self._request(ids, arrival) for ids in parsed.prompts]
         for i in range(len(parsed.prompts)):
@@ -149,13 +216,13 @@ class _Call:
                            code="context_length_exceeded")
         return req
 
-    def submit(self, loop: asyncio.AbstractEventLoop) -> None:
+    def submit(self, handoff: _Handoff) -> None:
         put = self.queue.put_nowait
         self.requests = [replace(r, request_id=self.api.engine.new_request_id()) for r in self.requests]
         for r in self.requests:
             self.rids.append(r.request_id)
             self.open.add(r.request_id)
-            self.api.engine.submit(EngineRequest(r, lambda out: loop.call_soon_threadsafe(put, out),
+            self.api.engine.submit(EngineRequest(r, lambda out: handoff.put(put, out, not self.answered),
                                                  self.parsed.params.stop, self.parsed.params.seed))
 
     def abort_open(self) -> None:
@@ -219,10 +286,13 @@ class OpenAIServer:
     """The routes, over one engine. `draining` (set on shutdown) answers new calls 503;
     `cut_off()` (the shutdown's deadline) also ends the body reads still waiting, with 503."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer, metrics: ServeMetrics, options: ServeOptions) -> None:
+    def __init__(self, engine: AsyncEngine, tokenizer, metrics: ServeMetrics, options: ServeOptions,
+                 extra_routes: list[Route] | None = None) -> None:
         self.engine, self.tokenizer, self.metrics, self.options = engine, tokenizer, metrics, options
+        self.extra_routes = extra_routes or []  # served beside the OpenAI routes (an emulator's KV events)
         self.draining = False
         self.cut = False  # the shutdown deadline passed: body reads still waiting end
+        self._handoff: _Handoff | None = None  # the engine's outputs to the loop serving this API
 
     def app(self) -> ASGIApp:
         return _QuietWhenGone(Starlette(routes=[
@@ -231,6 +301,7 @@ class OpenAIServer:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
+            *self.extra_routes,
         ], exception_handlers={HTTPException: _http_error, Exception: _internal_error}))
 
     def cut_off(self) -> None:
@@ -261,9 +332,15 @@ class OpenAIServer:
         return await self._generate(request, parse_chat)
 
     async def _generate(self, request: HttpRequest, parse) -> Response:
-        if self.options.frontend_delay_s > 0:
-            await asyncio.sleep(self.options.frontend_delay_s)
         arrival = self.engine.clock()
+        delay = self.options.frontend_delay_s
+        if delay > 0:  # an emulated frontend: its delay runs from the request's first byte, so that
+            # this server's own reading and routing of the request is hidden inside it (up to all of it)
+            received = request.scope.get(RECEIVED)
+            spent = min(max(time.perf_counter() - received, 0.0), delay) if received is not None else 0.0
+            arrival -= spent * self.options.frontend_delay_engine_s / delay
+            await asyncio.sleep(delay - spent)
+            arrival = min(arrival + self.options.frontend_delay_engine_s, self.engine.clock())
         try:
             call = await self._accept(request, parse, arrival)
         except _ClientGone as e:
@@ -276,10 +353,14 @@ class OpenAIServer:
             else:
                 self.metrics.refused.inc()
             return _error(e)
-        call.submit(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        if self._handoff is None or self._handoff.loop is not loop:
+            self._handoff = _Handoff(loop)
+        call.submit(self._handoff)
         streaming = False
         try:  # on any way out but the stream (which owns them then), what is still open is aborted
             first = await self._next(call, request)
+            call.answered = True
             if first.aborted:
                 raise _failure(first)
             events = call.apply(first)
@@ -358,6 +439,8 @@ class OpenAIServer:
 
     async def _next(self, call: _Call, request: HttpRequest, poll: float = 0.25) -> RequestOutput:
         """The call's next output; raises _ClientGone when the client disconnects meanwhile."""
+        if not call.queue.empty():  # already here (a step's outputs come together): no waiter needed
+            return call.queue.get_nowait()
         getter = asyncio.ensure_future(call.queue.get())
         try:
             while True:

@@ -28,6 +28,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from functools import partial
 
@@ -35,7 +36,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from backend.async_engine import AsyncEngine
-from backend.http_api import OpenAIServer
+from backend.http_api import RECEIVED, OpenAIServer
 from backend.openai_protocol import ApiError
 
 log = logging.getLogger("uvicorn.error")
@@ -56,6 +57,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:  # a request's first byte (a later one on a kept-alive connection)
         super().on_message_begin()
+        # when the request began to arrive, for the app (an emulated frontend's delay runs from here)
+        self.scope[RECEIVED] = time.perf_counter()
         self._arm()
 
     def on_headers_complete(self) -> None:

@@ -43,7 +43,7 @@ def _free_port() -> int:
 
 def _stage(name: str):
     """(experiment, stage) of the Llama-2-7B experiments by 'workload#index'."""
-    from analysis.measurements import load_measurements
+    from analysis.measurement_files import load_measurements
 
     workload, _, index = name.partition("#")
     for exp in load_measurements(MEASUREMENTS):

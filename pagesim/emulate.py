@@ -32,7 +32,7 @@ import argparse
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -55,7 +55,9 @@ _EMULATION_ONLY = (("hardware", "--hardware", None), ("tp", "--tp", 1), ("calibr
                    ("time_scale", "--time-scale", 1.0), ("replicas", "--replicas", 1),
                    ("port_base", "--port-base", None), ("tokenizer", "--tokenizer", None),
                    ("output_len_mean", "--output-len-mean", 128.0), ("frontend_delay", "--frontend-delay", None),
-                   ("output_lag_steps", "--output-lag-steps", None))
+                   ("output_lag_steps", "--output-lag-steps", None), ("kv_events", "--kv-events", False),
+                   ("kv_events_zmq", "--kv-events-zmq", None), ("kv_events_replay", "--kv-events-replay", None),
+                   ("kv_events_topic", "--kv-events-topic", ""))
 
 
 def add_emulate_args(p: argparse.ArgumentParser) -> None:
@@ -87,6 +89,17 @@ def add_emulate_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--output-lag-steps", type=non_negative_int, metavar="K",
                    help="iterations after its own that a step's tokens go out (default: the calibration's "
                         "client_output_lag_steps, rounded; 0 with --profile)")
+    k = p.add_argument_group("KV-cache events (--emulate, with --prefix-caching: vLLM's KV events for cache-aware "
+                             "routers; backend/kv_events.py)")
+    k.add_argument("--kv-events", action="store_true",
+                   help="serve GET /v1/kv_events on every replica's port: server-sent events, one JSON batch per "
+                        "iteration (BlockStored / BlockRemoved / AllBlocksCleared with block hashes), ?since=N replays")
+    k.add_argument("--kv-events-zmq", metavar="ENDPOINT",
+                   help="also publish vLLM's ZeroMQ + msgpack wire format on this PUB endpoint (e.g. tcp://*:5557; "
+                        "replica i binds port + i; needs pyzmq and msgpack)")
+    k.add_argument("--kv-events-replay", metavar="ENDPOINT",
+                   help="vLLM's replay ROUTER endpoint for --kv-events-zmq (e.g. tcp://*:5567; replica i: port + i)")
+    k.add_argument("--kv-events-topic", default="", help="the ZeroMQ topic of every message (default empty)")
     # under --emulate the KV cache is sized from --hardware unless given; the live default stays 512
     p.set_defaults(num_gpu_blocks=None, num_cpu_blocks=None)
 
@@ -107,6 +120,12 @@ class Replica:
     metrics: object    # backend.serve_metrics.ServeMetrics
     clock: object      # sim.emulated.PacedClock
     kv_blocks: int
+    closers: list = field(default_factory=list)  # what to close once it has stopped (a KV-event publisher)
+
+    def close(self) -> None:
+        for close in self.closers:
+            close()
+        self.closers.clear()
 
 
 class LagMetrics:
@@ -189,9 +208,61 @@ def build_replicas(args: argparse.Namespace) -> list[Replica]:
                              output_lag_steps=lag_steps)
         api = OpenAIServer(engine, tokenizer, metrics, ServeOptions(
             args.model, max_len, args.max_pending, int(time.time()), body_timeout=args.body_timeout,
-            frontend_delay_s=frontend / args.time_scale))
-        replicas.append(Replica(i, engine, api, metrics, clock, gpu))
+            frontend_delay_s=frontend / args.time_scale, frontend_delay_engine_s=frontend))
+        r = Replica(i, engine, api, metrics, clock, gpu)
+        replicas.append(r)
+        if args.kv_events or args.kv_events_zmq:
+            try:
+                _kv_events(args, r, replica.scheduler, lag.observe)
+            except ValueError:
+                for done in replicas:
+                    done.close()
+                raise
     return replicas
+
+
+def _kv_events(args: argparse.Namespace, r: Replica, scheduler, observe_lag) -> None:
+    """Replica `r`'s KV-event log on its scheduler's block pool, sealed at every release of tokens,
+    behind GET /v1/kv_events (--kv-events) and vLLM's ZeroMQ publisher (--kv-events-zmq)."""
+    from starlette.routing import Route
+
+    from backend.kv_events import KvEventLog, ZmqPublisher, kv_events_route
+    from policies.block_manager import PagedBlockManager
+
+    flag = "--kv-events" if args.kv_events else "--kv-events-zmq"
+    if args.kv_events_replay and not args.kv_events_zmq:
+        raise ValueError("--kv-events-replay applies with --kv-events-zmq only")
+    if not args.prefix_caching:
+        raise ValueError(f"{flag} needs --prefix-caching (without it no block is named by a hash)")
+    bm = getattr(scheduler, "bm", None)
+    if not isinstance(bm, PagedBlockManager):
+        raise ValueError(f"{flag}: policy {args.policy!r} has no paged block manager to report on")
+    log = KvEventLog(bm, scheduler.seqs)
+    log.attach()
+    clock = r.clock
+
+    def on_release(lag: float, step_wall: float, behind: bool) -> None:
+        observe_lag(lag, step_wall, behind)
+        log.seal(clock.now())
+
+    clock.on_lag = on_release
+    if args.kv_events:
+        api = r.api
+        api.extra_routes.append(Route("/v1/kv_events", kv_events_route(log, lambda: not api.engine.alive or api.cut),
+                                      methods=["GET"]))
+    if args.kv_events_zmq:
+        zmq = ZmqPublisher(log, _offset_port(args.kv_events_zmq, r.index, "--kv-events-zmq"),
+                           _offset_port(args.kv_events_replay, r.index, "--kv-events-replay")
+                           if args.kv_events_replay else None, topic=args.kv_events_topic)
+        r.closers.append(zmq.close)
+
+
+def _offset_port(endpoint: str, i: int, flag: str) -> str:
+    """`endpoint` with its port raised by `i` (replica i's, as vLLM offsets by data-parallel rank)."""
+    head, sep, port = endpoint.rpartition(":")
+    if not (sep and endpoint.startswith("tcp://") and port.isdigit()):
+        raise ValueError(f"{flag}: expected tcp://HOST:PORT (e.g. tcp://*:5557), got {endpoint!r}")
+    return f"{head}:{int(port) + i}"
 
 
 def _client_terms(args: argparse.Namespace, cost: CostModel) -> tuple[float, int]:

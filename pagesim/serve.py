@@ -85,6 +85,7 @@ class Front:
     port: int
     out: str            # where its tables go
     facts: Callable[[], dict]  # what its summary says of the engine (asked once it has stopped)
+    close: Callable[[], None] = lambda: None  # once its engine has stopped (an emulator's KV-event publisher)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -114,6 +115,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve_together(servers, sockets)
     finally:  # however the HTTP servers ended (even by an exception), the engines stop and the tables are written
         _stop_engines([f.engine for f in fronts], drain, args.shutdown_timeout)
+        for f in fronts:
+            f.close()
         for s in sockets or ():
             s.close()
         code = max(_write_tables(args, f.engine, f.facts(), f.out) for f in fronts)
@@ -147,7 +150,7 @@ def _emulated_fronts(args: argparse.Namespace) -> tuple[list[Front], list[socket
     sockets = bind_ports(args.host, [base + r.index for r in replicas], "--port" if args.port_base is None
                          else "--port-base")
     fronts = [Front(r.engine, r.api, r.metrics, base + r.index, replica_out(args, r, len(replicas)),
-                    partial(replica_facts, args, r, len(replicas))) for r in replicas]
+                    partial(replica_facts, args, r, len(replicas)), r.close) for r in replicas]
     # the engine threads wake from their sleeps to release tokens on time; Python hands the GIL over
     # every 5 ms by default, which would be their lag whenever the event loop is busy (this process
     # is the emulator alone, so the setting is ours to make)

@@ -61,6 +61,7 @@ class BlockPool:
         self.cached: dict[int, int] = {}  # content hash -> block id
         self.evictions = 0
         self.used_filled = 0  # sum of `filled` over blocks in use: the token states, kept O(1)
+        self.listener = None  # a policies.kv_listener.KvCacheListener: told of hashes stored, evicted, cleared
 
     @property
     def free(self) -> list[int]:
@@ -89,6 +90,8 @@ class BlockPool:
                 block_id, _ = self._idle.popitem(last=False)
                 block = blocks[block_id]
                 del self.cached[block.hash]
+                if self.listener is not None:
+                    self.listener.removed(block.hash)
                 block.hash = None
                 self.evictions += 1
             block.ref_count = 1
@@ -139,6 +142,22 @@ class BlockPool:
         if block.hash is None and content_hash not in self.cached:
             block.hash = content_hash
             self.cached[content_hash] = block.block_id
+            if self.listener is not None:
+                self.listener.stored(block, content_hash)
+
+    def clear_cache(self) -> bool:
+        """Forget every cached hash (vLLM's reset_prefix_cache): only while no block is in use
+        (else False, nothing changes); the idle cached blocks become never-cached free blocks."""
+        if self.num_free != len(self.blocks):
+            return False
+        for block_id in self._idle:
+            self.blocks[block_id].hash = None
+            self._fresh.append(block_id)
+        self._idle.clear()
+        self.cached.clear()
+        if self.listener is not None:
+            self.listener.cleared()
+        return True
 
 
 class CpuBlockPool:

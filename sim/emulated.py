@@ -81,6 +81,9 @@ class EmulatedExecutor:
         self._stops: dict[int, StopCheck] = {}  # group id -> its stop check
         # group id -> (where its sequences' walks start, seeded; the id of its first sequence)
         self._base: dict[int, tuple[int, int | None]] = {}
+        # group id -> its sequences that may hold an entry in inner.targets (n > 1 only: a single
+        # sample's target is its trace length, never stored), dropped with them at `release`
+        self._forked: dict[int, set[int]] = {}
 
     # ---------------------------------------------------------------- the engine's hooks
     def register(self, request: Request, seed: int | None = None, stop: StopCheck | None = None) -> None:
@@ -98,9 +101,15 @@ class EmulatedExecutor:
             request.output_len = self.lengths.draw(rng, sp.max_tokens)
 
     def release(self, group_id: int) -> None:
-        """Drop what a finished or aborted request held."""
+        """Drop what a finished, aborted or rejected request held (its seed, stop check and its
+        parallel samples' output lengths), so a long-running server holds nothing per past request."""
         self._base.pop(group_id, None)
         self._stops.pop(group_id, None)
+        seqs = self._forked.pop(group_id, None)
+        if seqs:
+            targets = self.inner.targets
+            for seq_id in seqs:
+                targets.pop(seq_id, None)
 
     def price(self, comp: StepComposition) -> float:
         return self.inner.price(comp)
@@ -112,8 +121,10 @@ class EmulatedExecutor:
             if ss.samples and ss.seq_id not in targets:
                 seq = ss.seq
                 sp = seq.group.request.sampling
-                if sp.n > 1 and sp.ignore_eos:
-                    targets[ss.seq_id] = seq.target_len
+                if sp.n > 1:  # inner.execute stores a drawn length for a fork: `release` drops it
+                    self._forked.setdefault(seq.group.group_id, set()).add(ss.seq_id)
+                    if sp.ignore_eos:
+                        targets[ss.seq_id] = seq.target_len
         result = self.inner.execute(plan, comp)
         result.others_continue = False
         outcomes = result.outcomes

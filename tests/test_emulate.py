@@ -206,3 +206,40 @@ def test_taken_port_is_refused_before_start(capsys):
         assert "--port" in err and str(port) in err
         err = _run(capsys, *BASE, "--calibration", "vllm-v1-h100", "--replicas", "2", "--port-base", str(port - 1))
         assert "--port-base" in err and str(port) in err
+
+
+def test_parallel_samples_leave_nothing_in_the_executor():
+    """n > 1 requests (ignore_eos or drawn lengths) that finish, are aborted mid-way or are rejected:
+    once they have ended the executor holds no output length, seed or stop check for any of them
+    (a long-running server's memory does not grow with the requests it served)."""
+    from backend.async_engine import AsyncEngine, EngineRequest
+
+    executor = EmulatedExecutor(build_cost_model(CFG), list(range(500, 600)), seed=CFG.seed,
+                                lengths=OutputLengthModel(mean=6))
+    engine = AsyncEngine(build_replica(CFG.replica(), executor), clock=PacedClock(200.0))
+    ends: dict[int, str] = {}
+    forked_seen: set[int] = set()
+
+    def sink_for(rid: int, abort_after_tokens: bool):
+        def sink(out) -> None:
+            if out.new_tokens and len(executor.inner.targets):
+                forked_seen.add(rid)  # an entry existed while it ran: the release below is tested
+            if abort_after_tokens and out.new_tokens and not out.finished:
+                engine.abort(rid)
+            if out.finished:
+                ends[rid] = "aborted" if out.aborted else "rejected" if out.error else "done"
+        return sink
+
+    cases = [(SamplingParams(max_tokens=12, ignore_eos=True, n=3), False),   # runs to its end
+             (SamplingParams(max_tokens=40, n=3), False),                    # drawn lengths, stops early
+             (SamplingParams(max_tokens=100, ignore_eos=True, n=3), True),   # aborted after its first tokens
+             (SamplingParams(max_tokens=10_000, ignore_eos=True, n=3), False)]  # never fits the cache: rejected
+    for rid, (sp, abort) in enumerate(cases):
+        engine.submit(EngineRequest(Request(rid, 0.0, 8, sp, prompt_token_ids=list(range(10 + rid, 18 + rid))),
+                                    sink_for(rid, abort)))
+    engine.start()
+    engine.stop(drain=True, timeout=60)
+    assert engine.error is None and set(ends) == {0, 1, 2, 3}
+    assert ends == {0: "done", 1: "done", 2: "aborted", 3: "rejected"}
+    assert forked_seen >= {0, 2}
+    assert executor.inner.targets == {} and executor._forked == {} and executor._base == {}

@@ -256,3 +256,119 @@ def test_replicas_get_the_servers_timeouts_and_bounded_shutdown(tmp_path):
         assert summary["replica"] == i and summary["pool_whole"]
     req = pd.read_csv(tmp_path / "run" / "replica-0" / "requests.csv")
     assert list(req.status) == ["aborted"] and req.reject_reason[0] == "aborted: server shutdown"
+
+
+def _port_pair() -> int:
+    """A free port whose successor is free too (one for each of two replicas)."""
+    for _ in range(20):
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+                return p
+            except OSError:
+                continue
+    pytest.skip("no two consecutive free ports")
+
+
+class _SseReader(threading.Thread):
+    """Reads GET /v1/kv_events into `batches` (the decoded JSON of each event) until it ends."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.batches, self.ids = url, [], []
+
+    def run(self) -> None:
+        with httpx.stream("GET", self.url, timeout=60) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if line.startswith("id: "):
+                    self.ids.append(int(line[4:]))
+                elif line.startswith("data: "):
+                    self.batches.append(json.loads(line[6:]))
+
+    def events(self, kind: str) -> list[dict]:
+        return [e for b in list(self.batches) for e in b["events"] if e["type"] == kind]
+
+    def wait_for(self, test, what: str, timeout: float = 30) -> None:
+        deadline = time.time() + timeout
+        while not test():
+            assert time.time() < deadline, f"the KV-event stream never showed {what}: {self.batches[-3:]}"
+            time.sleep(0.05)
+
+
+def _chain(tokens: list[int], block_size: int = 16) -> list[int]:
+    """docs/serving.md's block hashes of a token-id prompt's full blocks (unsigned 64-bit)."""
+    out, parent = [], 0
+    for j in range(len(tokens) // block_size):
+        parent = hash((parent, tuple(tokens[j * block_size:(j + 1) * block_size])))
+        out.append(parent & (2**64 - 1))
+    return out
+
+
+def test_kv_events_streams_per_replica_http_and_zmq(tmp_path):
+    """--kv-events on two replicas with a 64-block cache: replica 0's stream shows BlockStored for
+    a prompt's full blocks (the documented hashes, its token ids, chained), then BlockRemoved for
+    them once other prompts evict them; replica 1's stream stays its own. The same batches come
+    over vLLM's ZeroMQ + msgpack format, and its replay socket gives them from sequence 0."""
+    zmq = pytest.importorskip("zmq")
+    msgpack = pytest.importorskip("msgpack")
+    base, zport, rport = _port_pair(), _port_pair(), _port_pair()
+    proc = _start([*CLI, "--replicas", "2", "--port-base", str(base), "--prefix-caching", "--num-gpu-blocks", "64",
+                   "--kv-events", "--kv-events-zmq", f"tcp://127.0.0.1:{zport}",
+                   "--kv-events-replay", f"tcp://127.0.0.1:{rport}", "--out", str(tmp_path / "run")], base)
+    ctx = zmq.Context()
+    try:
+        sub = ctx.socket(zmq.SUB)
+        sub.connect(f"tcp://127.0.0.1:{zport}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        readers = [_SseReader(f"http://127.0.0.1:{base + i}/v1/kv_events") for i in range(2)]
+        for r in readers:
+            r.start()
+        readers[0].wait_for(lambda: readers[0].batches, "its opening snapshot")
+        assert readers[0].batches[0]["snapshot"] and readers[0].batches[0]["events"][0]["type"] == "AllBlocksCleared"
+        assert httpx.get(f"http://127.0.0.1:{base}/v1/kv_events?since=x", timeout=10).status_code == 400
+        time.sleep(0.3)  # ZeroMQ's subscription reaches the publisher
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{base}/v1", api_key="none", max_retries=0)
+        prompt = list(range(1000, 1000 + 3 * 16 + 5))
+        c.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True})
+        want = _chain(prompt)
+        readers[0].wait_for(lambda: any(e["block_hashes"][:3] == want for e in readers[0].events("BlockStored")),
+                            "the prompt's blocks stored")
+        stored = next(e for e in readers[0].events("BlockStored") if e["block_hashes"][:3] == want)
+        assert stored["token_ids"][:48] == prompt[:48] and stored["parent_block_hash"] is None
+        assert stored["block_size"] == 16 and stored["medium"] == "GPU"
+        for k in range(4):  # distinct prompts of 20 blocks each: the first prompt's idle blocks are evicted
+            c.completions.create(model=MODEL, prompt=list(range(2000 + 400 * k, 2000 + 400 * k + 320)), max_tokens=2,
+                                 extra_body={"ignore_eos": True})
+        removed = lambda: {h for e in readers[0].events("BlockRemoved") for h in e["block_hashes"]}
+        readers[0].wait_for(lambda: set(want) <= removed(), "the prompt's blocks removed")
+        assert readers[0].ids == sorted(readers[0].ids) and len(set(readers[0].ids[1:])) == len(readers[0].ids) - 1
+        assert not readers[1].events("BlockStored")  # replica 1 served nothing
+        # vLLM's wire format: (topic, 8-byte sequence number, msgpack [ts, events])
+        got = {}
+        while sub.poll(2000):
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == b""  # the default topic
+            got[int.from_bytes(seq, "big")] = msgpack.unpackb(payload)
+        assert got and all(isinstance(ts, float) for ts, _ in got.values())
+        z_stored = [e for _, evs in got.values() for e in evs if e[0] == "BlockStored"]
+        assert any(e[1][:3] == want and e[3][:48] == prompt[:48] and e[4] == 16 for e in z_stored)
+        replay = ctx.socket(zmq.DEALER)
+        replay.connect(f"tcp://127.0.0.1:{rport}")
+        replay.send_multipart([b"", (0).to_bytes(8, "big")])
+        replayed = []
+        while replay.poll(5000):
+            _, seq, payload = replay.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                break
+            replayed.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)))
+        assert replayed[0] == (0, [replayed[0][1][0], [["AllBlocksCleared"]]])
+        assert [s for s, _ in replayed] == list(range(len(replayed))) and len(replayed) >= max(got) + 1
+    finally:
+        ctx.destroy(linger=0)
+        out = _stop(proc)
+    for r in readers:
+        r.join(10)
+        assert not r.is_alive(), "the KV-event stream did not end with the server"
+    assert proc.returncode == 0, out
