@@ -32,7 +32,7 @@ import numpy as np
 import simpy
 
 from policies.request import Request
-from policies.router import Router
+from policies.router import Router, replica_views
 from policies.scheduler import Scheduler
 from policies.step import ReplicaStep
 
@@ -142,7 +142,8 @@ def arrival_process(env: simpy.Environment, feed: ArrivalFeed, replicas: list[Re
                     router: Router | None = None):
     """Each request enters a replica's waiting queue at its arrival time: the router's pick, or the
     only replica."""
-    schedulers = [r.scheduler for r in replicas]
+    # the view of each replica the router declares it reads (policies.router.replica_views)
+    schedulers = replica_views(router, [r.scheduler for r in replicas]) if router is not None else []
     while not feed.exhausted:
         request = feed.requests[feed.next_index]
         if request.arrival > env.now:

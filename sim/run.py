@@ -18,7 +18,7 @@ from policies.client_latency import ClientTerms, with_client_latencies
 from policies.limits import CPU_BLOCK_BYTES, GPU_BLOCK_BYTES, REPLICA_BYTES, check_fits
 from policies.metrics import request_frame, summarize
 from policies.replica_config import ReplicaConfig
-from policies.router import PrefixAffinityRouter, Router, counts_only, make_router
+from policies.router import PrefixAffinityRouter, Router, make_router, reads_counts
 from policies.scheduler import Scheduler
 from policies.trace_requests import requests_from_trace
 from sim.cluster import gc_paused, run_replicas, sim_replica
@@ -266,7 +266,7 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
             # replica 0 keeps the run's seed, so that one replica is exactly the single-engine run
             seed = cfg.seed if i == 0 else np.random.SeedSequence([cfg.seed, i])
             replicas.append(sim_replica(env, configs[hw], costs[hw], seed, cfg.beam_rank_decay, picks,
-                                        routed=router is not None, counts_only=router is not None and counts_only(router),
+                                        routed=router is not None, counts_only=router is not None and reads_counts(router),
                                         fast_forward=cfg.fast_forward, debug=cfg.debug, on_progress=tick,
                                         observer=observer, index=i))
         run_replicas(env, feed, replicas, router)
