@@ -15,7 +15,8 @@ scheduler at once and logged); this module only moves the SimPy clock over its e
 exactly where stepping's additions would (`_advance`). With several replicas the router reads every
 replica at each arrival and must find it as stepping would have left it: a window ends before the
 next arrival anywhere, unless the router reads only outstanding counts (round-robin, random,
-least-loaded, prefix-affinity), which a window changes only at its last end.
+least-loaded, prefix-affinity: it is handed policies.router.ReplicaCounts views), which a window
+changes only at its last end.
 
 An arrival is processed before anything else due at the same instant (`ArrivalTimeout`): a
 request arriving exactly when an iteration ends is routed before that iteration's finishes are
