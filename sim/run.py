@@ -71,7 +71,7 @@ class SimConfig:
     slo_ttft: float | None = None
     slo_tpot: float | None = None
     fast_forward: bool = True
-    debug: bool = False
+    debug: bool = False                    # check invariants every iteration, and skip-ahead against stepping (sim.contract_check)
 
     def __post_init__(self) -> None:
         _check_config(self)
