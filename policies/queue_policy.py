@@ -2,30 +2,39 @@
 
 A `QueuePolicy` plugs into the paged scheduler (`VllmScheduler(policy=...)`) in simulation and live
 alike. The scheduler keeps its one token-budget rule, its block manager and its skip-ahead; the
-policy only answers questions, and gets the fast path without writing one, provided it keeps the
-contract below (which is what lets the engine skip iterations and still match stepping bit for bit):
+policy only answers questions. Its contract is about its decisions and when they may change:
 
 - `key(group)`: the order of the waiting queue and of the running batch (smallest first: the first
-  gets its tokens first, the last is preempted first). It is read when a group is queued and must not
-  change while the group waits or runs, unless the policy sets `dynamic_order`: it then owns the
-  waiting queue (`new_queue`, whose `[0]` is the group to consider next, now) and names the groups
-  that could come first while the running batch decodes (`head_candidates`); skipped windows need
-  every one of them blocked.
+  gets its tokens first, the last is preempted first).
 - `admit(group, now)`: ADMIT (memory and budgets permitting), DEFER (head of line: nothing further is
-  admitted this step), or a rejection reason (str). A pure function of the group, `now` and the
-  policy's state: the engine asks it when deciding whether iterations may be skipped.
-- `wake_time(waiting, now)`: the earliest time after `now` at which `admit` may answer differently
-  for a waiting group with nothing else changed (a deadline passing, a token bucket refilling); the
-  engine ends every skipped window there. math.inf when answers change only on arrivals and finishes.
-- `arrival_order`: True when `key` sorts by arrival (a new request queues behind every waiting one),
-  so arrivals need not end a skipped window while the queue's head stays blocked.
+  admitted this step), or a rejection reason (str).
 - `victim(running)`: the running group to preempt when blocks run out; default the last in key order.
-  A policy that overrides it loses only the skipped preempting step (stepped instead).
-- `on_served(group, prefill_tokens, decode_tokens)`: accounting hook after each step (and for each
-  skipped window), called only when `tracks_service` is set.
-- `on_queued(group)`: called as a group joins the queue, before its key is read. A policy that
-  overrides it (a predictor, a fair-share counter) gets skipped windows that end before every
-  arrival, so that what it reads there is what stepping would show it.
+- hooks: `on_queued` (a group joins the queue, before its key is read), `on_admitted`, `on_served`
+  (tokens computed for a group: after each step, or once for several iterations at a time),
+  `on_finished`. A hook only records; overriding one changes nothing else.
+- When its answers may change, besides arrivals, admissions and finishes:
+  - `wake_time(waiting, now)`: the earliest time after `now` at which `admit` may answer differently
+    with nothing else changed (a deadline passing, a token bucket refilling); math.inf when never.
+  - `reads`: what `key`, `admit` and `on_queued` read, one of READS:
+      "request"            (the default) the group's request and the policy's fixed parameters: a
+                           key is fixed from queueing on;
+      "state-when-queued"  also the policy's own state (what it learned from finished or served
+                           requests) as it is when the group is queued; the key is then fixed;
+      "state"              the policy's own state, at every read: keys change while groups wait
+                           (fair-share counters). The running batch is then kept in arrival order.
+    A class that defines `key` declares `reads` in its own body (else TypeError).
+
+What the simulator needs to skip iterations and still match stepping bit for bit, it derives from
+these: the waiting queue is a FIFO when `key` is the base one (arrival order: an arrival queues
+behind everyone waiting), a heap on the key for "request" and "state-when-queued", the policy's
+`new_queue()` for "state" (by default a queue that finds the smallest key at each read); which
+groups could come first while the batch decodes is the queue's to say (`candidates()`, else every
+waiting group); arrivals must see the policy's state as stepping leaves it unless `reads` is
+"request"; a window applies a preempting iteration itself only under the base `victim` (the
+running tail; a policy's own victim gets that iteration stepped, with the same result). A policy
+that breaks this contract (say a key that reads state without declaring it) may give results that
+differ from stepping without a word: run it once with `--debug` (SimConfig.debug), which simulates
+with and without skip-ahead and names the class and the decision that differed.
 """
 
 from __future__ import annotations
@@ -43,33 +52,69 @@ from policies.request import SequenceGroup
 ADMIT = "admit"
 DEFER = "defer"
 
+# what a policy's key, admit and on_queued read (QueuePolicy.reads)
+REQUEST = "request"
+STATE_WHEN_QUEUED = "state-when-queued"
+STATE = "state"
+READS = (REQUEST, STATE_WHEN_QUEUED, STATE)
+
+# window bookkeeping the contract no longer asks of a policy: each name, and what replaced it
+_REMOVED = {
+    "arrival_order": "derived: the queue is a FIFO when key is the base one",
+    "dynamic_order": "declare reads = 'state'",
+    "head_candidates": "the waiting queue's candidates() (new_queue)",
+    "queues_by_state": "declare reads = 'state-when-queued' (or 'state')",
+    "overrides_victim": "derived by the scheduler",
+}
+
+
+def check_reads(owner: str, reads: object) -> None:
+    """A ValueError naming the class unless `reads` is one of READS."""
+    if reads not in READS:
+        raise ValueError(f"{owner}.reads = {reads!r}: must be one of {', '.join(map(repr, READS))} "
+                         "(what key, admit and on_queued read; see policies.queue_policy)")
+
 
 class QueuePolicy:
     """First come, first served (vLLM's default): arrival order, admit whatever fits, preempt the
     most recently arrived."""
 
     name: ClassVar[str] = "fcfs"
-    arrival_order: ClassVar[bool] = True
-    dynamic_order: ClassVar[bool] = False
+    reads: str = REQUEST  # a class attribute, or set per instance in __init__ (see ShortestFirstPolicy)
+    # whether the scheduler calls on_served: derived (a policy that defines on_served gets it called)
     tracks_service: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        for old, instead in _REMOVED.items():
+            if old in cls.__dict__:
+                raise TypeError(f"{cls.__name__}.{old}: no longer part of the QueuePolicy contract ({instead}; "
+                                "see policies.queue_policy)")
+        if "key" in cls.__dict__ and "reads" not in cls.__dict__:
+            raise TypeError(f"{cls.__name__} defines key(): declare what it reads in the class, reads = "
+                            f"{' | '.join(map(repr, READS))} (see policies.queue_policy)")
+        if "reads" in cls.__dict__:
+            check_reads(cls.__name__, cls.__dict__["reads"])
+        if "tracks_service" not in cls.__dict__:  # calling the base no-op would change nothing
+            cls.tracks_service = cls.on_served is not QueuePolicy.on_served
 
     def key(self, group: SequenceGroup) -> tuple:
         return (group.request.arrival, group.group_id)
 
     def running_key(self, group: SequenceGroup) -> tuple:
-        """The running batch's order; the key itself unless the order is dynamic (then arrival)."""
-        return self.key(group) if not self.dynamic_order else (group.request.arrival, group.group_id)
+        """The running batch's order (derived, not overridden): the key, or arrival when keys
+        change while groups wait (reads "state")."""
+        return self.key(group) if self.reads != STATE else (group.request.arrival, group.group_id)
 
     def new_queue(self) -> Any:
-        """The waiting queue: a deque in arrival order (kept by the scheduler: arrivals at the back,
-        preempted groups at the front), else a queue with the methods the scheduler uses (len, iter,
-        [0], popleft, push(group, front)): a heap on `key`, or a dynamic policy's own."""
-        return deque() if self.arrival_order else KeyedQueue(self.key)
-
-    def head_candidates(self, waiting: Any) -> list[SequenceGroup]:
-        """The waiting groups that could be considered first in the coming iterations, while the
-        running batch only decodes: the head, for an order fixed at queueing."""
-        return [waiting[0]]
+        """The waiting queue: a deque in arrival order under the base key (kept by the scheduler:
+        arrivals at the back, preempted groups at the front), else a queue with the methods the
+        scheduler uses (len, iter, [0], popleft, push(group, front), and optionally candidates()):
+        a heap on a key fixed at queueing, or for reads "state" one that finds the smallest key at
+        each read (a policy may give a faster one of its own here)."""
+        if type(self).key is QueuePolicy.key:
+            return deque()
+        return ReorderingQueue(self.key) if self.reads == STATE else KeyedQueue(self.key)
 
     def admit(self, group: SequenceGroup, now: float) -> str:
         return ADMIT
@@ -87,21 +132,10 @@ class QueuePolicy:
         """A group's first chunk was scheduled."""
 
     def on_served(self, group: SequenceGroup, prefill_tokens: int, decode_tokens: int) -> None:
-        """Tokens computed for the group in a step (only when `tracks_service`)."""
+        """Tokens computed for the group: after a step, or summed over several iterations."""
 
     def on_finished(self, group: SequenceGroup) -> None:
         """A group finished (its true output length is now known)."""
-
-    @classmethod
-    def overrides_victim(cls) -> bool:
-        return cls.victim is not QueuePolicy.victim
-
-    @classmethod
-    def queues_by_state(cls) -> bool:
-        """Whether queueing a group reads the policy's state (on_queued is overridden): then an
-        arrival must find that state exactly as stepping leaves it, so skipped windows end before
-        every arrival (as behind a router)."""
-        return cls.on_queued is not QueuePolicy.on_queued
 
 
 class PriorityPolicy(QueuePolicy):
@@ -109,7 +143,7 @@ class PriorityPolicy(QueuePolicy):
     arrival; the lowest-priority running group is preempted first."""
 
     name = "priority"
-    arrival_order = False
+    reads = REQUEST
 
     def key(self, group: SequenceGroup) -> tuple:
         return (group.request.priority, group.request.arrival, group.group_id)
@@ -120,6 +154,7 @@ class OutputLengthPredictor:
     """Predicts a request's output length at arrival; learns from finished requests (`observe`)."""
 
     name: ClassVar[str] = "base"
+    learns: ClassVar[bool] = False  # whether predictions depend on what `observe` saw
 
     def predict(self, group: SequenceGroup) -> float:
         raise NotImplementedError
@@ -165,6 +200,7 @@ class BucketMeanPredictor(OutputLengthPredictor):
     anything finished). Fitted online on the part of the trace already served."""
 
     name = "fitted"
+    learns = True
 
     def __init__(self, prior: float = 256.0) -> None:
         self.prior = prior
@@ -208,13 +244,16 @@ class ShortestFirstPolicy(QueuePolicy):
     `remaining` (SRPT), a preempted group requeues by its predicted tokens still to generate."""
 
     name = "sjf"
-    arrival_order = False
+    # what on_queued reads: a predictor that learns from finished requests is the policy's state
+    # (set per instance in __init__: oracle and noisy guesses read the request only)
+    reads = STATE_WHEN_QUEUED
 
     def __init__(self, predictor: str = "oracle", error: float = 0.5, aging: float = 0.0, seed: int = 0,
                  remaining: bool = False) -> None:
         if not (aging >= 0 and math.isfinite(aging)):  # inf keyed an arrival at 0 s as inf * 0 = NaN
             raise ValueError(f"aging must be a finite number >= 0 tokens per second, got {aging}")
         self.predictor = make_predictor(predictor, error, seed)
+        self.reads = STATE_WHEN_QUEUED if self.predictor.learns else REQUEST
         self.aging = aging
         self.remaining = remaining
         self._guess: dict[int, float] = {}
@@ -256,9 +295,7 @@ class VtcPolicy(QueuePolicy):
     the same float. The waiting queue is one FIFO per client (`ClientQueues`)."""
 
     name = "vtc"
-    arrival_order = False
-    dynamic_order = True
-    tracks_service = True
+    reads = STATE  # counters grow with service while groups wait
 
     def __init__(self, input_weight: float = 1.0, output_weight: float = 2.0) -> None:
         # an infinite weight made counters inf and a returning client's lift inf - inf = NaN
@@ -279,9 +316,6 @@ class VtcPolicy(QueuePolicy):
 
     def new_queue(self) -> ClientQueues:
         return ClientQueues(self.counter)
-
-    def head_candidates(self, waiting: ClientQueues) -> list[SequenceGroup]:
-        return waiting.heads()
 
     def on_queued(self, group: SequenceGroup) -> None:
         if group.num_preemptions:  # back from a preemption: still active
@@ -329,6 +363,46 @@ class KeyedQueue:
     def __iter__(self) -> Iterator[SequenceGroup]:
         return (g for _, g in self.heap)
 
+    def candidates(self) -> list[SequenceGroup]:
+        """The group that comes first until something arrives: the head (keys are fixed)."""
+        return [self.heap[0][1]]
+
+
+class ReorderingQueue:
+    """A waiting queue for keys that change while groups wait (reads "state"): `[0]` is the group
+    whose key is smallest now, found in O(n) at each read. Keys must be unique (end with the group id)."""
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+        self.groups: list[SequenceGroup] = []
+
+    def push(self, group: SequenceGroup, front: bool = False) -> None:
+        self.groups.append(group)
+
+    def _best(self) -> int:
+        if not self.groups:
+            raise IndexError("the waiting queue is empty")
+        key = self.key
+        return min(range(len(self.groups)), key=lambda i: key(self.groups[i]))
+
+    def __getitem__(self, i: int) -> SequenceGroup:
+        if i != 0:
+            raise IndexError("ReorderingQueue gives only its head, [0]")
+        return self.groups[self._best()]
+
+    def popleft(self) -> SequenceGroup:
+        return self.groups.pop(self._best())
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __iter__(self) -> Iterator[SequenceGroup]:
+        return iter(self.groups)
+
+    def candidates(self) -> list[SequenceGroup]:
+        """Any waiting group could come first as keys change."""
+        return list(self.groups)
+
 
 class ClientQueues:
     """A waiting queue of one FIFO per client; `[0]` is the head of the client whose counter is
@@ -364,7 +438,8 @@ class ClientQueues:
         self.size -= 1
         return self._best().popleft()
 
-    def heads(self) -> list[SequenceGroup]:
+    def candidates(self) -> list[SequenceGroup]:
+        """The groups that could come first while counters change: each client's head."""
         return [q[0] for q in self.queues.values() if q]
 
     def __len__(self) -> int:
@@ -383,7 +458,7 @@ class EdfPolicy(QueuePolicy):
     infinite, rejects once the deadline has passed while it waited)."""
 
     name = "edf"
-    arrival_order = False
+    reads = REQUEST  # admit also reads `now`: wake_time says when its answer changes
 
     def __init__(self, slo_ttft: float = 1.0, prefill_tokens_per_s: float = math.inf) -> None:
         if not (slo_ttft > 0 and math.isfinite(slo_ttft)):

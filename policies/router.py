@@ -1,9 +1,10 @@
 """Routers: which replica a new request goes to, when several serve one stream of requests.
 
-A router sees the request and the replicas' schedulers at the request's arrival, and answers an
-index. It reads only what a real front end could know: each replica's outstanding requests
-(waiting + running + swapped), what the router itself sent where, and (cache-aware) what each
-replica's prefix cache holds, which vLLM publishes as KV-cache events. Routers are policies like the
+A router sees the request and a view of each replica at the request's arrival, and answers an
+index. It reads only what a real front end could know: each replica's outstanding requests (sent
+minus completed), what the router itself sent where, and (cache-aware) what each replica's prefix
+cache holds, which vLLM publishes as KV-cache events. Each router class declares the view it reads
+(`Router.reads`: counts, cache, or the scheduler itself), and is handed only that. Routers are policies like the
 schedulers: plain classes with constructor parameters and a registry name (`make_router`).
 
     round-robin      replica i, i+1, ... in turn
@@ -33,44 +34,107 @@ from policies.plugins import check_option_types, load_plugin
 from policies.request import Request
 from policies.scheduler import Scheduler
 
+# the views of a replica a router may declare that it reads (Router.reads)
+COUNTS = "counts"
+CACHE = "cache"
+SCHEDULER = "scheduler"
+VIEWS = (COUNTS, CACHE, SCHEDULER)
 
-def outstanding(replica: Scheduler) -> int:
-    """Requests a replica holds and has not finished: waiting, running and swapped out (and, in a
-    simulation, those a skip-ahead window finishes later than now: `Scheduler.departing`)."""
-    return len(replica.waiting) + len(replica.running) + len(replica.swapped) + replica.departing
+
+def outstanding(replica: ReplicaCounts | Scheduler) -> int:
+    """Requests sent to a replica and not yet completed, exact at the caller's clock."""
+    return replica.outstanding
+
+
+class ReplicaCounts:
+    """What a counts-only router sees of a replica: its outstanding count (`outstanding`: sent
+    minus completed, exact at the arrival's time, even while skip-ahead has applied a window
+    ahead of the clock). Reading anything else is an AttributeError naming the router."""
+
+    __slots__ = ("_router", "_scheduler")
+
+    def __init__(self, scheduler: Scheduler, router: str = "the router") -> None:
+        self._scheduler = scheduler
+        self._router = router
+
+    @property
+    def outstanding(self) -> int:
+        s = self._scheduler  # Scheduler.outstanding inlined: read for every replica at every arrival
+        return len(s.waiting) + len(s.running) + len(s.swapped) + s.departing
+
+    def __getattr__(self, name: str) -> Any:  # only for names the view does not have
+        if name.startswith("_"):  # a slot not set yet (copying): no message that reads one
+            raise AttributeError(name)
+        raise AttributeError(f"{self._router} reads replica.{name}, but its view holds only what "
+                             f"{type(self).__name__} offers (reads = {self._reads!r}); declare the view it "
+                             f"reads: reads = {' | '.join(map(repr, VIEWS))} (see policies.router)")
+
+    _reads = COUNTS
+
+
+class ReplicaCache(ReplicaCounts):
+    """A cache-aware router's view: the count, and what the replica's KV-cache events and metrics
+    tell a front end: how many of a prompt's tokens its prefix cache holds, and its cache usage."""
+
+    __slots__ = ()
+    _reads = CACHE
+
+    def cached_prefix_tokens(self, request: Request) -> int:
+        return self._scheduler.cached_prefix_tokens(request)
+
+    def kv_usage(self) -> float:
+        return self._scheduler.kv_usage()
 
 
 class Router(ABC):
     """Picks a replica for each arriving request. Invariant: `route` returns an index into the
     replicas it is given, and is called exactly once per request, in arrival order.
 
-    `reads_counts_only`: `route` reads nothing of a replica but `outstanding(replica)` (and its
-    own records). A count changes only when a request arrives or finishes, so the simulator may
-    then skip replicas ahead across other replicas' arrivals; a router that reads more (queue
-    contents, caches, memory) leaves it False, and replicas stop at every arrival instead. Each
-    class declares it for itself (`counts_only`): a subclass does not inherit it, since it may
-    read more than its parent."""
+    `reads`: the view of each replica the simulator hands `route` (`replica_views`): COUNTS (a
+    ReplicaCounts: the outstanding count only), CACHE (ReplicaCache) or SCHEDULER (the scheduler
+    itself; the default). A count changes only when a request arrives or completes, so behind a
+    counts-only router replicas skip ahead across other replicas' arrivals; behind the others
+    windows end before every arrival. A subclass inherits its parent's view, safely: reading more
+    than a view holds is an AttributeError, never a silently different run."""
 
     name = "base"
-    reads_counts_only = False
+    reads = SCHEDULER
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if "reads_counts_only" in cls.__dict__:
+            raise TypeError(f"{cls.__name__}.reads_counts_only: no longer part of the Router contract; declare "
+                            f"the view it reads instead, reads = {' | '.join(map(repr, VIEWS))} (see policies.router)")
+        if cls.__dict__.get("reads", SCHEDULER) not in VIEWS:
+            raise ValueError(f"{cls.__name__}.reads = {cls.__dict__['reads']!r}: must be one of "
+                             f"{', '.join(map(repr, VIEWS))}")
 
     @abstractmethod
-    def route(self, request: Request, replicas: Sequence[Scheduler]) -> int: ...
+    def route(self, request: Request, replicas: Sequence[Any]) -> int: ...
 
 
-def counts_only(router: Router) -> bool:
-    """Whether the router's own class declares that it reads only outstanding counts."""
-    return bool(type(router).__dict__.get("reads_counts_only", False))
+def reads_counts(router: Router) -> bool:
+    """Whether the router reads only outstanding counts (its declared view is COUNTS)."""
+    return router.reads == COUNTS
+
+
+def replica_views(router: Router, replicas: Sequence[Scheduler]) -> list[Any]:
+    """What `router.route` is handed for these replicas: its declared view of each."""
+    if router.reads == SCHEDULER:
+        return list(replicas)
+    view = ReplicaCounts if router.reads == COUNTS else ReplicaCache
+    label = type(router).__name__
+    return [view(r, label) for r in replicas]
 
 
 class RoundRobinRouter(Router):
     name = "round-robin"
-    reads_counts_only = True
+    reads = COUNTS  # reads nothing of a replica
 
     def __init__(self) -> None:
         self._next = 0
 
-    def route(self, request: Request, replicas: Sequence[Scheduler]) -> int:
+    def route(self, request: Request, replicas: Sequence[Any]) -> int:
         i = self._next % len(replicas)
         self._next = i + 1
         return i
@@ -78,14 +142,14 @@ class RoundRobinRouter(Router):
 
 class RandomRouter(Router):
     name = "random"
-    reads_counts_only = True
+    reads = COUNTS  # reads nothing of a replica
 
     def __init__(self, seed: int = 0) -> None:
         if seed < 0:  # numpy's own error did not say which seed
             raise ValueError(f"random router: seed must be >= 0, got {seed}")
         self._rng = np.random.default_rng(seed)
 
-    def route(self, request: Request, replicas: Sequence[Scheduler]) -> int:
+    def route(self, request: Request, replicas: Sequence[Any]) -> int:
         return int(self._rng.integers(len(replicas)))
 
 
@@ -94,25 +158,24 @@ class LeastLoadedRouter(Router):
     so that an idle cluster is filled in turn rather than always from replica 0."""
 
     name = "least-loaded"
-    reads_counts_only = True
+    reads = COUNTS
 
     def __init__(self) -> None:
         self._last = -1
 
-    def route(self, request: Request, replicas: Sequence[Scheduler]) -> int:
+    def route(self, request: Request, replicas: Sequence[Any]) -> int:
         # _pick over every replica, in one pass: this runs at every arrival, over every replica
         n = len(replicas)
         first = (self._last + 1) % n
         best, least = first, -1
         for i in (*range(first, n), *range(first)):  # tie order: from the one after the last pick
-            r = replicas[i]
-            load = len(r.waiting) + len(r.running) + len(r.swapped) + r.departing  # outstanding(r)
+            load = replicas[i].outstanding
             if load < least or least < 0:
                 best, least = i, load
         self._last = best
         return best
 
-    def _pick(self, replicas: Sequence[Scheduler], candidates: Sequence[int]) -> int:
+    def _pick(self, replicas: Sequence[Any], candidates: Sequence[int]) -> int:
         n = len(replicas)
         return min(candidates, key=lambda i: (outstanding(replicas[i]), (i - self._last - 1) % n))
 
@@ -145,13 +208,13 @@ class _MatchRouter(LeastLoadedRouter):
         self.max_imbalance = max_imbalance
         self.affinity_hits = 0   # requests routed by a match (the rest went to the least loaded)
 
-    def _matches(self, request: Request, replicas: Sequence[Scheduler]) -> list[int]:
+    def _matches(self, request: Request, replicas: Sequence[Any]) -> list[int]:
         raise NotImplementedError
 
     def _routed(self, request: Request, i: int) -> None:
         """Called with the pick, after it is made."""
 
-    def route(self, request: Request, replicas: Sequence[Scheduler]) -> int:
+    def route(self, request: Request, replicas: Sequence[Any]) -> int:
         matches = self._matches(request, replicas)
         best = max(matches, default=0)
         least = min(outstanding(r) for r in replicas)
@@ -174,7 +237,7 @@ class PrefixAffinityRouter(_MatchRouter):
     nothing of evictions, as a front end without cache events would not."""
 
     name = "prefix-affinity"
-    reads_counts_only = True  # its matches are its own record of what it sent where
+    reads = COUNTS  # its matches are its own record of what it sent where
 
     def __init__(self, max_imbalance: int = 8, memory_blocks: int | None = None, block: int = 16) -> None:
         if memory_blocks is not None and memory_blocks < 1:
@@ -187,7 +250,7 @@ class PrefixAffinityRouter(_MatchRouter):
         self._seen: list[OrderedDict[int, None]] = []
         self._keys: tuple[int, ...] = ()
 
-    def _matches(self, request: Request, replicas: Sequence[Scheduler]) -> list[int]:
+    def _matches(self, request: Request, replicas: Sequence[Any]) -> list[int]:
         while len(self._seen) < len(replicas):
             self._seen.append(OrderedDict())
         self._keys = prefix_keys(request, self.block)
@@ -217,8 +280,9 @@ class CacheAwareRouter(_MatchRouter):
     a front end fed by the replicas' KV-cache events would know them: exact, evictions included."""
 
     name = "cache-aware"
+    reads = CACHE
 
-    def _matches(self, request: Request, replicas: Sequence[Scheduler]) -> list[int]:
+    def _matches(self, request: Request, replicas: Sequence[Any]) -> list[int]:
         return [r.cached_prefix_tokens(request) for r in replicas]
 
 

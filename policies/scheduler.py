@@ -31,7 +31,7 @@ from policies.plan import (
     StepPlan,
     StepResult,
 )
-from policies.queue_policy import QueuePolicy
+from policies.queue_policy import REQUEST, QueuePolicy, check_reads
 from policies.request import Request, SeqStatus, Sequence, SequenceGroup
 
 
@@ -70,16 +70,36 @@ class Scheduler(ABC):
         self.num_added = 0
         self.num_preemptions = 0
         # groups a skip-ahead window has already finished whose last iteration the simulated
-        # clock has not reached: still outstanding to a router reading meanwhile (sim/engine.py)
+        # clock has not reached (written by the replica step that owns this scheduler): still
+        # outstanding to a router reading meanwhile; routers read it only inside `outstanding`
         self.departing = 0
         self.policy = policy if policy is not None else QueuePolicy()
         p = type(self.policy)
+        check_reads(p.__name__, self.policy.reads)  # an instance may set its own
         # what the hot paths may skip: the base rules (FCFS order, admit everything, no wake time)
         self._fcfs_order = p.key is QueuePolicy.key and p.running_key is QueuePolicy.running_key
         self._admits_all = p.admit is QueuePolicy.admit
         self._wakes = p.wake_time is not QueuePolicy.wake_time
-        self.queues_by_state = p.queues_by_state()  # arrivals must see the policy's state as stepping does
-        self.waiting: deque[SequenceGroup] = self.policy.new_queue()  # or a dynamic policy's own queue
+        # arrivals must see the policy's state as stepping leaves it (its declared `reads`)
+        self.queues_by_state = self.policy.reads != REQUEST
+        self.waiting: deque[SequenceGroup] = self.policy.new_queue()  # or a queue ordered by the key
+        # a FIFO: an arrival queues behind every waiting group, and the head stays the head
+        self.fifo_queue = type(self.waiting) is deque
+
+    @property
+    def outstanding(self) -> int:
+        """Requests sent here and not yet completed at the caller's clock: waiting, running,
+        swapped, and those a skip-ahead window finished ahead of the clock (`departing`)."""
+        return len(self.waiting) + len(self.running) + len(self.swapped) + self.departing
+
+    def head_candidates(self) -> list[SequenceGroup]:
+        """The waiting groups that could be considered first while the running batch only decodes
+        and nothing arrives: the FIFO's head, else what the queue says (`candidates()`), else all."""
+        waiting = self.waiting
+        if self.fifo_queue:
+            return [waiting[0]]
+        candidates = getattr(waiting, "candidates", None)
+        return candidates() if candidates is not None else list(waiting)
 
     # ---------------------------------------------------------------- life cycle
     def add_request(self, request: Request) -> SequenceGroup:
@@ -97,9 +117,8 @@ class Scheduler(ABC):
     def _enqueue(self, group: SequenceGroup, front: bool = False) -> None:
         """Queue a group to wait: in the policy's key order, or with FCFS-like policies at the back
         (an arrival) or the front (`front`: a preempted group, as vLLM requeues it)."""
-        policy = self.policy
-        policy.on_queued(group)
-        if not policy.arrival_order:  # a queue that orders itself (see QueuePolicy.new_queue)
+        self.policy.on_queued(group)
+        if not self.fifo_queue:  # a queue that orders itself (see QueuePolicy.new_queue)
             self.waiting.push(group, front)
         elif front:
             self.waiting.appendleft(group)

@@ -319,7 +319,7 @@ def _stop_at_arrivals(plan: RepeatPlan, ends: list[float], start: float, next_ar
     # the first iteration starting at or after `limit` could admit (or reject) something: an
     # arrival, when nothing waits or an arrival may jump the queue; the policy's wake time
     limit = sched.wake_time(start)
-    if not sched.waiting or not sched.policy.arrival_order:
+    if not sched.waiting or not sched.fifo_queue:
         limit = min(limit, next_arrival)
     safe = bisect_left(ends, limit, 0, len(ends) - 1) + 1
     if safe < k:

@@ -63,7 +63,7 @@ class VllmScheduler(Scheduler):
         if policy is not None:
             self.name = policy.name
         # the running tail is the victim unless the policy picks its own
-        self._custom_victim = self.policy.overrides_victim()
+        self._custom_victim = type(self.policy).victim is not QueuePolicy.victim
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}; got {preemption!r}")
         if preemption == "swap" and num_cpu_blocks < 1:
@@ -419,7 +419,7 @@ class VllmScheduler(Scheduler):
         elif self._fcfs_order:  # the head stays the head while nothing arrives ahead of it
             head_blocked = self._stays_blocked(waiting[0], len(running), now)
         else:
-            head_blocked = all(self._stays_blocked(g, len(running), now) for g in self.policy.head_candidates(waiting))
+            head_blocked = all(self._stays_blocked(g, len(running), now) for g in self.head_candidates())
         free = self.bm.num_free_blocks
         if not head_blocked and free >= len(running):
             return None  # an admission comes next, and no group can run out of blocks first

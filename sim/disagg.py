@@ -31,7 +31,7 @@ from policies.client_latency import ClientTerms, client_columns, client_timestam
 from policies.metrics import request_frame, summarize
 from policies.replica_config import ReplicaConfig
 from policies.request import Request, SamplingParams, SequenceGroup
-from policies.router import LeastLoadedRouter, Router
+from policies.router import LeastLoadedRouter, Router, replica_views
 from policies.trace_requests import requests_from_trace
 from sim.cluster import gc_paused, run_replicas, sim_replica
 from sim.cost_model import CostModel
@@ -77,7 +77,7 @@ def run_disaggregated(cfg: Any, trace: Trace, replica: ReplicaConfig, cost: Cost
         decode = [make(dataclasses.replace(replica, prefix_caching=True), num_prefill + j, index=j)
                   for j in range(num_decode)]
         decode_router: Router = LeastLoadedRouter()
-        decode_scheds = [r.scheduler for r in decode]
+        decode_scheds = replica_views(decode_router, [r.scheduler for r in decode])
 
         def transfer(group: SequenceGroup, link: simpy.Resource, source: int):
             original = originals[group.group_id]

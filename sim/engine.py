@@ -15,7 +15,8 @@ scheduler at once and logged); this module only moves the SimPy clock over its e
 exactly where stepping's additions would (`_advance`). With several replicas the router reads every
 replica at each arrival and must find it as stepping would have left it: a window ends before the
 next arrival anywhere, unless the router reads only outstanding counts (round-robin, random,
-least-loaded, prefix-affinity), which a window changes only at its last end.
+least-loaded, prefix-affinity: it is handed policies.router.ReplicaCounts views), which a window
+changes only at its last end.
 
 An arrival is processed before anything else due at the same instant (`ArrivalTimeout`): a
 request arriving exactly when an iteration ends is routed before that iteration's finishes are
@@ -32,7 +33,7 @@ import numpy as np
 import simpy
 
 from policies.request import Request
-from policies.router import Router
+from policies.router import Router, replica_views
 from policies.scheduler import Scheduler
 from policies.step import ReplicaStep
 
@@ -142,7 +143,8 @@ def arrival_process(env: simpy.Environment, feed: ArrivalFeed, replicas: list[Re
                     router: Router | None = None):
     """Each request enters a replica's waiting queue at its arrival time: the router's pick, or the
     only replica."""
-    schedulers = [r.scheduler for r in replicas]
+    # the view of each replica the router declares it reads (policies.router.replica_views)
+    schedulers = replica_views(router, [r.scheduler for r in replicas]) if router is not None else []
     while not feed.exhausted:
         request = feed.requests[feed.next_index]
         if request.arrival > env.now:

@@ -18,11 +18,13 @@ from policies.client_latency import ClientTerms, with_client_latencies
 from policies.dp_router import VllmDPRouter
 from policies.limits import CPU_BLOCK_BYTES, GPU_BLOCK_BYTES, REPLICA_BYTES, check_fits
 from policies.metrics import request_frame, summarize
-from policies.replica_config import ReplicaConfig
-from policies.router import PrefixAffinityRouter, Router, counts_only, make_router
+from policies.queue_policy import QueuePolicy
+from policies.replica_config import ReplicaConfig, build_scheduler
+from policies.router import PrefixAffinityRouter, Router, make_router, reads_counts
 from policies.scheduler import Scheduler
 from policies.trace_requests import requests_from_trace
 from sim.cluster import gc_paused, run_replicas, sim_replica
+from sim.contract_check import Deciders, check_contract
 from sim.cost_model import CostModel, RooflineCostModel
 from sim.disagg import run_disaggregated
 from sim.dp import run_dp_group
@@ -75,7 +77,7 @@ class SimConfig:
     slo_ttft: float | None = None
     slo_tpot: float | None = None
     fast_forward: bool = True
-    debug: bool = False
+    debug: bool = False                    # check invariants every iteration, and skip-ahead against stepping (sim.contract_check)
 
     def __post_init__(self) -> None:
         _check_config(self)
@@ -301,7 +303,36 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
     cfg.replica_hardware[i] when given, else cfg.hardware), the router spreads arrivals, and the
     tables gain a `replica` column. With cfg.dp > 1, the replicas are the server's DP ranks, fed by
     vLLM's balancer (policies.dp_router); an MoE model's ranks step in lockstep (sim.dp: the summary's
-    `dp` entry, the group's per-rank iterations in `extra["dp_group"]`)."""
+    `dp` entry, the group's per-rank iterations in `extra["dp_group"]`).
+
+    With cfg.debug (and skip-ahead on), the run is simulated twice, stepping and skipping ahead,
+    and a ContractError names the policy or router class and the decision at the first difference
+    (sim.contract_check); disaggregated runs step every iteration, so they run once."""
+    if cfg.debug and cfg.fast_forward and observer is None and not cfg.disaggregate:
+        def run(c: SimConfig) -> SimResult:
+            return _simulate(c, trace, cost_model, progress and c.fast_forward, None, beam_picks)
+        return check_contract(cfg, run, _deciders(cfg))
+    return _simulate(cfg, trace, cost_model, progress, observer, beam_picks)
+
+
+def _deciders(cfg: SimConfig) -> Deciders:
+    """Who decides in the run cfg describes: the policy's (or scheduler's) class and the router's."""
+    sched = build_scheduler(cfg.replica())
+    policy = getattr(sched, "policy", None)
+    router = run_router(cfg) if cfg.replicas > 1 else (VllmDPRouter() if cfg.dp > 1 else None)
+    decider = type(policy) if isinstance(policy, QueuePolicy) else type(sched)
+    return Deciders(type(policy) if isinstance(policy, QueuePolicy) else None, type(sched).__name__,
+                    type(router).__name__ if router else None, router.reads if router else None,
+                    _builtin(decider), router is None or _builtin(type(router)))
+
+
+def _builtin(cls: type) -> bool:
+    return cls.__module__.startswith("policies.")
+
+
+def _simulate(cfg: SimConfig, trace: Trace, cost_model: CostModel | None, progress: bool,
+              observer: Callable[[float, float, Scheduler], None] | None, beam_picks: dict | None) -> SimResult:
+    """run_simulation's one run."""
     t0 = time.perf_counter()
     if cfg.disaggregate:
         replica = cfg.replica()
@@ -330,7 +361,7 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
             # replica 0 keeps the run's seed, so that one replica is exactly the single-engine run
             seed = cfg.seed if i == 0 else np.random.SeedSequence([cfg.seed, i])
             replicas.append(sim_replica(env, configs[hw], costs[hw], seed, cfg.beam_rank_decay, picks,
-                                        routed=router is not None, counts_only=router is not None and counts_only(router),
+                                        routed=router is not None, counts_only=router is not None and reads_counts(router),
                                         fast_forward=cfg.fast_forward and not grouped, debug=cfg.debug,
                                         on_progress=tick, observer=observer, index=i))
         if grouped:

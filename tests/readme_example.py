@@ -18,8 +18,8 @@ def install_readme_policy(folder: Path) -> str:
     if m is None:
         raise AssertionError("docs/policies.md lost its my_policies.py example")
     code = m.group(1)
-    if len(code.strip().splitlines()) > 40:
-        raise AssertionError("the policy example of docs/policies.md should stay within 40 lines")
+    if len(code.strip().splitlines()) > 25:
+        raise AssertionError("the policy example of docs/policies.md should stay within 25 lines")
     (folder / "my_policies.py").write_text(code)
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))

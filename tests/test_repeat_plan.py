@@ -44,7 +44,7 @@ class LongestPromptFirst(QueuePolicy):
     """A policy written only against the QueuePolicy API: no fast path of its own."""
 
     name = "longest-prompt-first"
-    arrival_order = False
+    reads = "request"  # the key reads the request only
 
     def key(self, group: SequenceGroup) -> tuple:
         return (-group.request.prompt_len, group.request.arrival, group.group_id)

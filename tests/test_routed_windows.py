@@ -10,8 +10,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from policies.request import Request
-from policies.router import ROUTERS, LeastLoadedRouter, Router, counts_only, outstanding
+from policies.registry import make_scheduler
+from policies.request import Request, SamplingParams
+from policies.router import (
+    ROUTERS,
+    LeastLoadedRouter,
+    ReplicaCounts,
+    Router,
+    outstanding,
+    reads_counts,
+    replica_views,
+)
 from policies.scheduler import Scheduler
 from sim.cost_model import ConstantCostModel
 from sim.run import SimConfig, run_simulation
@@ -23,7 +32,7 @@ class RecordingRouter(Router):
     """Least outstanding (first on ties), recording the counts it saw at each arrival."""
 
     name = "recording"
-    reads_counts_only = True
+    reads = "counts"
 
     def __init__(self) -> None:
         self.seen: list[tuple[float, tuple[int, ...]]] = []
@@ -35,9 +44,19 @@ class RecordingRouter(Router):
 
 
 class StateRecordingRouter(RecordingRouter):
-    """The same, without declaring that it reads counts only (a subclass does not inherit it)."""
+    """The same, handed the schedulers themselves (as a router that reads more would be)."""
 
     name = "recording-state"
+    reads = "scheduler"
+
+
+class PeekingRouter(RecordingRouter):
+    """Inherits the counts view but reads a replica's queue: refused, never silently different."""
+
+    name = "peeking"
+
+    def route(self, request: Request, replicas: Sequence[Scheduler]) -> int:
+        return min(range(len(replicas)), key=lambda i: len(replicas[i].waiting))
 
 
 def _run(monkeypatch, cls: type[RecordingRouter], trace: Trace, fast_forward: bool, **kw):
@@ -48,15 +67,36 @@ def _run(monkeypatch, cls: type[RecordingRouter], trace: Trace, fast_forward: bo
     return run_simulation(cfg, trace, cost_model=cost), router.seen
 
 
-def test_declared_per_class_not_inherited():
-    assert counts_only(LeastLoadedRouter()) and counts_only(RecordingRouter())
-    assert not counts_only(StateRecordingRouter())
-    assert not counts_only(ROUTERS["cache-aware"]())  # reads the replicas' prefix caches
+def test_a_router_is_handed_the_view_it_declares():
+    assert reads_counts(LeastLoadedRouter()) and reads_counts(RecordingRouter())
+    assert not reads_counts(StateRecordingRouter())
+    assert not reads_counts(ROUTERS["cache-aware"]())  # reads the replicas' prefix caches
+    sched = [make_scheduler("vllm", 64, 16)]
+    sched[0].add_request(Request(0, 0.0, 8, SamplingParams(max_tokens=4)))
+    view = replica_views(RecordingRouter(), sched)[0]
+    assert type(view) is ReplicaCounts and outstanding(view) == sched[0].outstanding == 1
+    assert replica_views(StateRecordingRouter(), sched) == sched
+    assert type(replica_views(ROUTERS["cache-aware"](), sched)[0]).__name__ == "ReplicaCache"
 
 
-# sjf lets arrivals jump the queue, so its windows end at every arrival anyway
+def test_a_subclass_reading_more_than_its_view_is_refused(monkeypatch):
+    trace = resolve_trace("sharegpt-like", num_requests=20, rate=50, seed=1)
+    with pytest.raises(AttributeError, match=r"PeekingRouter reads replica\.waiting.*reads = 'counts'"):
+        _run(monkeypatch, PeekingRouter, trace, True)
+
+
+def test_the_old_flag_is_refused_with_its_replacement():
+    with pytest.raises(TypeError, match=r"reads_counts_only: no longer part.*reads = 'counts'"):
+        type("Old", (Router,), {"reads_counts_only": True, "route": lambda self, r, reps: 0})
+    with pytest.raises(ValueError, match="reads = 'everything'"):
+        type("Bad", (Router,), {"reads": "everything", "route": lambda self, r, reps: 0})
+
+
+# sjf by the oracle reads the request only; by a fitted predictor it reads what it learned, so that
+# arrivals must see it as stepping leaves it: its windows end before every arrival anyway
 @pytest.mark.parametrize("kw, fewer", [({}, True), ({"preemption": "swap", "num_gpu_blocks": 300}, True),
-                                       ({"policy": "sjf"}, False)])
+                                       ({"policy": "sjf"}, True),
+                                       ({"policy": "sjf", "policy_options": {"predictor": "fitted"}}, False)])
 def test_counts_seen_in_windows_equal_stepping(monkeypatch, kw, fewer):
     trace = resolve_trace("sharegpt-like", num_requests=600, rate=300, seed=3)
     fast, seen_fast = _run(monkeypatch, RecordingRouter, trace, True, **dict(kw))
@@ -70,7 +110,7 @@ def test_counts_seen_in_windows_equal_stepping(monkeypatch, kw, fewer):
     assert seen_state == seen_step
     pd.testing.assert_frame_equal(state.requests, step.requests)
     stepped = fast.summary["engine"]["stepped_iterations"], state.summary["engine"]["stepped_iterations"]
-    assert stepped[0] < stepped[1] if fewer else stepped[0] == stepped[1]
+    assert stepped[0] < stepped[1] if fewer else stepped[0] == stepped[1], stepped
 
 
 def test_arrival_at_an_iteration_end_is_routed_before_its_finishes(monkeypatch):

@@ -371,7 +371,7 @@ class EveryOther(RoundRobinRouter):
     """Round robin over every `stride`-th replica (a plug-in router with an option)."""
 
     name = "every-other"
-    reads_counts_only = True
+    reads = "counts"
 
     def __init__(self, stride: int = 2) -> None:
         super().__init__()

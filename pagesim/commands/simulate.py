@@ -37,7 +37,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cli_args.add_replica_args(sim)
     o = cli_args.add_output_args(sim)
     o.add_argument("--no-skip-ahead", action="store_true", help="step every iteration (slower, same results)")
-    o.add_argument("--debug", action="store_true", help="check block and request conservation every iteration")
+    o.add_argument("--debug", action="store_true",
+                   help="check block and request conservation every iteration, and simulate the run twice, "
+                        "stepping and skipping ahead: a plug-in policy or router that breaks its contract is "
+                        "named with the decision that differed (twice as slow)")
     sim.set_defaults(func=command)
 
     demo = sub.add_parser("demo", help="a quick tour: vllm vs orca-oracle on a sharegpt-like trace")
