@@ -230,7 +230,8 @@ class FidelityStudy:
 
     @property
     def cost(self) -> str:
-        return f"calibration {self.calibration}" if self.calibration else "the roofline cost model"
+        # a calibration file by its name, not its path (the headers' and figures' titles)
+        return f"calibration {Path(self.calibration).stem}" if self.calibration else "the roofline cost model"
 
 
 @dataclass

@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import LogFormatter, MaxNLocator
 
 from analysis.seeds import rate_line
 from policies.registry import ALIASES, POLICIES
@@ -74,6 +74,21 @@ def legend_below(fig: plt.Figure, handles: Sequence[Any], labels: Sequence[str],
     fig.tight_layout(rect=(0, min(0.45, (0.3 * rows + 0.05) / height) if rows else 0, 1, 1))
 
 
+class PlainLogFormatter(LogFormatter):
+    """Log-axis tick labels as plain numbers (0.03, 400) rather than powers of ten (3x10^-2),
+    labelling the ticks matplotlib's log formatter would."""
+
+    def __call__(self, x: float, pos: int | None = None) -> str:
+        return f"{x:g}" if super().__call__(x, pos) else ""
+
+
+def plain_log_ticks(axis: Any) -> None:
+    """Plain-number labels on a log `axis` (ax.xaxis or ax.yaxis): decades, and the minor ticks
+    when the axis spans little more than one decade."""
+    axis.set_major_formatter(PlainLogFormatter(labelOnlyBase=False))
+    axis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.5)))
+
+
 def style_axes(ax: Any, xlabel: str, ylabel: str, values: np.ndarray | None = None) -> None:
     """Axis labels and grid; a log y axis when `values` (what the panel draws) are all > 0, so that
     curves spanning decades stay in the frame (no clipping limits)."""
@@ -84,6 +99,7 @@ def style_axes(ax: Any, xlabel: str, ylabel: str, values: np.ndarray | None = No
         finite = finite[np.isfinite(finite)]
         if len(finite) and (finite > 0).all():
             ax.set_yscale("log")
+            plain_log_ticks(ax.yaxis)
     ax.grid(alpha=0.3, which="both" if ax.get_yscale() == "log" else "major")
 
 

@@ -155,6 +155,6 @@ def policy_report(study: PolicyStudy, table: pd.DataFrame) -> Report:
     metric = "slo_attainment" if table.slo_attainment.notna().any() else "mean_normalized_latency"
     add_seed_summary(report, table, ["policy", "rate"], "policies_summary.csv", metric, list(METRICS))
     report.figure("policies.png", lambda path: policy_plot(
-        table, path, f"{study.spec}, {study.num_requests} requests, {study.title}" + seeds_note(study.seeds)))
+        table, path, f"{Path(study.spec).name}, {study.num_requests} requests, {study.title}" + seeds_note(study.seeds)))
     report.wrote("policies.csv", "policies.png")
     return report

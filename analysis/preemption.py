@@ -91,7 +91,9 @@ def preemption_figure(micro: pd.DataFrame, e2e: pd.DataFrame | None, title: str 
     ax = axes[0][0]
     ax.plot(micro.block_size, micro.swap_ms, marker="o", color=COLORS["swap"], label="swap (out + in)")
     ax.plot(micro.block_size, micro.recompute_ms, marker="s", color=COLORS["recompute"], label="recompute")
+    sizes = sorted(micro.block_size)
     ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
     style_axes(ax, "block size (tokens)", "time (ms)", micro[["swap_ms", "recompute_ms"]].to_numpy(float))
     ax.set_title("microbenchmark", fontsize=10)
     if panels == 2:
@@ -100,6 +102,7 @@ def preemption_figure(micro: pd.DataFrame, e2e: pd.DataFrame | None, title: str 
             ax.plot(g.block_size, g.mean_normalized_latency, marker="o", color=COLORS[mode],
                     label="swap (out + in)" if mode == "swap" else mode)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
         style_axes(ax, "block size (tokens)", "mean normalized latency (s/token)",
                    e2e.mean_normalized_latency.to_numpy(float))
         ax.set_title("end to end (simulated)", fontsize=10)

@@ -244,3 +244,9 @@ def test_titles_name_files_not_their_paths():
     assert study_title(args) == "acme-7b on h100-sxm, calibration my-cal (client-side latencies)"
     assert study_title(argparse.Namespace(model="opt-13b", hardware="a100-40gb", profile="/p/q/cpu.json")) \
         == "opt-13b, profile cpu"
+
+
+def test_policies_names_an_unknown_policy_before_printing_anything(tmp_path, capsys):
+    assert cli_main(["policies", "--policies", "vllm", "nosuch", "--rates", "1", "--out", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "unknown policy 'nosuch'" in err

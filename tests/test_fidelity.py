@@ -109,3 +109,10 @@ def test_fidelity_on_the_shared_measurements_truncated(tmp_path):
     table = fidelity_table(exps, max_duration_s=20)
     assert len(table) == 2 * len(LATENCY_METRICS) and table.predicted.notna().all()
     assert not table.predicted_overloaded.any()  # 5 and 10 req/s of ~600-token prompts: far from saturation
+
+
+def test_the_cost_in_headers_and_figure_titles_names_a_calibration_file_not_its_path():
+    from analysis.fidelity import FidelityStudy
+    assert FidelityStudy(["m.json"], calibration="/some/where/my-cal.json").cost == "calibration my-cal"
+    assert FidelityStudy(["m.json"], calibration="vllm-v1-h100").cost == "calibration vllm-v1-h100"
+    assert FidelityStudy(["m.json"]).cost == "the roofline cost model"

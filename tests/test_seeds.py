@@ -55,3 +55,13 @@ def test_policy_report_takes_its_summary_and_warning_from_add_seed_summary():
     # without an SLO, attainment is NaN everywhere: the lines give normalized latency instead
     report = policy_report(dataclasses.replace(study, seeds=3), _policies_table(3, slo=False))
     assert "mean_normalized_latency, mean [95% t interval] over 3 seeds:" in "\n".join(map(str, report.lines))
+
+
+def test_the_policies_figure_title_names_a_trace_file_not_its_path(tmp_path, monkeypatch):
+    import analysis.policy_study as ps
+    titles = []
+    monkeypatch.setattr(ps, "policy_plot", lambda table, path, title="": titles.append(title))
+    study = PolicyStudy("/data/traces/azure_conv.csv", 10, SimConfig(), ["vllm"], [1.0], seeds=3, title="opt-13b")
+    report = policy_report(study, _policies_table(3))
+    report.files["policies.png"](tmp_path / "policies.png")
+    assert titles == ["azure_conv.csv, 10 requests, opt-13b; mean and 95% t interval over 3 seeds"]

@@ -11,7 +11,7 @@ from analysis.policy_study import PolicyStudy, policy_report, run_policy_study
 from pagesim.argtypes import out_dir, positive_float, positive_int, rate
 from pagesim.cli_args import add_executor_args, study_title, workers
 from pagesim.report_writer import write_report
-from policies.registry import parse_policy_args
+from policies.registry import parse_policy_args, resolve_policy
 from sim.run import SimConfig
 from traces.workloads import SYNTHETIC
 
@@ -60,6 +60,8 @@ def split_policy_args(items: list[str] | None, policies: Sequence[str]) -> dict[
 def study(args: argparse.Namespace) -> PolicyStudy:
     if args.seeds < 1 or args.num_requests < 1 or args.jobs < 1 or min(args.rates) <= 0:
         raise ValueError("--seeds, --num-requests and --jobs must be >= 1 and every rate > 0")
+    for name in args.policies:
+        resolve_policy(name)  # an unknown name fails here, before the command prints its header
     options = split_policy_args(args.policy_args, args.policies)
     base = SimConfig(model=args.model, hardware=args.hardware, num_gpu_blocks=args.num_gpu_blocks,
                      chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching,
