@@ -9,7 +9,9 @@ fidelity: for each stage, the client-measured TTFT, time per output token ((mean
   the real vLLM measurement; the first --duration seconds of each stage's arrivals.
 capacity: the requests of one stage at rising constant rates, in real time (time scale 1); the p99
   token-release lag the server measured (summary.json), against 5 ms and 10% of the median
-  iteration's time, and the mean number of requests running (streams open at once).
+  iteration's time, the mean number of requests running (streams open at once), the requests whose
+  connection failed, and how late the client sent its requests (median, wall ms: a client that
+  cannot keep up offers less than the rate).
 
     python -m benchmarks.bench_emulate fidelity [--stages codegen#0 general#0] [--duration 30]
     python -m benchmarks.bench_emulate capacity [--stage general#0] [--rates 5 10 20 40] [--duration 20]
@@ -211,17 +213,18 @@ def capacity(args: argparse.Namespace) -> None:
     print(f"{args.stage} requests at rising constant rates, {args.duration:g} s of arrivals each, in real time; "
           "the server's own release lag (ms)")
     print(f"{'rate':>6} {'streams':>8} {'step p50':>9} {'lag p50':>8} {'lag p99':>8} {'max':>8} {'late':>7} "
-          f"{'failed':>6} ok")
+          f"{'failed':>6} {'sent late':>9} ok")
     for rate in args.rates:
         base = stage_workload(exp, stage, seed=cfg.seed, max_duration_s=args.duration * rate / stage.rate)
         trace = apply_arrivals(base, rate=rate, seed=cfg.seed)  # the constant arrivals, rescaled
-        _, summary, _ = run_emulated(cfg, trace, 1.0, allow_errors=True)
+        _, summary, records = run_emulated(cfg, trace, 1.0, allow_errors=True)
+        late = float(np.median([r["late_s"] for r in records if "late_s" in r] or [0.0]))
         lag, step = summary["release_lag"], summary["median_step_s"]
         failed = summary["client_errors"]
         ok = lag["p99_s"] < 5e-3 and lag["p99_s"] < 0.1 * step and not failed
         print(f"{rate:6g} {summary['mean_running']:8.1f} {step * 1e3:9.2f} {lag['p50_s'] * 1e3:8.2f} "
               f"{lag['p99_s'] * 1e3:8.2f} {lag['max_s'] * 1e3:8.2f} {lag['behind'] / max(lag['releases'], 1):7.1%} "
-              f"{len(failed):6d} {'yes' if ok else 'no'}" + (f"  (e.g. {failed[0]})" if failed else ""))
+              f"{len(failed):6d} {late * 1e3:9.2f} {'yes' if ok else 'no'}" + (f"  (e.g. {failed[0]})" if failed else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
