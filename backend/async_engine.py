@@ -186,6 +186,11 @@ class AsyncEngine:
     def abort(self, request_id: int, reason: str = "aborted: client disconnected") -> None:
         self._inbox.put(("abort", request_id, reason))
 
+    def call(self, fn: Callable[[], object], reply: Callable[[object], None]) -> None:
+        """Run `fn` on the engine thread between steps (what must not race the scheduler, e.g. a
+        prefix-cache reset), then `reply(its result)` there too (it must not block)."""
+        self._inbox.put(("call", fn, reply))
+
     def shutdown(self, drain: bool = True) -> None:
         """Ask the engine to stop (returns at once): after finishing every request already submitted
         (`drain`), or at its next step boundary, aborting them all."""
@@ -249,6 +254,8 @@ class AsyncEngine:
             self._add(item[1])
         elif kind == "abort":
             self._abort(item[1], item[2])
+        elif kind == "call":
+            item[2](item[1]())
         elif kind == "stop":
             self._stopping = item[1]
             if not item[1]:

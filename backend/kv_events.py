@@ -257,7 +257,7 @@ def kv_events_route(log: KvEventLog, stopped: Callable[[], bool]):
         try:
             since = _since(request)
         except ApiError as e:
-            return JSONResponse(e.body(), status_code=e.status)
+            return _error(e)
         return _SseResponse(_stream(log, since, stopped))
 
     return route
@@ -319,6 +319,46 @@ class _SseResponse(Response):
             return
         finally:
             await self.events.aclose()
+
+
+# ---- POST /reset_prefix_cache --------------------------------------------------------------------------
+def reset_prefix_cache_route(engine, pool, log: KvEventLog, clock, timeout: float = 10.0):
+    """vLLM's POST /reset_prefix_cache: on the engine thread, between steps, the pool forgets every
+    cached hash (policies.block_manager.BlockPool.clear_cache) and the AllBlocksCleared goes out at
+    once; 200, or 409 while blocks are in use (vLLM refuses then too), 503 once the engine has
+    stopped."""
+
+    async def route(request: HttpRequest) -> Response:
+        if not engine.alive:
+            return _error(ApiError("the engine has stopped", status=503, type="server_error"))
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[bool] = loop.create_future()
+
+        def reset() -> bool:
+            cleared = pool.clear_cache()
+            log.seal(clock.now())
+            return cleared
+
+        def answer(ok: bool) -> None:  # on the loop; nothing when the route gave up waiting
+            if not done.done():
+                done.set_result(ok)
+
+        engine.call(reset, lambda ok: loop.call_soon_threadsafe(answer, ok))
+        try:
+            ok = await asyncio.wait_for(done, timeout)
+        except TimeoutError:
+            return _error(ApiError(f"the engine did not reset its prefix cache within {timeout:g} s", status=503,
+                                   type="server_error"))
+        if not ok:
+            return _error(ApiError("the prefix cache cannot be reset while requests hold KV blocks; retry when idle",
+                                   status=409, code="blocks_in_use"))
+        return JSONResponse({"reset": True})
+
+    return route
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
 
 
 # ---- vLLM's ZeroMQ publisher ----------------------------------------------------------------------------

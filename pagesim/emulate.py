@@ -223,10 +223,11 @@ def build_replicas(args: argparse.Namespace) -> list[Replica]:
 
 def _kv_events(args: argparse.Namespace, r: Replica, scheduler, observe_lag) -> None:
     """Replica `r`'s KV-event log on its scheduler's block pool, sealed at every release of tokens,
-    behind GET /v1/kv_events (--kv-events) and vLLM's ZeroMQ publisher (--kv-events-zmq)."""
+    behind GET /v1/kv_events (--kv-events) and vLLM's ZeroMQ publisher (--kv-events-zmq), and
+    vLLM's POST /reset_prefix_cache (an AllBlocksCleared)."""
     from starlette.routing import Route
 
-    from backend.kv_events import KvEventLog, ZmqPublisher, kv_events_route
+    from backend.kv_events import KvEventLog, ZmqPublisher, kv_events_route, reset_prefix_cache_route
     from policies.block_manager import PagedBlockManager
 
     flag = "--kv-events" if args.kv_events else "--kv-events-zmq"
@@ -246,8 +247,10 @@ def _kv_events(args: argparse.Namespace, r: Replica, scheduler, observe_lag) -> 
         log.seal(clock.now())
 
     clock.on_lag = on_release
+    api = r.api
+    api.extra_routes.append(Route("/reset_prefix_cache", reset_prefix_cache_route(api.engine, bm.pool, log, clock),
+                                  methods=["POST"]))
     if args.kv_events:
-        api = r.api
         api.extra_routes.append(Route("/v1/kv_events", kv_events_route(log, lambda: not api.engine.alive or api.cut),
                                       methods=["GET"]))
     if args.kv_events_zmq:

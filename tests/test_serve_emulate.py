@@ -345,6 +345,10 @@ def test_kv_events_streams_per_replica_http_and_zmq(tmp_path):
         readers[0].wait_for(lambda: set(want) <= removed(), "the prompt's blocks removed")
         assert readers[0].ids == sorted(readers[0].ids) and len(set(readers[0].ids[1:])) == len(readers[0].ids) - 1
         assert not readers[1].events("BlockStored")  # replica 1 served nothing
+        # vLLM's reset: the cache forgets every hash at once, and says so
+        assert httpx.post(f"http://127.0.0.1:{base}/reset_prefix_cache", timeout=30).json() == {"reset": True}
+        readers[0].wait_for(lambda: any(e["type"] == "AllBlocksCleared" for b in readers[0].batches[1:]
+                                        if not b["snapshot"] for e in b["events"]), "the reset")
         # vLLM's wire format: (topic, 8-byte sequence number, msgpack [ts, events])
         got = {}
         while sub.poll(2000):
