@@ -56,7 +56,7 @@ class KvPeekingRouter(LeastLoadedRouter):
 
 
 def _trace():
-    return resolve_trace("multi-client", num_requests=400, rate=12.0, seed=2)
+    return resolve_trace("multi-client", num_requests=200, rate=12.0, seed=2)
 
 
 def _cfg(**kw) -> SimConfig:
@@ -93,7 +93,7 @@ def test_builtins_pass_the_check(kw):
 
 def test_simulate_debug_reports_a_broken_policy_in_one_line(tmp_path, capsys):
     rc = cli_main(["simulate", "--debug", "--policy", f"{__name__}:LeastServedFirst", "--trace", "multi-client",
-                   "--num-requests", "400", "--rate", "12", "--seed", "2", "--num-gpu-blocks", "600",
+                   "--num-requests", "200", "--rate", "12", "--seed", "2", "--num-gpu-blocks", "600",
                    "--out", str(tmp_path / "run"), "--quiet"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1
