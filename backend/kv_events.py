@@ -387,8 +387,8 @@ class ZmqPublisher:
                 self._replay.bind(replay_endpoint)
         except zmq.ZMQError as e:
             self.close()
-            bad = replay_endpoint if self._replay is not None else endpoint
-            raise ValueError(f"{flag}: cannot bind {bad} ({e})") from None
+            which, bad = ("--kv-events-replay", replay_endpoint) if self._replay is not None else (flag, endpoint)
+            raise ValueError(f"{which}: cannot bind {bad} ({e})") from None
         self._topic = topic.encode()
         self._queue: queue.SimpleQueue[KvEventBatch | None] = queue.SimpleQueue()
         self._sent: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)

@@ -243,3 +243,20 @@ def test_parallel_samples_leave_nothing_in_the_executor():
     assert ends == {0: "done", 1: "done", 2: "aborted", 3: "rejected"}
     assert forked_seen >= {0, 2}
     assert executor.inner.targets == {} and executor._forked == {} and executor._base == {}
+
+
+def test_bad_kv_event_flags_name_the_flag(capsys):
+    cal = (*BASE, "--calibration", "vllm-v1-h100")
+    assert "--kv-events needs --prefix-caching" in _run(capsys, *cal, "--kv-events")
+    assert "--kv-events applies with --emulate only" in _run(capsys, "--kv-events")
+    err = _run(capsys, *cal, "--prefix-caching", "--kv-events-zmq", "localhost:5557")
+    assert err.count("--kv-events-zmq: expected tcp://HOST:PORT") == 1
+    assert "--kv-events-replay applies with --kv-events-zmq only" in _run(
+        capsys, *cal, "--prefix-caching", "--kv-events", "--kv-events-replay", "tcp://*:5567")
+    pytest.importorskip("zmq")
+    with socket.socket() as taken:  # a port in use: named, before the server starts
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = _run(capsys, *cal, "--prefix-caching", "--kv-events-zmq", f"tcp://127.0.0.1:{port}")
+    assert "--kv-events-zmq: cannot bind" in err
