@@ -1,8 +1,8 @@
 """Figures for sweeps and runs (matplotlib, written to PNG), in one house style: panels against the
 offered request rate, one colour per policy, router or configuration (the same colour for a name in
-every figure), latencies on log axes so that no curve leaves its panel, the legend under the panels
-(over no data), titles that name files rather than paths, and with seeds the mean and its 95% t
-interval as bands, said in the title (analysis.seeds.seeds_note)."""
+every figure), no clipping limits (a panel spanning a decade or more on a log axis), the legend
+under the panels (over no data), titles that name files rather than paths, and with seeds the mean
+and its 95% t interval as bands, said in the title (analysis.seeds.seeds_note)."""
 
 from __future__ import annotations
 
@@ -89,15 +89,18 @@ def plain_log_ticks(axis: Any) -> None:
     axis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.5)))
 
 
+LOG_SPAN = 10  # a panel whose values span this factor or more is drawn on a log axis
+
+
 def style_axes(ax: Any, xlabel: str, ylabel: str, values: np.ndarray | None = None) -> None:
-    """Axis labels and grid; a log y axis when `values` (what the panel draws) are all > 0, so that
-    curves spanning decades stay in the frame (no clipping limits)."""
+    """Axis labels and grid; a log y axis when `values` (what the panel draws) are all > 0 and span
+    LOG_SPAN or more, so that curves spanning decades stay readable; never clipping limits."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if values is not None:
         finite = np.asarray(values, dtype=float)
         finite = finite[np.isfinite(finite)]
-        if len(finite) and (finite > 0).all():
+        if len(finite) and (finite > 0).all() and finite.max() >= LOG_SPAN * finite.min():
             ax.set_yscale("log")
             plain_log_ticks(ax.yaxis)
     ax.grid(alpha=0.3, which="both" if ax.get_yscale() == "log" else "major")
@@ -225,7 +228,7 @@ def serving_figure(table: pd.DataFrame, title: str = "", by: str = "policy", lab
                    extra: Sequence[Panel] = ()) -> plt.Figure:
     """What `vllm bench serve` and guidellm report, against the offered rate, one colour per `by`:
     achieved throughput (the offered rate dashed), TTFT and time per output token (p50 solid, p90
-    dotted) and E2E p90, log scale for latencies so that no curve leaves a panel; each
+    dotted) and E2E p90, log scale where a panel spans a decade (no limit clips a curve); each
     configuration's saturation point (`saturation_rate`) marked by a vertical line in its colour;
     then the study's own `extra` panels. With a seed column, means over seeds and their 95%
     interval as bands. The legend sits under the panels, over no data."""
