@@ -641,17 +641,16 @@ class VllmScheduler(Scheduler):
         schedule() and on_step_done() would apply it: running groups (single sequences, one token
         each) take their tokens in batch order; the first that finds no free block preempts the
         most recently arrived groups until one frees up (or it is itself preempted). Nothing is
-        admitted. Only the groups opening a block can preempt: they are found in batch order by
-        one walk. Returns the iteration's composition and how many groups were preempted; the
+        admitted. Only the groups opening a block can preempt: their bucket, put in batch order.
+        Returns the iteration's composition and how many groups were preempted; the
         caller finishes the groups whose last token this was."""
         bm = self.bm
         bs = self.block_size
         batch = self._batch
         preempt_plan = StepPlan(block_size=bs)
         running = self.running  # _preempt removes from its tail
-        q = -batch.clock % bs  # the bucket opening a block now
-        phase_of = batch.phase_of
-        openers = [g.seqs[0] for g in running if phase_of(g.seqs[0]) == q]
+        index = running.index  # a few openers, each found in C: cheaper than walking the batch
+        openers = sorted(batch.opening_bucket(), key=lambda s: index(s.group))
         for s in openers:  # in batch order
             g = s.group
             while not bm.num_free_blocks and g.status == SeqStatus.RUNNING:
