@@ -149,14 +149,20 @@ class RunningBatch:
         return (seq.num_computed - seq.anchor) % self.bs
 
     # ---------------------------------------------------------------- checks
-    def check(self, members: list[Sequence]) -> None:
+    def check(self, members: list[Sequence]) -> dict[int, int]:
         """Raise AssertionError unless the kept figures match the members (`members`: every
-        running sequence that should be one)."""
+        running sequence that should be one); returns each member's owed decode steps by seq id
+        (what the block manager's own check must add to its slots and fill levels)."""
         seen = [s for b in self.buckets for s in b]
         assert len(seen) == self.size == len(set(map(id, seen))), "running batch: bucket sizes != size"
         assert {id(s) for s in seen} == {id(s) for s in members}, "running batch: members differ from the running ones"
         assert sum(s.num_computed - s.anchor for s in seen) == self.base, "running batch: context base drifted"
+        assert sum(self.demand_of(s.group) for s in seen) == self.demand, "running batch: seat demand drifted"
         for q, b in enumerate(self.buckets):
             for s in b:
-                assert s.anchor >= 0 and self.phase_of(s) == q, f"sequence {s.seq_id}: wrong bucket"
+                assert 0 <= s.anchor <= self.clock and self.phase_of(s) == q, f"sequence {s.seq_id}: wrong bucket"
                 assert self.bm.slots[s.seq_id] == s.num_computed, f"sequence {s.seq_id}: slots not owed with counters"
+                assert s.finish_at < 0 or s.finish_at > self.clock, f"sequence {s.seq_id}: finish passed"
+        for s in self.unknown:
+            assert s.anchor == self.clock and s.finish_at < 0, f"sequence {s.seq_id}: finish asked at another clock"
+        return {s.seq_id: self.clock - s.anchor for s in seen}

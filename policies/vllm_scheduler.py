@@ -98,11 +98,11 @@ class VllmScheduler(Scheduler):
         return self.bm.prefix_hits
 
     def check_invariants(self) -> None:
-        """The running batch's kept figures, then (settled) conservation and the block manager's."""
-        self._batch.check([g.seqs[0] for g in self.running if g.seqs and g.seqs[0].anchor >= 0])
-        self.settle()
+        """The running batch's kept figures, conservation, and the block manager's invariants with
+        the batch's owed decode steps counted in (nothing is settled: a debug run keeps the batch)."""
+        owed = self._batch.check([g.seqs[0] for g in self.running if g.seqs and g.seqs[0].anchor >= 0])
         self.check_conservation()
-        self.bm.check_invariants()
+        self.bm.check_invariants(owed)
 
     def refusal(self, request: Request) -> str | None:
         return self.refusal_on_arrival(request) or self._never_fits(SequenceGroup(request, -1))
