@@ -45,6 +45,7 @@ class RunningBatch:
         self.base = 0     # sum over members of (stored num_computed - anchor)
         self.demand = 0   # the members' groups' seq_demand
         self.buckets: list[list[Sequence]] = [[] for _ in range(self.bs)]
+        self.counts = [0] * self.bs  # len(buckets[q]), kept so that windows read no list sizes
         self.heap: list[tuple[int, int, Sequence]] = []
         self.unknown: list[Sequence] = []  # members whose finish the executor has not told yet
 
@@ -55,7 +56,9 @@ class RunningBatch:
         clock = self.clock
         seq.anchor = clock
         seq.finish_at = -1
-        self.buckets[(c - clock) % self.bs].append(seq)
+        q = (c - clock) % self.bs
+        self.buckets[q].append(seq)
+        self.counts[q] += 1
         self.size += 1
         self.base += c - clock
         self.demand += self.demand_of(seq.group)
@@ -78,7 +81,9 @@ class RunningBatch:
         """Materialise a member and drop it (it finishes, is preempted or stepped again)."""
         self.materialise(seq)
         c = seq.num_computed
-        self.buckets[(c - self.clock) % self.bs].remove(seq)
+        q = (c - self.clock) % self.bs
+        self.buckets[q].remove(seq)
+        self.counts[q] -= 1
         self.size -= 1
         self.base -= c - seq.anchor
         self.demand -= self.demand_of(seq.group)
@@ -94,6 +99,7 @@ class RunningBatch:
                 s.anchor = s.finish_at = -1
             bucket.clear()
         self.size = self.base = self.demand = 0
+        self.counts = [0] * self.bs
         self.heap.clear()
         self.unknown.clear()
 
@@ -140,9 +146,15 @@ class RunningBatch:
         return self.buckets[-(self.clock + steps) % self.bs]
 
     def by_phase(self) -> list[list[Sequence]]:
-        """by_phase[r]: the members opening a block in r + 1, r + 1 + bs, ... decode steps."""
-        clock, bs, buckets = self.clock, self.bs, self.buckets
-        return [buckets[-(clock + r) % bs] for r in range(bs)]
+        """by_phase[r]: the members opening a block in r + 1, r + 1 + bs, ... decode steps (the
+        bucket of -(clock + r) mod bs: the buckets from -clock mod bs downwards, wrapping)."""
+        q, buckets = -self.clock % self.bs, self.buckets
+        return buckets[q::-1] + buckets[:q:-1]
+
+    def opening_counts(self) -> list[int]:
+        """len(by_phase()[r]) for every r, from the kept counts."""
+        q, counts = -self.clock % self.bs, self.counts
+        return counts[q::-1] + counts[:q:-1]
 
     def phase_of(self, seq: Sequence) -> int:
         """The residue bucket of a member."""
@@ -155,6 +167,7 @@ class RunningBatch:
         (what the block manager's own check must add to its slots and fill levels)."""
         seen = [s for b in self.buckets for s in b]
         assert len(seen) == self.size == len(set(map(id, seen))), "running batch: bucket sizes != size"
+        assert self.counts == [len(b) for b in self.buckets], "running batch: bucket counts drifted"
         assert {id(s) for s in seen} == {id(s) for s in members}, "running batch: members differ from the running ones"
         assert sum(s.num_computed - s.anchor for s in seen) == self.base, "running batch: context base drifted"
         assert sum(self.demand_of(s.group) for s in seen) == self.demand, "running batch: seat demand drifted"

@@ -467,7 +467,7 @@ class VllmScheduler(Scheduler):
         if not self._join_loose():
             return None
         batch = self._batch
-        h = _block_horizon([len(p) for p in batch.by_phase()], len(running), free)
+        h = _block_horizon(batch.opening_counts(), len(running), free)
         if not head_blocked and h > 0:
             return None
         unknown = list(batch.unknown)
@@ -502,7 +502,8 @@ class VllmScheduler(Scheduler):
                 or self.bm.enable_prefix_caching):
             return None
         # the members whose next token opens a block (nothing preempts when all are there)
-        if not self._join_loose() or len(self._batch.opening_bucket()) > self.bm.num_free_blocks:
+        batch = self._batch
+        if not self._join_loose() or batch.counts[-batch.clock % self.block_size] > self.bm.num_free_blocks:
             return None
         unknown = list(self._batch.unknown)
         plan = DecodeStepPlan(unknown, None if unknown else [])
@@ -595,6 +596,7 @@ class VllmScheduler(Scheduler):
         k = plan.steps
         b = batch.size
         by_phase = batch.by_phase()
+        opening = batch.opening_counts()
         pool = bm.pool
         states0 = pool.used_filled
         used0 = bm.num_gpu_blocks - pool.num_free
@@ -610,7 +612,7 @@ class VllmScheduler(Scheduler):
                 served(g, 0, k)
         # per step, in plain ints (windows are mostly a few steps, where numpy's per-call cost
         # dominates): blocks taken by the end of each step, token states, slots in allocated blocks
-        taken = list(accumulate(([len(p) for p in by_phase] * -(-k // bs))[:k]))
+        taken = list(accumulate((opening * -(-k // bs))[:k]))
         states = [states0 + j * b for j in range(1, k + 1)]
         result = RepeatResult([b] * k, states, [allocated0 + t * bs - s for t, s in zip(taken, states)],
                               [free0 - t * bs for t in taken], 0, 0)
