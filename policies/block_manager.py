@@ -79,6 +79,14 @@ class BlockPool:
         """`take()` n times (the caller has counted them against the free blocks); their ids, in
         the order taken. One loop for the many blocks a window of decodes opens."""
         fresh, blocks = self._fresh, self.blocks
+        if n <= len(fresh):  # the common case: never-cached blocks only, taken from the stack's top
+            ids = fresh[:-n - 1:-1] if n else []
+            del fresh[len(fresh) - n:]
+            for block_id in ids:
+                block = blocks[block_id]
+                block.ref_count = 1
+                block.filled = 0
+            return ids
         if n > len(fresh) + len(self._idle):
             raise KeyError("take from an empty free queue")
         ids = []
@@ -598,14 +606,18 @@ class PagedBlockManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.num_gpu_blocks
 
-    def check_invariants(self) -> None:
-        """Raise AssertionError if any block is leaked, double counted or miscounted."""
+    def check_invariants(self, owed: dict[int, int] | None = None) -> None:
+        """Raise AssertionError if any block is leaked, double counted or miscounted. `owed`: decode
+        steps counted in the pool's token states and tables but not yet in the sequences' slots
+        and fill levels (a scheduler's running batch), by seq id."""
+        owed = owed or {}
         refs = [0] * self.num_gpu_blocks
         for sid, table in self.tables.items():
-            assert len(table) == _cdiv(self.slots[sid], self.block_size), f"seq {sid}: table/slots mismatch"
+            assert len(table) == _cdiv(self.slots[sid] + owed.get(sid, 0), self.block_size), \
+                f"seq {sid}: table/slots mismatch"
             for b in table:
                 refs[b] += 1
-        filled = sum(b.filled for b in self.pool.blocks if b.ref_count > 0)
+        filled = sum(b.filled for b in self.pool.blocks if b.ref_count > 0) + sum(owed.values())
         assert filled == self.pool.used_filled, f"token-state count {self.pool.used_filled} != {filled}"
         free = self.pool.free
         assert len(set(free)) == len(free), "a block is in the free queue twice"

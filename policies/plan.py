@@ -14,8 +14,9 @@ once, reporting a `RepeatResult`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -168,22 +169,29 @@ class RepeatPlan:
     them, which then preempts and admits nothing, and which the scheduler applies too.
 
     What the scheduler cannot know, the others decide before it applies the plan: the executor
-    says how many tokens each sequence samples before it finishes (`remaining`, in batch order;
-    given already when the scheduler carried it over from its previous window), and the replica
-    step narrows `steps` (never up) and `exhausts` (only to False) to the window that is certain:
-    a finish ends it (the finishing iteration included), as does an arrival that could be admitted,
-    the policy's wake time or, behind a router, any arrival. Valid until the scheduler next changes
-    other than through its `apply_repeat`.
+    says how many tokens each of `seqs` samples before it finishes (`remaining`: the sequences
+    whose finish the scheduler does not know yet, often none; `first_known` is how many iterations
+    away the first finish it knows is), and the replica step narrows `steps` (never up) and
+    `exhausts` (only to False) to the window that is certain: a finish ends it (the finishing
+    iteration included), as does an arrival that could be admitted, the policy's wake time or,
+    behind a router, any arrival. Valid until the scheduler next changes other than through its
+    `apply_repeat`.
     """
 
     num_seqs: int
     context_tokens: int
     steps: int
     exhausts: bool
-    # the batch's sequences, in order, for the executor's `remaining` (empty when that is given)
+    # the batch's sequences whose finish the scheduler does not know, for the executor's `remaining`
     seqs: list[Sequence] = field(default_factory=list)
     remaining: list[int] | None = None
-    layout: Any = None  # the scheduler's own working data, for its apply_repeat
+    first_known: float = math.inf
+
+    def first_finish(self) -> float:
+        """Iterations until the first finish in the batch (its last token's iteration), once the
+        executor has given `remaining`."""
+        told = min(self.remaining) if self.remaining else math.inf
+        return told if told < self.first_known else self.first_known
 
 
 @dataclass(slots=True, eq=False)
@@ -192,8 +200,9 @@ class DecodeStepPlan:
     running batch, `seqs` (single sequences, in batch order), decodes one token each with blocks
     enough for all (nothing is preempted or swapped), while waiting groups are admitted or rejected
     by the scheduler's own admission rule, as stepping would. The executor says how many tokens
-    each of `seqs` samples before it finishes (`remaining`, as for a RepeatPlan) before the
-    scheduler applies it. Valid until the scheduler next changes."""
+    each of `seqs` (the batch's sequences whose finish the scheduler does not know yet) samples
+    before it finishes (`remaining`, as for a RepeatPlan) before the scheduler applies it. Valid
+    until the scheduler next changes."""
 
     seqs: list[Sequence]
     remaining: list[int] | None = None

@@ -105,11 +105,16 @@ class Sequence:
 
     Invariant: 0 <= num_computed <= num_tokens; the tokens in [num_computed, num_tokens) still need
     a forward pass (one in steady decode, the whole sequence after a recompute preemption).
+    While a member of a scheduler's running batch (anchor >= 0) its counters are those of the
+    batch's clock at `anchor`: read them only after the scheduler's `settle()` (which the debug
+    check calls), as every reader outside the scheduler does.
     """
 
     __slots__ = (
+        "anchor",
         "block_hashes",
         "cum_logprob",
+        "finish_at",
         "group",
         "num_computed",
         "output_len",
@@ -132,6 +137,11 @@ class Sequence:
         self.target_len = target_len      # outputs it will reach (trace length or max_tokens)
         self.block_hashes: list[int] = []  # chained content hashes of full blocks, filled lazily
         self.cum_logprob = 0.0
+        # skip-ahead's running batch (policies/running_batch.py): the decode clock this
+        # sequence's counters are exact at (-1: not a member, exact now) and the clock of its
+        # last token (-1: unknown)
+        self.anchor = -1
+        self.finish_at = -1
 
     @property
     def num_tokens(self) -> int:

@@ -287,7 +287,7 @@ def _stop_at_finish(plan: RepeatPlan) -> bool:
     """Narrow the offer to end with the first finish (that iteration included), or keep its
     block bound when blocks run out first; False when no window of 2 or more iterations (or one
     that ends in a preempting iteration the scheduler applies) remains."""
-    first_finish = min(plan.remaining)
+    first_finish = plan.first_finish()
     if first_finish < 1:
         return False
     if first_finish <= plan.steps:

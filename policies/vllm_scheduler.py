@@ -15,8 +15,6 @@ from collections.abc import Callable
 from itertools import accumulate
 from typing import NamedTuple
 
-import numpy as np
-
 from policies.block_manager import PagedBlockManager
 from policies.memory import MemoryBreakdown
 from policies.plan import (
@@ -31,6 +29,7 @@ from policies.plan import (
 )
 from policies.queue_policy import ADMIT, DEFER, QueuePolicy
 from policies.request import Request, SeqStatus, Sequence, SequenceGroup
+from policies.running_batch import RunningBatch
 from policies.scheduler import Scheduler
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -74,12 +73,9 @@ class VllmScheduler(Scheduler):
         # the last plan_repeat's plan, its steps and exhausts as offered (until applied or stale)
         self._offer: tuple[RepeatPlan, int, bool] | None = None
         self._decode_offer: DecodeStepPlan | None = None  # the last plan_decode_step's offer
-        # what a preempting iteration in a window leaves for the next plan_repeat: (by_phase,
-        # remaining, context tokens) of the survivors, so that it need not walk the batch again
-        self._carry: tuple[list[list[Sequence]], list[int], int] | None = None
-        # plain decode steps applied to the blocks and counters but not yet to the running
-        # sequences' own fields (see settle); every running group owes exactly this many
-        self._pending_steps = 0
+        # the plain decoders, moved on in bulk by skip-ahead, and the running groups not yet in it
+        self._batch = RunningBatch(self.bm, self.seq_demand)
+        self._loose: list[SequenceGroup] = []
         # the last group _never_fits judged and its answer (a function of the request and this
         # scheduler's fixed settings): a blocked waiting head is asked about at every iteration
         self._fits_memo: tuple[SequenceGroup, str | None] | None = None
@@ -102,8 +98,11 @@ class VllmScheduler(Scheduler):
         return self.bm.prefix_hits
 
     def check_invariants(self) -> None:
+        """The running batch's kept figures, conservation, and the block manager's invariants with
+        the batch's owed decode steps counted in (nothing is settled: a debug run keeps the batch)."""
+        owed = self._batch.check([g.seqs[0] for g in self.running if g.seqs and g.seqs[0].anchor >= 0])
         self.check_conservation()
-        self.bm.check_invariants()
+        self.bm.check_invariants(owed)
 
     def refusal(self, request: Request) -> str | None:
         return self.refusal_on_arrival(request) or self._never_fits(SequenceGroup(request, -1))
@@ -147,8 +146,7 @@ class VllmScheduler(Scheduler):
         return self.bm.inject_prefix(request)
 
     def abort(self, group_id: int, now: float, reason: str = "aborted") -> SequenceGroup | None:
-        # the batch a plan or carry describes may lose a group
-        self._offer = self._carry = self._decode_offer = None
+        # the batch a plan describes may lose a group (the base settles the running batch first)
         return super().abort(group_id, now, reason)
 
     def block_usage(self) -> tuple[int, int]:
@@ -159,8 +157,7 @@ class VllmScheduler(Scheduler):
 
     # ---------------------------------------------------------------- scheduling
     def schedule(self, now: float) -> StepPlan:
-        self.settle()
-        self._offer = self._carry = self._decode_offer = None  # the running set is about to change
+        self.settle()  # the running set is about to change: every sequence exact, no offer stands
         plan = StepPlan(block_size=self.block_size)
         budget = [self.max_num_batched_tokens]
         preempted = self._schedule_running(plan, budget)
@@ -319,8 +316,9 @@ class VllmScheduler(Scheduler):
         sequence that grew past the budget), which is then computed in pieces anyway."""
         return self.chunked_prefill or seq.num_tokens - seq.num_computed > self.max_num_batched_tokens
 
-    def _schedule_waiting(self, plan: StepPlan, budget: list[int], now: float) -> None:
-        demand = None  # summed over the batch only when a group could be admitted
+    def _schedule_waiting(self, plan: StepPlan, budget: list[int], now: float, demand: int | None = None) -> None:
+        """Admit or reject from the head of the queue while the budget lasts; `demand`: the running
+        sequences' seat demand when the caller knows it (else summed only when needed)."""
         while self.waiting and budget[0] > 0:
             group = self.waiting[0]
             answer = self._admission(group, budget[0], demand, now)
@@ -395,6 +393,51 @@ class VllmScheduler(Scheduler):
         self._emit(plan, seq, n)
 
     # ---------------------------------------------------------------- skipping ahead
+    # The running batch (policies/running_batch.py) holds the plain decoders, moved on by its
+    # clock; groups inserted into `running` since are `_loose` until a window's plan joins them.
+    def _insert_running(self, group: SequenceGroup) -> None:
+        super()._insert_running(group)
+        self._loose.append(group)
+
+    def settle(self) -> None:
+        """Materialise every running sequence's owed decode steps and empty the running batch
+        (every running group is loose again): what stepping, abort and the debug check read."""
+        if self._batch.size:
+            self._batch.release_all()
+        self._loose = list(self.running)
+        self._offer = self._decode_offer = None
+
+    def _join_loose(self) -> bool:
+        """Join the loose running groups that are plain decoders to the batch; False when one is
+        not (a prefill or recompute in flight, or forked sequences): that group is stepped."""
+        loose = self._loose
+        if not loose:
+            return True
+        batch = self._batch
+        left = []
+        for g in loose:
+            if g.status != SeqStatus.RUNNING or len(g.seqs) != 1:
+                if g.status == SeqStatus.RUNNING:
+                    left.append(g)
+                continue
+            s = g.seqs[0]
+            if s.anchor >= 0:
+                continue  # joined already (listed twice: preempted and admitted again)
+            if s.prompt_len + s.output_len - s.num_computed != 1 or not s.output_len:
+                left.append(g)
+                continue
+            batch.join(s)
+        self._loose = left
+        return not left
+
+    def _take_offer_remaining(self) -> None:
+        """The finishes the executor told for the last offer (asked once, kept by the batch even
+        when the replica step then declined the window)."""
+        offer = self._offer[0] if self._offer is not None else self._decode_offer
+        if offer is not None and offer.remaining is not None and offer.seqs:
+            self._batch.set_finishes(offer.seqs, offer.remaining)
+        self._offer = self._decode_offer = None
+
     def plan_repeat(self, now: float) -> RepeatPlan | None:
         """Offer the running batch's coming plain decodes (see RepeatPlan), or None when the next
         iteration must be scheduled normally: `steps` iterations whose blocks are certain, in which
@@ -403,12 +446,10 @@ class VllmScheduler(Scheduler):
         `exhausts` when the iteration after them, in which free blocks run out, can be applied too
         (the running tail is the victim: a policy that picks its own gets that iteration stepped).
         When something waiting could be admitted, only an iteration that runs out of blocks at
-        once (it admits nothing) is offered.
+        once (it admits nothing) is offered. Reads the running batch's kept figures, never the
+        sequences.
         """
-        self._offer = self._decode_offer = None
-        carry, self._carry = self._carry, None
-        if carry is None:
-            self.settle()  # the walk below reads the sequences
+        self._take_offer_remaining()
         running = self.running
         if not running or self.swapped or len(running) > self.max_num_batched_tokens:
             return None
@@ -423,44 +464,17 @@ class VllmScheduler(Scheduler):
         free = self.bm.num_free_blocks
         if not head_blocked and free >= len(running):
             return None  # an admission comes next, and no group can run out of blocks first
-        seqs: list[Sequence] = []
-        rem = None
-        if carry is not None:
-            by_phase, rem, context = carry
-        else:
-            walked = self._plain_decoders()
-            if walked is None:
-                return None
-            seqs, by_phase, context = walked
-        h = _block_horizon([len(p) for p in by_phase], len(running), free)
+        if not self._join_loose():
+            return None
+        batch = self._batch
+        h = _block_horizon(batch.opening_counts(), len(running), free)
         if not head_blocked and h > 0:
             return None
-        plan = RepeatPlan(len(running), context, h, not self._custom_victim, seqs, rem, by_phase)
+        unknown = list(batch.unknown)
+        plan = RepeatPlan(len(running), batch.context(), h, not self._custom_victim, unknown,
+                          None if unknown else [], first_known=batch.first_finish())
         self._offer = (plan, h, plan.exhausts)
         return plan
-
-    def _plain_decoders(self) -> tuple[list[Sequence], list[list[Sequence]], int] | None:
-        """The running batch, when every group is a single sequence with exactly one token to
-        compute that is not a prompt's last (that samples the first): its sequences in batch order,
-        the same by block phase (phase r opens a block in r + 1, r + 1 + bs, ... decode steps; such
-        a sequence owns its partly filled last block) and their computed tokens' sum; else None.
-        Reads the sequences' own counters: settled."""
-        bs = self.block_size
-        by_phase: list[list[Sequence]] = [[] for _ in range(bs)]
-        seqs: list[Sequence] = []
-        add = seqs.append
-        context = 0
-        for g in self.running:
-            if len(g.seqs) != 1:
-                return None
-            s = g.seqs[0]
-            c = s.num_computed
-            if s.prompt_len + s.output_len - c != 1 or not s.output_len:
-                return None
-            by_phase[-c % bs].append(s)
-            add(s)
-            context += c
-        return seqs, by_phase, context
 
     def _stays_blocked(self, head: SequenceGroup, num_running: int, now: float) -> bool:
         """True if the waiting group `head`, considered first in a plain decode iteration of
@@ -482,122 +496,127 @@ class VllmScheduler(Scheduler):
         group is a single sequence decoding one token, the budget holds them all, nothing is
         swapped out, the free blocks cover every block the batch opens (so nothing is preempted)
         and no prefix cache registers the blocks they fill; else None (step it)."""
-        self._offer = self._carry = None
-        self.settle()  # the walk below reads the sequences
+        self._take_offer_remaining()
         running = self.running
         if (not running or self.swapped or len(running) > self.max_num_batched_tokens
                 or self.bm.enable_prefix_caching):
             return None
-        walked = self._plain_decoders()
-        # phase 0: a full last block, a new one to open (nothing preempts when all are there)
-        if walked is None or len(walked[1][0]) > self.bm.num_free_blocks:
+        # the members whose next token opens a block (nothing preempts when all are there)
+        batch = self._batch
+        if not self._join_loose() or batch.counts[-batch.clock % self.block_size] > self.bm.num_free_blocks:
             return None
-        seqs = walked[0]
-        plan = DecodeStepPlan(seqs)
+        unknown = list(self._batch.unknown)
+        plan = DecodeStepPlan(unknown, None if unknown else [])
         self._decode_offer = plan
         return plan
 
     def apply_decode_step(self, plan: DecodeStepPlan, now: float,
                           execute: Callable[[StepPlan, StepComposition], StepResult]) -> DecodeStepResult:
         """Apply the offered iteration as schedule(), the executor and on_step_done() would, the
-        groups finishing at its end (now + its duration): the batch's tokens first (blocks in batch
-        order), then the waiting queue by `_schedule_waiting`. Only the sequences that finish and
-        the admitted ones get a ScheduledSeq, each with its Sequence as schedule()'s have (in plan
+        groups finishing at its end (now + its duration): the batch's tokens first (its blocks),
+        then the waiting queue by `_schedule_waiting`. Only the sequences that finish and the
+        admitted ones get a ScheduledSeq, each with its Sequence as schedule()'s have (in plan
         order: `execute(plan, composition)` prices the whole iteration and returns their outcomes,
-        reading no more than the plan); the others move on by one token here."""
+        reading no more than the plan); the others move on by the batch's clock."""
         offer, self._decode_offer = self._decode_offer, None
         if plan is not offer or plan.remaining is None or len(plan.remaining) != len(plan.seqs):
             raise AssertionError("apply_decode_step needs the scheduler's current DecodeStepPlan with its remaining counts")
-        bm = self.bm
-        bs = self.block_size
-        blocks, tables, bm_slots = bm.pool.blocks, bm.tables, bm.slots
-        step = StepPlan(block_size=bs)
-        continuing = []
-        context = 0  # of the continuing sequences, with the new token
-        for s, r in zip(plan.seqs, plan.remaining):
+        batch, bm = self._batch, self.bm
+        if plan.seqs:
+            batch.set_finishes(plan.seqs, plan.remaining)
+        batch_groups = list(self.running) if self.policy.tracks_service else None
+        num_batch = batch.size
+        demand = batch.demand
+        finishing = self._in_batch_order(batch.finishing(ahead=1))  # their last token is this step's
+        for s in finishing:  # leave the batch, settled before this step
+            batch.leave(s)
+        # the blocks this step opens, then the finishing sequences' own token (a new block or
+        # their own partly filled one)
+        bm.open_decode_blocks([s.seq_id for s in batch.opening_bucket()])
+        bm.add_token_states(batch.size)
+        step = StepPlan(block_size=self.block_size)
+        tables = bm.tables
+        for s in finishing:
             sid = s.seq_id
-            table = tables[sid]
-            start = s.num_computed
-            cur = bm_slots[sid]
-            if cur % bs and cur < start + 1 <= len(table) * bs and blocks[table[-1]].ref_count == 1:
-                bm.extend_own_block(sid, start + 1, cur, table)
-            elif bm.append_slots(s, 1) != []:  # a new block of its own: plan_decode_step counted it
+            if bm.append_slots(s, 1) != []:  # plan_decode_step counted its block
                 raise AssertionError(f"sequence {sid}: no free block, or a shared one copied, in a decode step")
-            if r == 1:  # its last token: stepped through on_step_done with the executor's outcome
-                step.seqs.append(ScheduledSeq(sid, s.group.group_id, start, 1, table, True, s))
-            else:
-                continuing.append(s)
-                context += start + 1
-        num_finishing = len(step.seqs)
-        self._schedule_waiting(step, [self.max_num_batched_tokens - len(plan.seqs)], now)
-        comp = step.composition(len(continuing), context)
+            step.seqs.append(ScheduledSeq(sid, s.group.group_id, s.num_computed, 1, tables[sid], True, s))
+        batch.clock += 1
+        num_continuing = batch.size
+        context = batch.context()  # of the continuing sequences, with the new token
+        self._schedule_waiting(step, [self.max_num_batched_tokens - num_batch], now, demand)
+        comp = step.composition(num_continuing, context)
         result = execute(step, comp)
         end = now + result.duration
-        if self.policy.tracks_service:  # in plan order: the batch, then the admitted
+        if batch_groups is not None:  # in plan order: the batch, then the admitted
             served = self.policy.on_served
-            for s in plan.seqs:
-                served(s.group, 0, 1)
-            self._account_service(step.seqs[num_finishing:])
-        for s in continuing:  # on_step_done's plain continuation
-            s.num_computed += 1
-            s.output_len += 1
-            s.cum_logprob = 0.0
-            if s.token_ids is not None:
-                s.token_ids.append(-1)
+            for g in batch_groups:
+                served(g, 0, 1)
+            self._account_service(step.seqs[len(finishing):])
         finished = self._apply_outcomes(step, result, end)
         return DecodeStepResult(comp, result, finished)
+
+    def _in_batch_order(self, seqs: list[Sequence]) -> list[Sequence]:
+        if len(seqs) > 1:
+            index = self.running.index
+            seqs.sort(key=lambda s: index(s.group))
+        return seqs
 
     def apply_repeat(self, plan: RepeatPlan, end: float,
                      price: Callable[[StepComposition], float]) -> RepeatResult:
         """Apply the offered plan as the replica step narrowed it (see Scheduler.apply_repeat):
         plan.steps plain decodes, blocks taken in the order stepping takes them, then with
         plan.exhausts the preempting iteration. The running sequences' own counters and their
-        blocks' fill levels are owed (`settle`) until something reads them, so that a run of
-        windows joined by preempting iterations walks the batch once."""
+        blocks' fill levels are owed (the running batch's clock) until something reads them."""
         offer, self._offer = self._offer, None
         k = plan.steps
         if (offer is None or plan is not offer[0] or not 0 <= k <= offer[1] or plan.remaining is None
                 or (plan.exhausts and not (offer[2] and k == offer[1])) or not (k or plan.exhausts)):
             raise AssertionError("apply_repeat needs the scheduler's current RepeatPlan, narrowed, not widened")
+        if plan.seqs:
+            self._batch.set_finishes(plan.seqs, plan.remaining)
         if k:
             result = self._repeat(plan, end)
         else:
-            mem = self.bm.memory()
-            e = np.empty(0, dtype=np.int64)
-            result = RepeatResult(e, e, e, e, mem.reserved, mem.external_frag)
+            result = RepeatResult([], [], [], [])
         if plan.exhausts:
-            comp, preempted = self._exhaustion_step(plan)
+            comp, preempted = self._exhaustion_step()
             if comp.num_decode_seqs:  # else the batch was preempted whole: no iteration, no time
                 duration = price(comp)
-                self._finish_plain(plan.remaining, k + 1, end + duration)
+                self._finish_plain(end + duration)
                 result.exhaustion, result.exhaustion_duration, result.num_preempted = comp, duration, preempted
         return result
 
     def _repeat(self, plan: RepeatPlan, now: float) -> RepeatResult:
         """The plan's k plain decodes (as k calls of schedule() and on_step_done() without sampled
-        tokens); the groups whose remaining count is k finish in the k-th, at `now`."""
+        tokens); the groups whose last token comes in the k-th finish, at `now`."""
         bm = self.bm
         bs = self.block_size
+        batch = self._batch
         k = plan.steps
-        b = len(self.running)
-        by_phase = plan.layout
-        mem0 = bm.memory()
-        # blocks taken in iteration order, in batch order within one
-        bm.open_decode_blocks(s.seq_id for p0 in range(0, k, bs) for phase in by_phase[:k - p0] for s in phase)
+        b = batch.size
+        by_phase = batch.by_phase()
+        opening = batch.opening_counts()
+        pool = bm.pool
+        states0 = pool.used_filled
+        used0 = bm.num_gpu_blocks - pool.num_free
+        allocated0, free0 = used0 * bs, pool.num_free * bs
+        # blocks taken in iteration order (any order within one: which block a sequence gets is
+        # not observable, only how many are taken and when)
+        bm.open_decode_blocks([s.seq_id for p0 in range(0, k, bs) for phase in by_phase[:k - p0] for s in phase])
         bm.add_token_states(k * b)
-        self._pending_steps += k
+        batch.clock += k
         if self.policy.tracks_service:
             served = self.policy.on_served
             for g in self.running:
                 served(g, 0, k)
         # per step, in plain ints (windows are mostly a few steps, where numpy's per-call cost
         # dominates): blocks taken by the end of each step, token states, slots in allocated blocks
-        taken = list(accumulate(([len(p) for p in by_phase] * -(-k // bs))[:k]))
-        states0, allocated0, free0 = mem0.token_states, mem0.token_states + mem0.internal_frag, mem0.free
+        taken = list(accumulate((opening * -(-k // bs))[:k]))
         states = [states0 + j * b for j in range(1, k + 1)]
         result = RepeatResult([b] * k, states, [allocated0 + t * bs - s for t, s in zip(taken, states)],
-                              [free0 - t * bs for t in taken], mem0.reserved, mem0.external_frag)
-        if self._finish_plain(plan.remaining, k, now):
+                              [free0 - t * bs for t in taken], 0, 0)
+        if self._finish_plain(now):
             mem = bm.memory()
             result.token_states[-1] = mem.token_states
             result.internal_frag[-1] = mem.internal_frag
@@ -605,82 +624,51 @@ class VllmScheduler(Scheduler):
             result.running[-1] = len(self.running)
         return result
 
-    def settle(self) -> None:
-        """Pay the running sequences the decode steps they are owed (see apply_repeat)."""
-        if self._pending_steps:
-            self._settle([g.seqs[0] for g in self.running])
-            self._pending_steps = 0
-
-    def _settle(self, seqs: list[Sequence]) -> None:
-        # single-sequence groups own their partly filled blocks; the blocks they opened meanwhile
-        # are already in their tables
-        k = self._pending_steps
-        self.bm.settle_decodes(seqs, k)
-        for s in seqs:
-            s.num_computed += k
-            s.output_len += k
-            s.cum_logprob = 0.0
-            if s.token_ids is not None:  # as on_step_done: simulated tokens have no content
-                s.token_ids.extend([-1] * k)
-
-    def _finish_plain(self, remaining: list[int], step: int, now: float) -> bool:
-        """After `step` plain decode steps counted from a plan, finish the running groups (single
-        sequences) whose remaining count was `step`, as on_step_done does: in batch order,
-        freeing the blocks. Groups preempted meanwhile are off the tail of the running list.
-        Returns whether any finished."""
-        if min(remaining) != step:
+    def _finish_plain(self, now: float) -> bool:
+        """Finish the members whose last token was the one computed at the batch's clock, as
+        on_step_done does: in batch order, freeing the blocks. Returns whether any finished."""
+        done = self._batch.finishing()
+        if not done:
             return False
-        running = self.running
-        done = [running[i] for i, r in enumerate(remaining[:len(running)]) if r == step]
-        if done:
-            self.settle()
-            self._carry = None
-        for g in done:
-            self._finish_seq(g.seqs[0], keep_record=True)
+        batch = self._batch
+        for s in self._in_batch_order(done):
+            batch.leave(s)
+            g = s.group
+            self._finish_seq(s, keep_record=True)
             self._finish_group(g, now)
-        return bool(done)
+        return True
 
-    def _exhaustion_step(self, plan: RepeatPlan) -> tuple[StepComposition, int]:
+    def _exhaustion_step(self) -> tuple[StepComposition, int]:
         """The plain-decode iteration after the plan's steps, in which free blocks run out, as
         schedule() and on_step_done() would apply it: running groups (single sequences, one token
         each) take their tokens in batch order; the first that finds no free block preempts the
         most recently arrived groups until one frees up (or it is itself preempted). Nothing is
-        admitted. Only the groups opening a block are visited (the others cannot preempt); the
-        survivors' token is owed like _repeat's. Returns the iteration's composition and how many
-        groups were preempted; the caller finishes the groups whose last token this was."""
+        admitted. Only the groups opening a block can preempt: their bucket, put in batch order.
+        Returns the iteration's composition and how many groups were preempted; the
+        caller finishes the groups whose last token this was."""
         bm = self.bm
         bs = self.block_size
-        steps0, by_phase0 = plan.steps, plan.layout
+        batch = self._batch
         preempt_plan = StepPlan(block_size=bs)
         running = self.running  # _preempt removes from its tail
-        context = plan.context_tokens + steps0 * len(running)  # the running sequences' computed tokens
-        for s in by_phase0[steps0 % bs]:  # the groups opening a block, in batch order
+        index = running.index  # a few openers, each found in C: cheaper than walking the batch
+        openers = sorted(batch.opening_bucket(), key=lambda s: index(s.group))
+        for s in openers:  # in batch order
             g = s.group
             while not bm.num_free_blocks and g.status == SeqStatus.RUNNING:
                 tail = running[-1]
-                self._settle(tail.seqs)
-                context -= tail.seqs[0].num_computed
+                batch.leave(tail.seqs[0])
                 self._preempt(tail, preempt_plan)
             if g.status != SeqStatus.RUNNING:
                 break  # it was the tail: everything after it is preempted too
             bm.open_decode_blocks((s.seq_id,))
-        survivors = len(running)
+        survivors = batch.size
         bm.add_token_states(survivors)
         if self.policy.tracks_service:
             for g in running:
                 self.policy.on_served(g, 0, 1)
-        self._pending_steps += 1
-        context += survivors
-        if survivors:  # the survivors' phases move on by the plan's steps + 1; the preempted leave
-            steps = steps0 + 1
-            for seqs in by_phase0:
-                while seqs and seqs[-1].status != SeqStatus.RUNNING:  # the batch's tail: preempted
-                    seqs.pop()
-            by_phase = [by_phase0[(r + steps) % bs] for r in range(bs)]
-            self._carry = (by_phase, [r - steps for r in plan.remaining[:survivors]], context)
-        else:
-            self._pending_steps = 0
-        comp = StepComposition(num_decode_seqs=survivors, decode_context_tokens=context,
+        batch.clock += 1
+        comp = StepComposition(num_decode_seqs=survivors, decode_context_tokens=batch.context(),
                                swap_out_blocks=len(preempt_plan.swap_out), block_size=bs)
         return comp, len(preempt_plan.preempted)
 

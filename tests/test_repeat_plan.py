@@ -174,7 +174,9 @@ def test_state_reading_policies_run_through_block_exhaustion_once_every_request_
 
 def _state(sched: VllmScheduler) -> list:
     """Everything an iteration changes that the tables do not show: each group's sequences and
-    their block tables, the free queue, the token states."""
+    their block tables, the free queue, the token states (read settled, as every reader outside
+    the scheduler reads a running sequence)."""
+    sched.settle()
     bm = sched.bm
     groups = [(g.group_id, g.first_scheduled, g.first_token_time, g.finish_time,
                [(s.num_computed, s.output_len, bm.tables.get(s.seq_id), bm.slots.get(s.seq_id)) for s in g.seqs])

@@ -1,0 +1,181 @@
+"""The paged scheduler's running batch, kept incrementally for skip-ahead (issue 23).
+
+A plain decoder is a running group of one sequence whose only uncomputed token is its last
+sampled one (it computes exactly one token per iteration and owns its partly filled last block).
+Such sequences join the batch (`join`) and are then moved on in bulk: the batch keeps a decode
+`clock`, and a member's stored counters (num_computed, output_len, its slots and last block's fill
+level) are those of the clock at its `anchor`; its true length is stored + clock - anchor.
+`materialise` pays a member what it is owed (counters, token ids, blocks' fill levels) so that its
+own fields are exact; `leave` does so and drops it. Every member's blocks are in its table already
+(a window opens them as stepping would), and the pool's token-state count is kept exact by the
+caller, so only the per-sequence fields are owed.
+
+Kept as the batch changes (never recomputed by walking it):
+- `size`, the members' context sum (`context()`: base + size * clock) and their seat demand;
+- the members by block residue: a member whose true count is c sits in bucket (c - clock) % bs,
+  which a decode step leaves unchanged; the bucket of -(clock + r) % bs opens a block in r + 1,
+  r + 1 + bs, ... decode steps (`by_phase`);
+- the finish heap: (the clock at which a member samples its last token, seq id, sequence), with
+  lazy deletion (an entry is live while its sequence is a member with that finish), for members
+  whose remaining count the executor has told (`set_finish`); the others are `unknown`.
+
+Invariants (`check`): every member has anchor >= 0 and is in exactly one bucket; bucket sizes sum
+to size; base is the sum over members of (stored num_computed - anchor); a member's stored
+num_computed equals its slots in the block manager (owed together).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+from policies.block_manager import PagedBlockManager
+from policies.request import Sequence, SequenceGroup
+
+
+class RunningBatch:
+    """Plain decoding sequences of one replica moved on by a shared decode clock (see module)."""
+
+    def __init__(self, bm: PagedBlockManager, demand_of: Callable[[SequenceGroup], int]) -> None:
+        self.bm = bm
+        self.bs = bm.block_size
+        self.demand_of = demand_of
+        self.clock = 0
+        self.size = 0
+        self.base = 0     # sum over members of (stored num_computed - anchor)
+        self.demand = 0   # the members' groups' seq_demand
+        self.buckets: list[list[Sequence]] = [[] for _ in range(self.bs)]
+        self.counts = [0] * self.bs  # len(buckets[q]), kept so that windows read no list sizes
+        self.heap: list[tuple[int, int, Sequence]] = []
+        self.unknown: list[Sequence] = []  # members whose finish the executor has not told yet
+
+    # ---------------------------------------------------------------- membership
+    def join(self, seq: Sequence) -> None:
+        """Make a settled plain decoder a member anchored at the clock (finish unknown)."""
+        c = seq.num_computed
+        clock = self.clock
+        seq.anchor = clock
+        seq.finish_at = -1
+        q = (c - clock) % self.bs
+        self.buckets[q].append(seq)
+        self.counts[q] += 1
+        self.size += 1
+        self.base += c - clock
+        self.demand += self.demand_of(seq.group)
+        self.unknown.append(seq)
+
+    def materialise(self, seq: Sequence) -> None:
+        """Pay a member its owed decode steps: its counters, token ids and blocks' fill levels
+        become exact; its anchor moves to the clock."""
+        k = self.clock - seq.anchor
+        if k:
+            self.bm.settle_decodes((seq,), k)
+            seq.num_computed += k
+            seq.output_len += k
+            seq.cum_logprob = 0.0  # as on_step_done: simulated tokens have no log-probability
+            if seq.token_ids is not None:
+                seq.token_ids.extend([-1] * k)
+            seq.anchor = self.clock
+
+    def leave(self, seq: Sequence) -> None:
+        """Materialise a member and drop it (it finishes, is preempted or stepped again)."""
+        self.materialise(seq)
+        c = seq.num_computed
+        q = (c - self.clock) % self.bs
+        self.buckets[q].remove(seq)
+        self.counts[q] -= 1
+        self.size -= 1
+        self.base -= c - seq.anchor
+        self.demand -= self.demand_of(seq.group)
+        if seq.finish_at < 0:
+            self.unknown.remove(seq)
+        seq.anchor = seq.finish_at = -1
+
+    def release_all(self) -> None:
+        """Materialise every member and empty the batch (a stepped iteration reads them all)."""
+        for bucket in self.buckets:
+            for s in bucket:
+                self.materialise(s)
+                s.anchor = s.finish_at = -1
+            bucket.clear()
+        self.size = self.base = self.demand = 0
+        self.counts = [0] * self.bs
+        self.heap.clear()
+        self.unknown.clear()
+
+    # ---------------------------------------------------------------- finishes
+    def set_finishes(self, seqs: list[Sequence], remaining: list[int]) -> None:
+        """The executor's remaining counts (tokens each samples before it finishes, from the
+        clock) for members whose finish was unknown."""
+        clock, heap = self.clock, self.heap
+        for s, r in zip(seqs, remaining):
+            if s.anchor >= 0 and s.finish_at < 0:
+                s.finish_at = clock + r
+                heapq.heappush(heap, (clock + r, s.seq_id, s))
+        self.unknown = [s for s in self.unknown if s.finish_at < 0]
+
+    def first_finish(self) -> float:
+        """Decode steps from the clock to the earliest known finish (inf when none is known)."""
+        heap = self.heap
+        while heap:
+            at, _, s = heap[0]
+            if s.anchor >= 0 and s.finish_at == at:
+                return at - self.clock
+            heapq.heappop(heap)  # stale: its sequence left, or finishes at another time now
+        return float("inf")
+
+    def finishing(self, ahead: int = 0) -> list[Sequence]:
+        """The members whose last token is the one computed at the clock + `ahead` (in heap
+        order); each still a member (the caller orders them and lets them leave)."""
+        heap, clock = self.heap, self.clock + ahead
+        out: list[Sequence] = []
+        while heap and heap[0][0] <= clock:
+            at, _, s = heapq.heappop(heap)
+            if s.anchor >= 0 and s.finish_at == at and s not in out:
+                out.append(s)
+        return out
+
+    # ---------------------------------------------------------------- reads for windows
+    def context(self) -> int:
+        """The members' computed tokens, summed (true counts)."""
+        return self.base + self.size * self.clock
+
+    def opening_bucket(self, steps: int = 0) -> list[Sequence]:
+        """The members that open a block in the decode step `steps` + 1 from the clock (their
+        true count is then a multiple of the block size)."""
+        return self.buckets[-(self.clock + steps) % self.bs]
+
+    def by_phase(self) -> list[list[Sequence]]:
+        """by_phase[r]: the members opening a block in r + 1, r + 1 + bs, ... decode steps (the
+        bucket of -(clock + r) mod bs: the buckets from -clock mod bs downwards, wrapping)."""
+        q, buckets = -self.clock % self.bs, self.buckets
+        return buckets[q::-1] + buckets[:q:-1]
+
+    def opening_counts(self) -> list[int]:
+        """len(by_phase()[r]) for every r, from the kept counts."""
+        q, counts = -self.clock % self.bs, self.counts
+        return counts[q::-1] + counts[:q:-1]
+
+    def phase_of(self, seq: Sequence) -> int:
+        """The residue bucket of a member."""
+        return (seq.num_computed - seq.anchor) % self.bs
+
+    # ---------------------------------------------------------------- checks
+    def check(self, members: list[Sequence]) -> dict[int, int]:
+        """Raise AssertionError unless the kept figures match the members (`members`: every
+        running sequence that should be one); returns each member's owed decode steps by seq id
+        (what the block manager's own check must add to its slots and fill levels)."""
+        seen = [s for b in self.buckets for s in b]
+        assert len(seen) == self.size == len(set(map(id, seen))), "running batch: bucket sizes != size"
+        assert self.counts == [len(b) for b in self.buckets], "running batch: bucket counts drifted"
+        assert {id(s) for s in seen} == {id(s) for s in members}, "running batch: members differ from the running ones"
+        assert sum(s.num_computed - s.anchor for s in seen) == self.base, "running batch: context base drifted"
+        assert sum(self.demand_of(s.group) for s in seen) == self.demand, "running batch: seat demand drifted"
+        for q, b in enumerate(self.buckets):
+            for s in b:
+                assert 0 <= s.anchor <= self.clock and self.phase_of(s) == q, f"sequence {s.seq_id}: wrong bucket"
+                assert self.bm.slots[s.seq_id] == s.num_computed, f"sequence {s.seq_id}: slots not owed with counters"
+                assert s.finish_at < 0 or s.finish_at > self.clock, f"sequence {s.seq_id}: finish passed"
+        for s in self.unknown:
+            assert s.anchor == self.clock and s.finish_at < 0, f"sequence {s.seq_id}: finish asked at another clock"
+        return {s.seq_id: self.clock - s.anchor for s in seen}

@@ -1,0 +1,87 @@
+"""The paged scheduler's running batch (policies/running_batch.py): members moved on by a decode
+clock are exact once materialised, the kept figures follow joins and leaves, and finishes come
+off the heap at their clock, stale entries skipped."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.block_manager import PagedBlockManager
+from policies.request import Request, SamplingParams, SequenceGroup
+from policies.running_batch import RunningBatch
+from policies.scheduler import Scheduler
+
+
+def _decoder(bm: PagedBlockManager, rid: int, prompt: int) -> SequenceGroup:
+    """A group whose single sequence has computed its prompt and sampled one token (a plain
+    decoder: one token left to compute), with its blocks allocated."""
+    g = SequenceGroup(Request(rid, 0.0, prompt, SamplingParams(max_tokens=100, ignore_eos=True), 100), rid)
+    s = g.seqs[0]
+    bm.allocate(s)
+    bm.append_slots(s, prompt)
+    s.num_computed, s.output_len = prompt, 1
+    return g
+
+
+def _decode(batch: RunningBatch, bm: PagedBlockManager, k: int) -> None:
+    """k decode steps of every member, as a window applies them: blocks opened in step order."""
+    for _ in range(k):
+        bm.open_decode_blocks([s.seq_id for s in batch.opening_bucket()])
+        bm.add_token_states(batch.size)
+        batch.clock += 1
+
+
+def test_members_are_exact_once_materialised_and_figures_follow_joins_and_leaves():
+    bm = PagedBlockManager(200, block_size=4)
+    batch = RunningBatch(bm, Scheduler.seq_demand)
+    groups = [_decoder(bm, i, p) for i, p in enumerate([3, 4, 5, 9])]
+    for g in groups[:3]:
+        batch.join(g.seqs[0])
+    batch.set_finishes(list(batch.unknown), [50] * 3)  # as a plan is told before it is applied
+    _decode(batch, bm, 5)
+    late = groups[3].seqs[0]
+    batch.join(late)  # joins at clock 5: owes nothing yet
+    batch.set_finishes([late], [50])
+    _decode(batch, bm, 6)
+    owed = batch.check([g.seqs[0] for g in groups])
+    assert owed == {0: 11, 1: 11, 2: 11, 3: 6}
+    bm.check_invariants(owed)
+    # the context sum and the block-phase counts, without walking the members
+    assert batch.context() == (3 + 11) + (4 + 11) + (5 + 11) + (9 + 6)
+    assert sum(batch.opening_counts()) == 4 and batch.demand == 4
+    first = groups[0].seqs[0]
+    batch.leave(first)
+    assert (first.num_computed, first.output_len, first.anchor) == (14, 12, -1)
+    assert bm.slots[first.seq_id] == 14 and len(bm.tables[first.seq_id]) == 4  # ceil(14 / 4)
+    assert batch.context() == 15 + 16 + 15 and batch.size == 3
+    batch.release_all()
+    assert [s.num_computed for s in (groups[1].seqs[0], groups[2].seqs[0], late)] == [15, 16, 15]
+    bm.check_invariants()
+
+
+def test_finishes_come_off_the_heap_at_their_clock_and_stale_entries_are_skipped():
+    bm = PagedBlockManager(100, block_size=4)
+    batch = RunningBatch(bm, Scheduler.seq_demand)
+    a, b, c = (_decoder(bm, i, 4).seqs[0] for i in range(3))
+    for s in (a, b, c):
+        batch.join(s)
+    assert batch.first_finish() == float("inf")
+    batch.set_finishes([a, b, c], [3, 2, 2])
+    assert batch.unknown == [] and batch.first_finish() == 2
+    batch.leave(c)  # preempted: its heap entry goes stale
+    _decode(batch, bm, 2)
+    assert batch.finishing() == [b]
+    batch.leave(b)
+    assert batch.first_finish() == 1 and batch.finishing(ahead=1) == [a]
+
+
+def test_the_check_catches_a_member_read_without_settling():
+    bm = PagedBlockManager(50, block_size=4)
+    batch = RunningBatch(bm, Scheduler.seq_demand)
+    s = _decoder(bm, 0, 5).seqs[0]
+    batch.join(s)
+    batch.set_finishes([s], [50])
+    _decode(batch, bm, 3)
+    s.num_computed += 1  # a writer outside the batch: the context base drifts
+    with pytest.raises(AssertionError, match="context base drifted"):
+        batch.check([s])
