@@ -16,6 +16,7 @@ from itertools import accumulate
 from typing import NamedTuple
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from policies.block_manager import PagedBlockManager
 from policies.memory import MemoryBreakdown
@@ -51,6 +52,7 @@ class Admission(NamedTuple):
     reason: str = ""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # policies subclass it, when compiled (build_compiled.py)
 class VllmScheduler(Scheduler):
     name = "vllm"
 
@@ -236,7 +238,7 @@ class VllmScheduler(Scheduler):
             if group.status != SeqStatus.RUNNING:
                 break
             for s, n in zip(seqs, chunks):
-                plan.copies.extend(bm.append_slots(s, n))
+                plan.copies.extend(bm.append_slots(s, n))  # type: ignore[arg-type]  # None: not here
                 self._emit(plan, s, n)
             left -= sum(chunks)
         budget[0] = left
@@ -299,7 +301,7 @@ class VllmScheduler(Scheduler):
             plan.swap_in.extend(self.bm.swap_in(group))
             self._insert_running(group)
             for s, n in zip(group.seqs, chunks):
-                plan.copies.extend(self.bm.append_slots(s, n))
+                plan.copies.extend(self.bm.append_slots(s, n))  # type: ignore[arg-type]  # None: not here
                 self._emit(plan, s, n)
             budget[0] -= sum(chunks)
 
@@ -333,7 +335,7 @@ class VllmScheduler(Scheduler):
                 return
             self._admit(group, plan, answer.chunk, answer.cached)
             budget[0] -= answer.chunk
-            demand += group.request.sampling.width
+            demand += group.request.sampling.width  # type: ignore[operator]  # counted by ADMITTED
             self.waiting.popleft()
             if group.first_scheduled is None:
                 group.first_scheduled = now
@@ -597,7 +599,7 @@ class VllmScheduler(Scheduler):
         states = [states0 + j * b for j in range(1, k + 1)]
         result = RepeatResult([b] * k, states, [allocated0 + t * bs - s for t, s in zip(taken, states)],
                               [free0 - t * bs for t in taken], mem0.reserved, mem0.external_frag)
-        if self._finish_plain(plan.remaining, k, now):
+        if self._finish_plain(plan.remaining, k, now):  # type: ignore[arg-type]  # checked in apply_repeat
             mem = bm.memory()
             result.token_states[-1] = mem.token_states
             result.internal_frag[-1] = mem.internal_frag
@@ -677,7 +679,7 @@ class VllmScheduler(Scheduler):
                 while seqs and seqs[-1].status != SeqStatus.RUNNING:  # the batch's tail: preempted
                     seqs.pop()
             by_phase = [by_phase0[(r + steps) % bs] for r in range(bs)]
-            self._carry = (by_phase, [r - steps for r in plan.remaining[:survivors]], context)
+            self._carry = (by_phase, [r - steps for r in plan.remaining[:survivors]], context)  # type: ignore[index]
         else:
             self._pending_steps = 0
         comp = StepComposition(num_decode_seqs=survivors, decode_context_tokens=context,
