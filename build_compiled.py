@@ -44,6 +44,9 @@ MODULES: tuple[str, ...] = (
     "policies.request",
     "policies.memory",
     "policies.block_manager",
+    "policies.plan",
+    "policies.scheduler",
+    "policies.vllm_scheduler",
 )
 GROUP = "pagesim_kernel"  # the shared library's name: pagesim_kernel__mypyc.<ext suffix>, at the root
 C_FLAGS = ["-ffp-contract=off", "-fno-fast-math"]
