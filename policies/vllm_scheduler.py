@@ -582,7 +582,7 @@ class VllmScheduler(Scheduler):
         bs = self.block_size
         k = plan.steps
         b = len(self.running)
-        by_phase = plan.layout
+        by_phase: list[list[Sequence]] = plan.layout  # typed: compiled code then reads the sequences natively
         mem0 = bm.memory()
         # blocks taken in iteration order, in batch order within one
         bm.open_decode_blocks(s.seq_id for p0 in range(0, k, bs) for phase in by_phase[:k - p0] for s in phase)
@@ -652,7 +652,8 @@ class VllmScheduler(Scheduler):
         groups were preempted; the caller finishes the groups whose last token this was."""
         bm = self.bm
         bs = self.block_size
-        steps0, by_phase0 = plan.steps, plan.layout
+        steps0 = plan.steps
+        by_phase0: list[list[Sequence]] = plan.layout  # typed: compiled code then reads the sequences natively
         preempt_plan = StepPlan(block_size=bs)
         running = self.running  # _preempt removes from its tail
         context = plan.context_tokens + steps0 * len(running)  # the running sequences' computed tokens
