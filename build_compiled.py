@@ -47,6 +47,7 @@ MODULES: tuple[str, ...] = (
     "policies.plan",
     "policies.scheduler",
     "policies.vllm_scheduler",
+    "policies.step",
 )
 GROUP = "pagesim_kernel"  # the shared library's name: pagesim_kernel__mypyc.<ext suffix>, at the root
 C_FLAGS = ["-ffp-contract=off", "-fno-fast-math"]
