@@ -173,8 +173,10 @@ def compiled_vs_interpreted(rate: float, rounds: int) -> None:
     if len(same) != 1:
         raise SystemExit(f"compiled and interpreted runs differ: {sorted(same)}")
     interp, comp = (statistics.median(r["ratio"] for r in runs[m]) for m in ("0", "1"))
+    cpu_interp, cpu_comp = (statistics.median(r["cpu"] for r in runs[m]) for m in ("0", "1"))
     print(f"compiled build: {interp / comp:.2f}x the interpreted one (median wall / reference "
-          f"{interp:.1f}x -> {comp:.1f}x over {rounds} rounds; target >= 2.5x); same simulation")
+          f"{interp:.1f}x -> {comp:.1f}x over {rounds} rounds; target >= 2.5x); CPU time {cpu_interp:.2f} -> "
+          f"{cpu_comp:.2f} s ({cpu_interp / cpu_comp:.2f}x); same simulation")
 
 
 def growth(sizes: list[int], rate: float, no_step_baseline: bool) -> None:
