@@ -48,6 +48,8 @@ MODULES: tuple[str, ...] = (
     "policies.scheduler",
     "policies.vllm_scheduler",
     "policies.step",
+    "policies.metrics",
+    "sim.cost_model",
 )
 GROUP = "pagesim_kernel"  # the shared library's name: pagesim_kernel__mypyc.<ext suffix>, at the root
 C_FLAGS = ["-ffp-contract=off", "-fno-fast-math"]
