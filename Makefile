@@ -52,7 +52,8 @@ clean-compiled:
 # The simulator's tests on the compiled kernel (PAGESIM_COMPILED=1: fails unless the build is fresh).
 SIM_TESTS ?= tests/test_policies_unit.py tests/test_repeat_plan.py tests/test_sim.py tests/test_skip_ahead_regressions.py \
 	tests/test_routed_windows.py tests/test_queue_policies.py tests/test_abort.py tests/test_beam_rule.py \
-	tests/test_fastpath_fuzz.py tests/test_compiled.py
+	tests/test_fastpath_fuzz.py tests/test_compiled.py tests/test_cost_model.py tests/test_router.py tests/test_disagg.py \
+	tests/test_calibrated.py tests/test_profiled.py
 test-compiled: compiled $(FULL_OK)
 	PAGESIM_COMPILED=1 $(BIN)/python -m pytest $(SIM_TESTS) -p no:cacheprovider -rs -n $(TEST_JOBS) --dist loadfile
 
