@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 SIM_OK  := $(VENV)/.sim-installed
 FULL_OK := $(VENV)/.full-installed
 
-.PHONY: setup setup-sim demo test test-deep bench lint gpu-wheels clean
+.PHONY: setup setup-sim demo test test-deep bench lint gpu-wheels clean compiled clean-compiled test-compiled
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,7 +33,30 @@ demo: $(SIM_OK)
 # server or model is started once and its tests keep their order.
 TEST_JOBS ?= 2
 test: $(FULL_OK)
-	$(BIN)/python -m pytest tests -p no:cacheprovider -rs -n $(TEST_JOBS) --dist loadfile
+	PAGESIM_COMPILED=0 $(BIN)/python -m pytest tests -p no:cacheprovider -rs -n $(TEST_JOBS) --dist loadfile
+
+# The optional compiled kernel (build_compiled.py lists its modules): mypyc extensions built in place beside
+# the sources (needs a C compiler). The sources stay the reference: a build older than they are is not loaded
+# (policies/_compiled.py), and `make test` runs interpreted whatever is built.
+COMPILED_OK := $(VENV)/.compiled-installed
+$(COMPILED_OK): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[compiled]'
+	touch $@
+
+compiled: $(COMPILED_OK)
+	$(BIN)/python build_compiled.py
+
+clean-compiled:
+	$(PY) build_compiled.py --clean  # the standard library only: no venv needed
+
+# The simulator's tests on the compiled kernel (PAGESIM_COMPILED=1: fails unless the build is fresh).
+SIM_TESTS ?= tests/test_policies_unit.py tests/test_repeat_plan.py tests/test_sim.py tests/test_skip_ahead_regressions.py \
+	tests/test_routed_windows.py tests/test_queue_policies.py tests/test_abort.py tests/test_beam_rule.py \
+	tests/test_fastpath_fuzz.py tests/test_compiled.py tests/test_cost_model.py tests/test_router.py tests/test_disagg.py \
+	tests/test_calibrated.py tests/test_profiled.py tests/test_bad_input.py tests/test_adversarial_inputs.py \
+	tests/test_request_runs.py tests/test_fairness.py tests/test_emulate.py tests/test_analysis.py
+test-compiled: compiled $(FULL_OK)
+	PAGESIM_COMPILED=1 $(BIN)/python -m pytest $(SIM_TESTS) -p no:cacheprovider -rs -n $(TEST_JOBS) --dist loadfile
 
 # The long fuzz, for changes to the scheduler or the skip-ahead windows: 500 examples a test on each seed.
 FUZZ_SEEDS ?= 11 12 13

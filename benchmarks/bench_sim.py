@@ -16,16 +16,19 @@ The targets (issue 23), printed by default:
 
 Other runs: `--sizes 10000 100000` times those sizes on one replica (growth; with a stepped
 baseline at 10,000 unless `--no-step-baseline`); `--routed-sizes 100000 --replicas 16` times sizes
-over R least-loaded replicas.
+over R least-loaded replicas; `--compiled [--rounds 2]` times the 20,000 / 16 run interpreted and on
+the compiled build (`make compiled`), alternated, target >= 2.5x.
 
     python -m benchmarks.bench_sim [--million] [--rate 100] [--policies sjf vtc]
-        [--sizes 10000 100000] [--routed-sizes 100000 --replicas 16]
+        [--sizes 10000 100000] [--routed-sizes 100000 --replicas 16] [--compiled [--rounds 2]]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 import time
@@ -82,12 +85,17 @@ def print_machine() -> None:
 
 
 def run_case(n: int, rate: float, ff: bool = True, replicas: int = 1, policy: str = "vllm",
-             reruns: int = 2) -> dict:
+             reruns: int = 2, compiled: str | None = None) -> dict:
     """One run in its own process: its figures, `ref` (the mean of the references timed before and
-    after it) and `ratio` (wall / ref). Rerun while the two references differ by more than 20%."""
+    after it) and `ratio` (wall / ref). Rerun while the two references differ by more than 20%.
+    `compiled`: PAGESIM_COMPILED for that process ('0' interpreted, '1' the compiled build, which
+    must be fresh; None: whatever policies/_compiled.py finds)."""
     code = CASE.format(n=n, rate=rate, ff=ff, replicas=replicas, policy=policy)
+    env = {k: v for k, v in os.environ.items() if k != "PAGESIM_COMPILED"}
+    if compiled is not None:
+        env["PAGESIM_COMPILED"] = compiled
     for _ in range(reruns + 1):
-        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env)
         r = json.loads(out.stdout.strip().splitlines()[-1])
         lo, hi = sorted((r["ref_before"], r["ref_after"]))
         if hi <= 1.2 * lo:
@@ -133,14 +141,45 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--routed-sizes", type=int, nargs="+", default=[],
                     help="instead: these sizes over --replicas replicas (least-loaded) at --rate x replicas")
     ap.add_argument("--replicas", type=int, default=16, help="replicas for --routed-sizes")
+    ap.add_argument("--compiled", action="store_true",
+                    help="instead: the 20,000 / 16 run interpreted vs the compiled build (`make compiled` first)")
+    ap.add_argument("--rounds", type=int, default=2, help="--compiled: alternations of the two (default 2)")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     print_machine()
-    if args.routed_sizes:
+    if args.compiled:
+        compiled_vs_interpreted(args.rate, args.rounds)
+    elif args.routed_sizes:
         routed(args.routed_sizes, args.rate, args.replicas)
     elif args.sizes:
         growth(args.sizes, args.rate, args.no_step_baseline)
     else:
         targets(args.rate, args.policies, args.million)
+
+
+def compiled_vs_interpreted(rate: float, rounds: int) -> None:
+    """The 20,000-request, 16-replica run interpreted (PAGESIM_COMPILED=0) and on the compiled build
+    (PAGESIM_COMPILED=1: `make compiled` first), alternated `rounds` times in this sitting, each
+    beside its own python_reference_s; the speed-up is the ratio of the medians of wall / reference.
+    The two must give the same simulation (iterations, finishes and preemptions)."""
+    print(f"{'20,000 requests, 16 least-loaded':<34} {'wall s':>8} {'ratio':>7}  reference before / after")
+    runs: dict[str, list[dict]] = {"0": [], "1": []}
+    for _ in range(rounds):
+        for mode, label in (("0", "interpreted"), ("1", "compiled")):
+            r = run_case(20_000, rate * 16, replicas=16, compiled=mode)
+            runs[mode].append(r)
+            print(f"{label:<34} {r['wall']:>8.2f} {r['ratio']:>6.1f}x  {_refs(r)}")
+    same = {(r["iters"], r["finished"], r["preemptions"], r["sim"]) for rs in runs.values() for r in rs}
+    if len(same) != 1:
+        raise SystemExit(f"compiled and interpreted runs differ: {sorted(same)}")
+    interp, comp = (statistics.median(r["ratio"] for r in runs[m]) for m in ("0", "1"))
+    cpu_interp, cpu_comp = (statistics.median(r["cpu"] for r in runs[m]) for m in ("0", "1"))
+    wall_interp, wall_comp = (statistics.median(r["wall"] for r in runs[m]) for m in ("0", "1"))
+    print(f"compiled build: {interp / comp:.2f}x the interpreted one (median wall / reference "
+          f"{interp:.1f}x -> {comp:.1f}x over {rounds} rounds; target >= 2.5x); wall {wall_interp:.2f} -> "
+          f"{wall_comp:.2f} s ({wall_interp / wall_comp:.2f}x), CPU {cpu_interp:.2f} -> {cpu_comp:.2f} s "
+          f"({cpu_interp / cpu_comp:.2f}x); same simulation")
 
 
 def growth(sizes: list[int], rate: float, no_step_baseline: bool) -> None:

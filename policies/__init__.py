@@ -1,5 +1,9 @@
 """Pure decision logic: requests, block managers, schedulers. No torch, no simpy."""
 
+from policies import _compiled
+
+_compiled.guard()  # before any kernel module is imported: a stale compiled build must not load
+
 from policies.block_manager import AllocStatus, PagedBlockManager
 from policies.buddy import BuddyAllocator
 from policies.contiguous import ContiguousAllocator

@@ -97,7 +97,7 @@ class BlockPool:
             else:  # the least recently freed cached block: evicted
                 block_id, _ = self._idle.popitem(last=False)
                 block = blocks[block_id]
-                del self.cached[block.hash]
+                del self.cached[block.hash]  # type: ignore[arg-type]  # an idle block is hashed
                 if self.listener is not None:
                     self.listener.removed(block.hash)
                 block.hash = None
@@ -291,7 +291,7 @@ class PagedBlockManager:
                 return None
             parent = hashes[j - 1] if j else 0
             if seq.token_ids is not None:
-                content: object = tuple(seq.token_ids[j * bs:end])
+                content: tuple[object, ...] = tuple(seq.token_ids[j * bs:end])
                 if end > seq.prompt_len and -1 in content:  # simulated tokens have no content
                     return None
             else:
@@ -621,10 +621,11 @@ class PagedBlockManager:
         assert filled == self.pool.used_filled, f"token-state count {self.pool.used_filled} != {filled}"
         free = self.pool.free
         assert len(set(free)) == len(free), "a block is in the free queue twice"
-        free = set(free)
-        for b in self.pool.blocks:
-            assert b.ref_count == refs[b.block_id], f"block {b.block_id}: ref {b.ref_count} != {refs[b.block_id]}"
-            assert (b.ref_count == 0) == (b.block_id in free), f"block {b.block_id}: free-queue mismatch"
+        free_ids = set(free)
+        for blk in self.pool.blocks:
+            assert blk.ref_count == refs[blk.block_id], \
+                f"block {blk.block_id}: ref {blk.ref_count} != {refs[blk.block_id]}"
+            assert (blk.ref_count == 0) == (blk.block_id in free_ids), f"block {blk.block_id}: free-queue mismatch"
         for h, bid in self.pool.cached.items():
             assert self.pool.blocks[bid].hash == h, f"cache entry {h} points at block {bid} with other hash"
         cpu_refs = [0] * self.cpu.num_blocks

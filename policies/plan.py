@@ -71,7 +71,7 @@ class ScheduledSeq:
     group_id: int
     start: int
     num_new_tokens: int
-    block_table: list[int]
+    block_table: list[int] | range  # a contiguous allocator's region is a range (compiled code checks the type)
     samples: bool  # True when this chunk reaches the end of the known tokens, so a token is sampled
     seq: Sequence | None
 

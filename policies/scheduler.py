@@ -18,6 +18,9 @@ import itertools
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Any
+
+from mypy_extensions import mypyc_attr
 
 from policies.memory import MemoryBreakdown
 from policies.plan import (
@@ -39,6 +42,7 @@ def _arrival_key(g: SequenceGroup) -> tuple[float, int]:
     return (g.request.arrival, g.group_id)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # a plug-in base, when compiled (build_compiled.py)
 class Scheduler(ABC):
     """Base class. Invariants: a group is in exactly one of waiting / running / swapped / done;
     `waiting` and `running` are sorted by the queue policy's keys (FCFS: arrival, then id), so the
@@ -82,7 +86,8 @@ class Scheduler(ABC):
         self._wakes = p.wake_time is not QueuePolicy.wake_time
         # arrivals must see the policy's state as stepping leaves it (its declared `reads`)
         self.queues_by_state = self.policy.reads != REQUEST
-        self.waiting: deque[SequenceGroup] = self.policy.new_queue()  # or a queue ordered by the key
+        # a deque, or a queue ordered by the key (Any: compiled code checks declared types)
+        self.waiting: Any = self.policy.new_queue()
         # a FIFO: an arrival queues behind every waiting group, and the head stays the head
         self.fifo_queue = type(self.waiting) is deque
 
@@ -376,12 +381,12 @@ class Scheduler(ABC):
             if finished:
                 ended[seq.group.group_id] = seq.group
                 self._finish_seq(seq, keep_record=True)
-        finished = []
+        finished_groups = []  # not `finished`, a bool above: compiled code keeps one type per name
         for group in ended.values():
             if not group.seqs:
                 self._finish_group(group, now)
-                finished.append(group)
-        return finished
+                finished_groups.append(group)
+        return finished_groups
 
     def _account_service(self, scheduled: Iterable[ScheduledSeq]) -> None:
         """Tell the policy what each group was served in this step: prompt tokens, then the rest."""

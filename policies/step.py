@@ -140,9 +140,10 @@ class ReplicaStep:
     def complete(self, step: Step, end: float) -> list[SequenceGroup]:
         """Apply the executed step at time `end` (its result's duration is what the log records:
         the cost model's, or the measured wall time the caller set). Returns the finished groups."""
-        sched, result = self.scheduler, step.result
+        sched, result, comp = self.scheduler, step.result, step.comp
+        assert result is not None and comp is not None, "complete() is for a step that ran (not idle)"
         finished = sched.on_step_done(step.plan, result, end)
-        self.log.add(step.start, result.duration, step.comp, len(step.plan.preempted), len(sched.waiting),
+        self.log.add(step.start, result.duration, comp, len(step.plan.preempted), len(sched.waiting),
                      len(sched.running), sched.memory(), sched.prefix_hits)
         self.stepped += 1
         self._recent_duration = result.duration
@@ -244,7 +245,7 @@ class ReplicaStep:
         if plan is None:
             return None
         executor: RepeatExecutor = self.executor  # type: ignore[assignment]
-        plan.remaining = executor.remaining(plan)
+        plan.remaining = executor.remaining(plan)  # type: ignore[arg-type]  # a DecodeStepPlan has seqs too
         res = sched.apply_decode_step(plan, now, executor.execute)
         duration = res.result.duration
         end = now + duration
@@ -279,7 +280,7 @@ class ReplicaStep:
         self.exhaustions += window.exhaustion
 
 
-def _zero(column: np.ndarray | int) -> bool:
+def _zero(column: np.ndarray | list[int] | int) -> bool:
     return isinstance(column, int) and column == 0
 
 

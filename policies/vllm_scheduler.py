@@ -15,6 +15,8 @@ from collections.abc import Callable
 from itertools import accumulate
 from typing import NamedTuple
 
+from mypy_extensions import mypyc_attr
+
 from policies.block_manager import PagedBlockManager
 from policies.memory import MemoryBreakdown
 from policies.plan import (
@@ -50,6 +52,7 @@ class Admission(NamedTuple):
     reason: str = ""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # policies subclass it, when compiled (build_compiled.py)
 class VllmScheduler(Scheduler):
     name = "vllm"
 
@@ -233,7 +236,7 @@ class VllmScheduler(Scheduler):
             if group.status != SeqStatus.RUNNING:
                 break
             for s, n in zip(seqs, chunks):
-                plan.copies.extend(bm.append_slots(s, n))
+                plan.copies.extend(bm.append_slots(s, n))  # type: ignore[arg-type]  # None: not here
                 self._emit(plan, s, n)
             left -= sum(chunks)
         budget[0] = left
@@ -296,7 +299,7 @@ class VllmScheduler(Scheduler):
             plan.swap_in.extend(self.bm.swap_in(group))
             self._insert_running(group)
             for s, n in zip(group.seqs, chunks):
-                plan.copies.extend(self.bm.append_slots(s, n))
+                plan.copies.extend(self.bm.append_slots(s, n))  # type: ignore[arg-type]  # None: not here
                 self._emit(plan, s, n)
             budget[0] -= sum(chunks)
 
@@ -331,7 +334,7 @@ class VllmScheduler(Scheduler):
                 return
             self._admit(group, plan, answer.chunk, answer.cached)
             budget[0] -= answer.chunk
-            demand += group.request.sampling.width
+            demand += group.request.sampling.width  # type: ignore[operator]  # counted by ADMITTED
             self.waiting.popleft()
             if group.first_scheduled is None:
                 group.first_scheduled = now

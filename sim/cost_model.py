@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from policies.client_latency import ClientTerms
 from policies.plan import StepComposition
@@ -23,6 +24,7 @@ from sim.specs import HardwareSpec, ModelSpec
 ArrayLike = Any  # a float or a numpy array
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # subclassed by other cost models and tests
 class CostModel(ABC):
     """Prices iterations. An empty composition (no tokens, no swaps) costs 0: no iteration runs."""
 
@@ -31,8 +33,9 @@ class CostModel(ABC):
         """Seconds one iteration with composition `c` takes."""
 
     @abstractmethod
-    def swap_time(self, num_blocks: int, block_size: int) -> float:
-        """Seconds to move `num_blocks` KV blocks of `block_size` tokens between CPU and GPU."""
+    def swap_time(self, num_blocks: float, block_size: int) -> float:
+        """Seconds to move `num_blocks` KV blocks of `block_size` tokens between CPU and GPU (a float:
+        the roofline's operator groups pass their counts as floats)."""
 
     def moe_group_time(self, tokens: float) -> float | None:
         """The MoE layers of one data-parallel rank of a group whose ranks run `tokens` tokens in all
@@ -67,6 +70,7 @@ class CostModel(ABC):
         return np.asarray(out, dtype=np.float64).reshape(seqs.shape)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # subclassed by other cost models and tests
 class ConstantCostModel(CostModel):
     """step = base + prefill_per_token * prefill_tokens + decode_per_seq * num_decode_seqs
     (+ swap_per_block per swapped block). For hand-checked tests."""
@@ -85,7 +89,7 @@ class ConstantCostModel(CostModel):
                 + self.decode_per_seq * c.num_decode_seqs
                 + self.swap_time(c.swap_in_blocks + c.swap_out_blocks, c.block_size))
 
-    def swap_time(self, num_blocks: int, block_size: int) -> float:
+    def swap_time(self, num_blocks: float, block_size: int) -> float:
         return self.swap_per_block * num_blocks
 
     def decode_step_times(self, num_seqs: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
@@ -93,6 +97,7 @@ class ConstantCostModel(CostModel):
         return np.where(n > 0, self.base + self.decode_per_seq * n, 0.0)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # subclassed by other cost models and tests
 class RooflineCostModel(CostModel):
     """Analytic roofline model of one tensor-parallel replica.
 
@@ -340,7 +345,7 @@ class RooflineCostModel(CostModel):
         seqs, ctx = np.broadcast_arrays(seqs, ctx)
         return np.where(seqs > 0, self._decode_time(seqs, ctx), 0.0)
 
-    def swap_time(self, num_blocks: int, block_size: int) -> float:
+    def swap_time(self, num_blocks: float, block_size: int) -> float:
         """Each block: 2 x layers copy calls (keys and values of every layer), then its bytes."""
         per_block = 2 * self.model.num_layers * self.memcpy_latency_s + block_size * self._kv_bytes / self._pcie_bw
         return num_blocks * per_block
