@@ -45,6 +45,7 @@ MODULES: tuple[str, ...] = (
     "policies.memory",
     "policies.block_manager",
     "policies.plan",
+    "policies.running_batch",
     "policies.scheduler",
     "policies.vllm_scheduler",
     "policies.step",
