@@ -292,7 +292,7 @@ def _stop_at_finish(plan: RepeatPlan) -> bool:
     if first_finish < 1:
         return False
     if first_finish <= plan.steps:
-        plan.steps, plan.exhausts = first_finish, False
+        plan.steps, plan.exhausts = int(first_finish), False  # finite here
         return first_finish >= 2
     return plan.exhausts or plan.steps >= 2  # else the preempting iteration is stepped, after these
 
