@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -116,10 +117,22 @@ def _variant_config_once(given: str, dirs: tuple[Path, ...]) -> Path | None:
         if len(found) == 1:
             path = found.pop()
             fp8 = " read at one byte a weight (fp8)" if _is_fp8(given) and not _is_fp8(path.stem) else ""
-            warnings.warn(f"model {given!r}: no config of that name; using {path}{fp8} (the same model but for "
+            warnings.warn(f"model {given!r}: no config of that name; using {_shown(path)}{fp8} (the same model but for "
                           f"variant words such as instruct/chat/hf or a release date: the same shapes)", stacklevel=4)
             return path
     return None
+
+
+def _shown(path: Path) -> str:
+    """A path as a message shows it, never the machine's absolute path: relative to the working
+    folder when it is near (../shared/models/...), else its folder and name."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        rel = ""
+    if rel and not rel.startswith(os.path.join(os.pardir, os.pardir)):
+        return rel
+    return str(Path(path.parent.name) / path.name)
 
 
 def catalogue_name(name: str) -> str | None:

@@ -115,8 +115,9 @@ def test_model_ids_found_in_models_dirs(tmp_path):
     # a fine-tuned variant's id finds its base model's config (same shapes), and says so
     variant = write_measurements(tmp_path, experiment_dict(model_id="acme/Tiny-1B-Instruct"))
     _variant_config_once.cache_clear()  # the warning comes once per name in a process
-    with pytest.warns(UserWarning, match="tiny-1b.json"):
+    with pytest.warns(UserWarning, match="tiny-1b.json") as said:
         exp, = load_measurements(variant, models_dirs=[configs])
+    assert str(tmp_path) not in str(said[0].message)  # the file relative to the working folder, not absolute
     assert exp.model == str(configs / "tiny-1b.json")
 
 
