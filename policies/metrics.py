@@ -340,7 +340,7 @@ def latency_basis(summary: dict) -> str:
 
 def _client_summary(requests: pd.DataFrame, slo_ttft: float | None, slo_tpot: float | None) -> dict:
     """Per-client results and fairness, when the trace names more than one client."""
-    if "client" not in requests or requests.client.fillna("").astype(str).nunique() < 2:
+    if "client" not in requests or requests.client.astype(object).fillna("").astype(str).nunique() < 2:
         return {}
     table, fairness = per_client(requests, slo_ttft, slo_tpot)
     return {"per_client": table.set_index("client").to_dict(orient="index"), "fairness": fairness}
