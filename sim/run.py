@@ -425,30 +425,22 @@ def run_router(cfg: SimConfig) -> Router:
 
 
 def _tables(replicas: list[Replica]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Request and iteration tables of all replicas (one replica: exactly its own tables). The run
-    is over: once the request table holds their rows, the finished groups are let go (each
-    scheduler's `done` emptied), so that they do not sit beside the iteration table, the largest
-    object of a big run (at a million requests ~0.5 GB of groups beside ~2 GB of table)."""
+    """Request and iteration tables of all replicas (one replica: exactly its own tables)."""
     if len(replicas) == 1:
-        requests = request_frame(replicas[0].scheduler.done)
-    else:
-        # one request table over every replica's groups, in request id order (ids are unique)
-        pairs = sorted(((g, r.index) for r in replicas for g in r.scheduler.done),
-                       key=lambda p: p[0].request.request_id)
-        requests = request_frame([g for g, _ in pairs])
-        requests["replica"] = np.array([i for _, i in pairs], dtype=np.int64)
-        del pairs
-    for r in replicas:
-        r.scheduler.done.clear()
-    if len(replicas) == 1:
-        return requests, replicas[0].log.frame()
-    # each column built once from the logs' compact pieces (no per-replica frame in between)
+        return request_frame(replicas[0].scheduler.done), replicas[0].log.frame()
+    # each column built once from the logs' compact pieces (no per-replica frame in between):
+    # the iteration tables of a large run are gigabytes
     logs = [r.log for r in replicas]
     columns = {"iteration": np.concatenate([np.arange(log.rows) for log in logs])}
     columns.update((c, np.concatenate([p for log in logs for p in log.parts(c)], dtype=IterationLog.dtype(c)))
                    for c in ITERATION_COLUMNS)
     columns["replica"] = np.repeat(np.array([r.index for r in replicas], dtype=np.int64), [log.rows for log in logs])
-    return requests, pd.DataFrame(columns, copy=False)
+    iterations = pd.DataFrame(columns, copy=False)
+    # one request table over every replica's groups, in request id order (ids are unique)
+    pairs = sorted(((g, r.index) for r in replicas for g in r.scheduler.done), key=lambda p: p[0].request.request_id)
+    requests = request_frame([g for g, _ in pairs])
+    requests["replica"] = np.array([i for _, i in pairs], dtype=np.int64)
+    return requests, iterations
 
 
 def _router_summary(router: Router, requests: pd.DataFrame, iterations: pd.DataFrame,
