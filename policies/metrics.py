@@ -20,6 +20,8 @@ ITERATION_COLUMNS = (
     "kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag", "kv_free",
     "prefix_hits", "prefill_seqs", "prefill_attn_pairs", "prefill_context_tokens", "copy_blocks",
 )
+_FLOAT_COLUMNS = ("start", "duration")
+_NARROW = (np.int8, np.int16, np.int32)  # IterationLog: tried in order when a block is sealed
 
 
 class IterationLog:
@@ -31,9 +33,7 @@ class IterationLog:
     holds ~40 bytes a row instead of 168. Reading widens every column back to float64 / int64, so
     the frame is the same whatever the storage. Columns missing from `add_many` stay 0."""
 
-    _FLOAT_COLUMNS = ("start", "duration")
     _BATCH = 1024  # single rows written at a time
-    _NARROW = (np.int8, np.int16, np.int32)  # tried in order when a block is sealed
 
     def __init__(self, capacity: int = 16384) -> None:
         self._capacity = capacity  # rows in a staging block
@@ -46,7 +46,7 @@ class IterationLog:
 
     @classmethod
     def dtype(cls, c: str) -> type:
-        return np.float64 if c in cls._FLOAT_COLUMNS else np.int64
+        return np.float64 if c in _FLOAT_COLUMNS else np.int64
 
     def _staging(self, n: int) -> dict[str, np.ndarray]:
         return {c: np.zeros(n, dtype=self.dtype(c)) for c in ITERATION_COLUMNS}
@@ -91,7 +91,7 @@ class IterationLog:
         """A copy of `col` in the narrowest type that holds every value exactly."""
         if col.dtype.kind == "i":
             lo, hi = int(col.min()), int(col.max())
-            for t in cls._NARROW:
+            for t in _NARROW:
                 info = np.iinfo(t)
                 if info.min <= lo and hi <= info.max:
                     return col.astype(t)
