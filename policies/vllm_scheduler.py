@@ -82,8 +82,6 @@ class VllmScheduler(Scheduler):
         # the last group _never_fits judged and its answer (a function of the request and this
         # scheduler's fixed settings): a blocked waiting head is asked about at every iteration
         self._fits_memo: tuple[SequenceGroup, str | None] | None = None
-        # the last head `_stays_blocked` found refused: (group, running, free blocks, its tokens, computed)
-        self._blocked_memo: tuple[SequenceGroup, int, int, int, int] | None = None
 
     # ---------------------------------------------------------------- memory hooks
     def _free_seq(self, seq: Sequence) -> None:
@@ -488,23 +486,6 @@ class VllmScheduler(Scheduler):
         deferred by the policy (until its wake_time, where the window ends)."""
         if len(head.seqs) != 1 or head.rejected is not None:
             return False
-        # Asked again for the same refused head at every window: reuse the answer where it is
-        # provably the same. Without a policy admit rule or a prefix cache, `_admission` reads only
-        # the head's sequence, the running count (budget and seats) and the free blocks, and a
-        # refusal (BLOCKED, or OVER_BUDGET with no cached prefix) stays one with fewer free blocks.
-        if not self._admits_all or self.bm.enable_prefix_caching:
-            return self._refused(head, num_running, now)
-        seq, free, memo = head.seqs[0], self.bm.num_free_blocks, self._blocked_memo
-        if (memo is not None and memo[0] is head and memo[1] == num_running and free <= memo[2]
-                and memo[3] == seq.num_tokens and memo[4] == seq.num_computed):
-            return True
-        refused = self._refused(head, num_running, now)
-        if refused:
-            self._blocked_memo = (head, num_running, free, seq.num_tokens, seq.num_computed)
-        return refused
-
-    def _refused(self, head: SequenceGroup, num_running: int, now: float) -> bool:
-        """`_stays_blocked` for a single-sequence head not yet rejected, asked of `_admission`."""
         answer = self._admission(head, self.max_num_batched_tokens - num_running, num_running, now)
         if answer.verdict != OVER_BUDGET:
             return answer.verdict in (BLOCKED, DEFERRED)
