@@ -20,47 +20,82 @@ ITERATION_COLUMNS = (
     "kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag", "kv_free",
     "prefix_hits", "prefill_seqs", "prefill_attn_pairs", "prefill_context_tokens", "copy_blocks",
 )
+_FLOAT_COLUMNS = ("start", "duration")
+_NARROW = (np.int8, np.int16, np.int32)  # IterationLog: tried in order when a block is sealed
 
 
 class IterationLog:
-    """Per-iteration records, one growing array per column (the layout the frame wants). Single
-    rows take their row number at once and wait as tuples until a batch of them is written, so
-    millions of rows stay cheap; columns missing from `add_many` stay 0."""
+    """Per-iteration records, one column per field. Recent rows sit in a staging block (one array
+    per column, the layout the frame wants); single rows take their row number at once and wait as
+    tuples until a batch of them is written, so millions of rows stay cheap. A full staging block
+    is sealed: each integer column is stored in the narrowest integer type that holds its values
+    exactly (most counts fit in one or two bytes), floats as they are, so a million-request log
+    holds ~40 bytes a row instead of 168. Reading widens every column back to float64 / int64, so
+    the frame is the same whatever the storage. Columns missing from `add_many` stay 0."""
 
-    _FLOAT_COLUMNS = ("start", "duration")
     _BATCH = 1024  # single rows written at a time
 
-    def __init__(self, capacity: int = 4096) -> None:
-        self._cols = {c: np.zeros(capacity, dtype=float if c in self._FLOAT_COLUMNS else np.int64)
-                      for c in ITERATION_COLUMNS}
+    def __init__(self, capacity: int = 16384) -> None:
+        self._capacity = capacity  # rows in a staging block
+        self._cols = self._staging(capacity)
+        self._sealed: dict[str, list[np.ndarray]] = {c: [] for c in ITERATION_COLUMNS}
+        self._base = 0                         # rows sealed so far (the staging block's first row)
         self._pending: list[tuple] = []        # single rows not yet written
-        self._pending_at: list[int] = []       # and their row numbers
+        self._pending_at: list[int] = []       # and their row numbers within the staging block
         self.rows = 0
+
+    @classmethod
+    def dtype(cls, c: str) -> type:
+        return np.float64 if c in _FLOAT_COLUMNS else np.int64
+
+    def _staging(self, n: int) -> dict[str, np.ndarray]:
+        return {c: np.zeros(n, dtype=self.dtype(c)) for c in ITERATION_COLUMNS}
 
     def add(self, start: float, duration: float, c: StepComposition, num_preempted: int,
             waiting: int, running: int, mem: MemoryBreakdown, prefix_hits: int) -> None:
+        at = self._reserve(1)  # first: reserving may seal the block, writing the rows pending so far
         self._pending.append((start, duration, c.num_prefill_seqs + c.num_decode_seqs, c.prefill_tokens,
                               c.num_decode_seqs, c.decode_context_tokens + c.prefill_context_tokens,
                               num_preempted, c.swap_in_blocks, c.swap_out_blocks, waiting, running,
                               mem.token_states, mem.reserved, mem.internal_frag, mem.external_frag, mem.free,
                               prefix_hits, c.num_prefill_seqs, c.prefill_attn_pairs, c.prefill_context_tokens,
                               c.copy_blocks))
-        self._pending_at.append(self._reserve(1))
+        self._pending_at.append(at)
         if len(self._pending) >= self._BATCH:
             self._flush()
 
     def _reserve(self, n: int) -> int:
-        """Row numbers for n more rows (the columns grow to hold them); returns the first."""
-        pos = self.rows
+        """Room for n more rows in the staging block (sealing it first when they do not fit);
+        returns the first one's position within the block. Pending rows are always written
+        before a block is sealed, so their positions stay valid."""
+        if self.rows - self._base + n > len(self._cols["start"]):
+            self._seal()
+            if n > len(self._cols["start"]):  # one window longer than a block
+                self._cols = self._staging(n)
+        pos = self.rows - self._base
         self.rows += n
-        cap = len(self._cols["start"])
-        if self.rows > cap:
-            cap = max(2 * cap, self.rows)
-            for c, col in self._cols.items():
-                grown = np.zeros(cap, dtype=col.dtype)
-                grown[:pos] = col[:pos]
-                self._cols[c] = grown
         return pos
+
+    def _seal(self) -> None:
+        """Store the staging block's rows compactly and start an empty block."""
+        self._flush()
+        k = self.rows - self._base
+        if k:
+            for c, col in self._cols.items():
+                self._sealed[c].append(self._compact(col[:k]))
+            self._cols = self._staging(self._capacity)
+        self._base = self.rows
+
+    @classmethod
+    def _compact(cls, col: np.ndarray) -> np.ndarray:
+        """A copy of `col` in the narrowest type that holds every value exactly."""
+        if col.dtype.kind == "i":
+            lo, hi = int(col.min()), int(col.max())
+            for t in _NARROW:
+                info = np.iinfo(t)
+                if info.min <= lo and hi <= info.max:
+                    return col.astype(t)
+        return col.copy()
 
     def _flush(self) -> None:
         if self._pending:
@@ -76,12 +111,19 @@ class IterationLog:
         for c, values in columns.items():
             cols[c][pos:pos + k] = values
 
-    def frame(self) -> pd.DataFrame:
+    def parts(self, c: str) -> list[np.ndarray]:
+        """Column `c` in pieces, oldest first (sealed ones may be narrower than the column's type;
+        the last views the staging block)."""
         self._flush()
-        n = self.rows
-        data = {"iteration": np.arange(n)}
-        data.update((c, col[:n]) for c, col in self._cols.items())
-        # no copy: the frame views the log's columns (rows added later land past its end)
+        return [*self._sealed[c], self._cols[c][:self.rows - self._base]]
+
+    def column(self, c: str) -> np.ndarray:
+        """Column `c` in full, as float64 / int64 (a copy, not a view of the log)."""
+        return np.concatenate(self.parts(c), dtype=self.dtype(c))
+
+    def frame(self) -> pd.DataFrame:
+        data = {"iteration": np.arange(self.rows)}
+        data.update((c, self.column(c)) for c in ITERATION_COLUMNS)
         return pd.DataFrame(data, copy=False)
 
 

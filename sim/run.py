@@ -17,7 +17,7 @@ import simpy
 from policies.client_latency import ClientTerms, with_client_latencies
 from policies.dp_router import VllmDPRouter
 from policies.limits import CPU_BLOCK_BYTES, GPU_BLOCK_BYTES, REPLICA_BYTES, check_fits
-from policies.metrics import request_frame, summarize
+from policies.metrics import ITERATION_COLUMNS, IterationLog, request_frame, summarize
 from policies.queue_policy import QueuePolicy
 from policies.replica_config import ReplicaConfig, build_scheduler
 from policies.router import PrefixAffinityRouter, Router, make_router, reads_counts
@@ -428,11 +428,13 @@ def _tables(replicas: list[Replica]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Request and iteration tables of all replicas (one replica: exactly its own tables)."""
     if len(replicas) == 1:
         return request_frame(replicas[0].scheduler.done), replicas[0].log.frame()
-    # each column copied once (the logs' frames are views; assign and concat copied them twice):
+    # each column built once from the logs' compact pieces (no per-replica frame in between):
     # the iteration tables of a large run are gigabytes
-    its = [r.log.frame() for r in replicas]
-    columns = {c: np.concatenate([f[c].to_numpy() for f in its]) for c in its[0].columns}
-    columns["replica"] = np.repeat(np.array([r.index for r in replicas], dtype=np.int64), [len(f) for f in its])
+    logs = [r.log for r in replicas]
+    columns = {"iteration": np.concatenate([np.arange(log.rows) for log in logs])}
+    columns.update((c, np.concatenate([p for log in logs for p in log.parts(c)], dtype=IterationLog.dtype(c)))
+                   for c in ITERATION_COLUMNS)
+    columns["replica"] = np.repeat(np.array([r.index for r in replicas], dtype=np.int64), [log.rows for log in logs])
     iterations = pd.DataFrame(columns, copy=False)
     # one request table over every replica's groups, in request id order (ids are unique)
     pairs = sorted(((g, r.index) for r in replicas for g in r.scheduler.done), key=lambda p: p[0].request.request_id)
