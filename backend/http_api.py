@@ -366,7 +366,7 @@ class OpenAIServer:
             events = call.apply(first)
             if call.parsed.params.stream:
                 streaming = True
-                return _EventStream(self._stream(call, events, request))
+                return EventStream(self._stream(call, events, request))
             while call.open:
                 call.apply(await self._next(call, request))
             if call.aborted:
@@ -503,19 +503,20 @@ class OpenAIServer:
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-class _EventStream(Response):
-    """Server-sent events from `events`, sent as they come. The client is gone when a send fails
+class EventStream(Response):
+    """Server-sent events from `events`, sent as they come (the completions' streams and
+    backend.kv_events' stream, with extra `headers`). The client is gone when a send fails
     (OSError: its connection is lost, whichever request the HTTP layer thinks is current) or when
     `events` raises _ClientGone (a disconnect the HTTP layer reported); either way the stream ends
     quietly, and `events` is always closed, so its finally aborts the call's requests."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], headers: dict[str, str] | None = None) -> None:
         self.events = events
         self.status_code = 200
         self.background = None
-        self.init_headers()
+        self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
 
+from backend.http_api import EventStream
 from backend.openai_protocol import ApiError
 
 MASK64 = (1 << 64) - 1
@@ -258,7 +258,7 @@ def kv_events_route(log: KvEventLog, stopped: Callable[[], bool]):
             since = _since(request)
         except ApiError as e:
             return _error(e)
-        return _SseResponse(_stream(log, since, stopped))
+        return EventStream(_stream(log, since, stopped), {"cache-control": "no-cache"})
 
     return route
 
@@ -295,30 +295,6 @@ async def _stream(log: KvEventLog, since: int | None, stopped: Callable[[], bool
 
 def _sse(b: KvEventBatch) -> str:
     return f"id: {b.seq}\ndata: {b.to_json()}\n\n"
-
-
-class _SseResponse(Response):
-    """Server-sent events from `events`, sent as they come; a failed send (the client is gone)
-    ends the stream quietly and `events` is always closed (its finally unsubscribes)."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncGenerator[str, None]) -> None:
-        self.events = events
-        self.status_code = 200
-        self.background = None
-        self.init_headers({"cache-control": "no-cache"})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in self.events:
-                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:
-            return
-        finally:
-            await self.events.aclose()
 
 
 # ---- POST /reset_prefix_cache --------------------------------------------------------------------------
