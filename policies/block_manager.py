@@ -20,6 +20,7 @@ import enum
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from policies.kv_listener import KvCacheListener
 from policies.memory import MemoryBreakdown
 from policies.request import Request, Sequence, SequenceGroup
 
@@ -61,7 +62,8 @@ class BlockPool:
         self.cached: dict[int, int] = {}  # content hash -> block id
         self.evictions = 0
         self.used_filled = 0  # sum of `filled` over blocks in use: the token states, kept O(1)
-        self.listener = None  # a policies.kv_listener.KvCacheListener: told of hashes stored, evicted, cleared
+        # told of hashes stored, evicted, cleared (a typed attribute: compiled code checks what is assigned)
+        self.listener: KvCacheListener | None = None
 
     @property
     def free(self) -> list[int]:
@@ -99,7 +101,7 @@ class BlockPool:
                 block = blocks[block_id]
                 del self.cached[block.hash]  # type: ignore[arg-type]  # an idle block is hashed
                 if self.listener is not None:
-                    self.listener.removed(block.hash)
+                    self.listener.removed(block.hash)  # type: ignore[arg-type]  # an idle block is hashed
                 block.hash = None
                 self.evictions += 1
             block.ref_count = 1
