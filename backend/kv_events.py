@@ -94,6 +94,18 @@ class KvEventBatch:
         return [self.ts, out]
 
 
+def apply_events(held: set[int], events: list) -> None:
+    """Fold a batch's events into the set of hashes a cache holds, as a router reading the stream
+    does: BlockStored adds its hashes, BlockRemoved drops them, AllBlocksCleared empties it."""
+    for e in events:
+        if e[0] == "BlockStored":
+            held.update(e[1])
+        elif e[0] == "BlockRemoved":
+            held.difference_update(e[1])
+        else:
+            held.clear()
+
+
 class KvEventLog:
     """The block pool's listener and the replica's event history; see the module docstring.
     `stored`, `removed`, `cleared` and `seal` run on the engine thread; `subscribe` on any.
@@ -138,14 +150,7 @@ class KvEventLog:
             self.last_seq += 1
             batch = KvEventBatch(self.last_seq, time.time(), engine_time, events, self.block_size)
             self._buffer.append(batch)
-            held = self.held
-            for e in events:
-                if e[0] == "BlockStored":
-                    held.update(e[1])
-                elif e[0] == "BlockRemoved":
-                    held.difference_update(e[1])
-                else:
-                    held.clear()
+            apply_events(self.held, events)
             for deliver in self._subscribers:
                 deliver(batch)
         return batch

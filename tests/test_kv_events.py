@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from backend.kv_events import MASK64, KvEventLog
+from backend.kv_events import MASK64, KvEventLog, apply_events
 from policies.block_manager import BlockPool
 from policies.replica_config import build_replica
 from policies.request import Request, SamplingParams
@@ -54,13 +54,7 @@ def _run(prompts: list[list[int]], max_tokens: int = 5):
 def _replay(batches) -> set[int]:
     held: set[int] = set()
     for b in batches:
-        for e in b.events:
-            if e[0] == "BlockStored":
-                held.update(e[1])
-            elif e[0] == "BlockRemoved":
-                held.difference_update(e[1])
-            else:
-                held.clear()
+        apply_events(held, b.events)
     return held
 
 
