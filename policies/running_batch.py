@@ -6,7 +6,11 @@ Such sequences join the batch (`join`) and are then moved on in bulk: the batch 
 `clock`, and a member's stored counters (num_computed, output_len, its slots and last block's fill
 level) are those of the clock at its `anchor`; its true length is stored + clock - anchor.
 `materialise` pays a member what it is owed (counters, token ids, blocks' fill levels) so that its
-own fields are exact; `leave` does so and drops it. Every member's blocks are in its table already
+own fields are exact; `leave` does so and drops it; `materialise_all` pays every member, keeping
+them members (what a reader outside the scheduler is handed, at an iteration boundary). A member's
+`batch` is this batch, so its exact reads (`Sequence.exact_output_len`, ...) add what it is owed;
+`guard_reads` (--debug) makes reads of owed fields from outside the scheduler raise
+(policies/exact_reads.py). Every member's blocks are in its table already
 (a window opens them as stepping would), and the pool's token-state count is kept exact by the
 caller, so only the per-sequence fields are owed.
 
@@ -27,8 +31,10 @@ num_computed equals its slots in the block manager (owed together).
 from __future__ import annotations
 
 import heapq
+import warnings
 from collections.abc import Callable
 
+from policies import exact_reads
 from policies.block_manager import PagedBlockManager
 from policies.request import Sequence, SequenceGroup
 
@@ -48,6 +54,8 @@ class RunningBatch:
         self.counts = [0] * self.bs  # len(buckets[q]), kept so that windows read no list sizes
         self.heap: list[tuple[int, int, Sequence]] = []
         self.unknown: list[Sequence] = []  # members whose finish the executor has not told yet
+        self.exact_at = 0       # the clock at the last materialise_all (every member exact while equal)
+        self.guarded = False    # --debug: members' owed fields check their readers (guard_reads)
 
     # ---------------------------------------------------------------- membership
     def join(self, seq: Sequence) -> None:
@@ -56,6 +64,9 @@ class RunningBatch:
         clock = self.clock
         seq.anchor = clock
         seq.finish_at = -1
+        seq.batch = self
+        if self.guarded:
+            exact_reads.guard(seq)
         q = (c - clock) % self.bs
         self.buckets[q].append(seq)
         self.counts[q] += 1
@@ -90,6 +101,27 @@ class RunningBatch:
         if seq.finish_at < 0:
             self.unknown.remove(seq)
         seq.anchor = seq.finish_at = -1
+        seq.batch = None
+
+    def materialise_all(self) -> None:
+        """Pay every member what it is owed, keeping it a member (buckets, base and finishes are
+        unchanged: a member's stored count less its anchor does not move). Only at an iteration
+        boundary, where every member's table covers exactly the clock. O(1) when nothing is owed."""
+        if self.exact_at != self.clock and self.size:
+            for bucket in self.buckets:
+                for s in bucket:
+                    self.materialise(s)
+        self.exact_at = self.clock
+
+    def guard_reads(self) -> None:
+        """--debug: from now on a read of a member's owed field from outside the scheduler raises
+        (policies/exact_reads.py); said once when this build cannot check (the compiled kernel)."""
+        if self.guarded:
+            return
+        self.guarded = all(exact_reads.guard(s) for b in self.buckets for s in b) and exact_reads.GUARDED is not None
+        if not self.guarded:
+            warnings.warn("--debug: reads of running sequences' owed fields are not checked with the compiled "
+                          "kernel (PAGESIM_COMPILED=0 runs the sources, which check them)", stacklevel=2)
 
     def release_all(self) -> None:
         """Materialise every member and empty the batch (a stepped iteration reads them all)."""
@@ -97,6 +129,7 @@ class RunningBatch:
             for s in bucket:
                 self.materialise(s)
                 s.anchor = s.finish_at = -1
+                s.batch = None
             bucket.clear()
         self.size = self.base = self.demand = 0
         self.counts = [0] * self.bs

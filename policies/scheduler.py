@@ -261,6 +261,11 @@ class Scheduler(ABC):
         """Apply bookkeeping a scheduler deferred (skipped-ahead decode steps); the base defers none."""
         return
 
+    def materialise(self) -> None:
+        """Make every sequence's own fields exact (what a reader outside the scheduler is handed),
+        keeping whatever skip-ahead keeps; only between iterations. The base defers nothing."""
+        return
+
     # ---------------------------------------------------------------- skipping ahead
     def plan_repeat(self, now: float) -> RepeatPlan | None:
         """Offer the coming iterations that repeat the running batch (see RepeatPlan), or None when

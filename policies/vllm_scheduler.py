@@ -103,6 +103,7 @@ class VllmScheduler(Scheduler):
     def check_invariants(self) -> None:
         """The running batch's kept figures, conservation, and the block manager's invariants with
         the batch's owed decode steps counted in (nothing is settled: a debug run keeps the batch)."""
+        self._batch.guard_reads()  # debug: from now on a stale read of a member raises
         owed = self._batch.check([g.seqs[0] for g in self.running if g.seqs and g.seqs[0].anchor >= 0])
         self.check_conservation()
         self.bm.check_invariants(owed)
@@ -410,6 +411,10 @@ class VllmScheduler(Scheduler):
         self._loose = list(self.running)
         self._offer = self._decode_offer = None
 
+    def materialise(self) -> None:
+        """Pay every running-batch member its owed decode steps, keeping the batch."""
+        self._batch.materialise_all()
+
     def _join_loose(self) -> bool:
         """Join the loose running groups that are plain decoders to the batch; False when one is
         not (a prefill or recompute in flight, or forked sequences): that group is stepped."""
@@ -544,9 +549,10 @@ class VllmScheduler(Scheduler):
             if bm.append_slots(s, 1) != []:  # plan_decode_step counted its block
                 raise AssertionError(f"sequence {sid}: no free block, or a shared one copied, in a decode step")
             step.seqs.append(ScheduledSeq(sid, s.group.group_id, s.num_computed, 1, tables[sid], True, s))
-        batch.clock += 1
         num_continuing = batch.size
-        context = batch.context()  # of the continuing sequences, with the new token
+        context = batch.context() + num_continuing  # of the continuing sequences, with the new token
+        # the clock moves once the policy was asked and told (as stepping asks and tells it before
+        # the step's tokens are counted: members read exact as stepping's do)
         self._schedule_waiting(step, [self.max_num_batched_tokens - num_batch], now, demand)
         comp = step.composition(num_continuing, context)
         result = execute(step, comp)
@@ -556,6 +562,7 @@ class VllmScheduler(Scheduler):
             for g in batch_groups:
                 served(g, 0, 1)
             self._account_service(step.seqs[len(finishing):])
+        batch.clock += 1
         finished = self._apply_outcomes(step, result, end)
         return DecodeStepResult(comp, result, finished)
 
@@ -608,11 +615,11 @@ class VllmScheduler(Scheduler):
         # not observable, only how many are taken and when)
         bm.open_decode_blocks([s.seq_id for p0 in range(0, k, bs) for phase in by_phase[:k - p0] for s in phase])
         bm.add_token_states(k * b)
-        batch.clock += k
-        if self.policy.tracks_service:
+        if self.policy.tracks_service:  # before the clock moves: a group reads as stepping's first call
             served = self.policy.on_served
             for g in self.running:
                 served(g, 0, k)
+        batch.clock += k
         # per step, in plain ints (windows are mostly a few steps, where numpy's per-call cost
         # dominates): blocks taken by the end of each step, token states, slots in allocated blocks
         taken = list(accumulate((opening * -(-k // bs))[:k]))

@@ -33,7 +33,7 @@ import numpy as np
 import simpy
 
 from policies.request import Request
-from policies.router import Router, replica_views
+from policies.router import SCHEDULER, Router, replica_views
 from policies.scheduler import Scheduler
 from policies.step import ReplicaStep
 
@@ -145,11 +145,16 @@ def arrival_process(env: simpy.Environment, feed: ArrivalFeed, replicas: list[Re
     only replica."""
     # the view of each replica the router declares it reads (policies.router.replica_views)
     schedulers = replica_views(router, [r.scheduler for r in replicas]) if router is not None else []
+    # a router handed the schedulers themselves may read any sequence's own fields: made exact
+    # first (replicas are between iterations at an arrival: windows end before it for this view)
+    whole = [r.scheduler for r in replicas] if router is not None and router.reads == SCHEDULER else []
     while not feed.exhausted:
         request = feed.requests[feed.next_index]
         if request.arrival > env.now:
             yield ArrivalTimeout(env, request.arrival - env.now)
         feed.next_index += 1
+        for sched in whole:
+            sched.materialise()
         i = router.route(request, schedulers) if router is not None else 0
         if type(i) is not int:  # a user's router may answer anything
             i = _replica_index(i, router, request, len(replicas))
