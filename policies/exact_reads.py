@@ -90,7 +90,7 @@ def _guarded_class() -> type | None:
         ns["__module__"] = __name__
         ns["__doc__"] = "A Sequence whose owed fields check their reader (--debug; see policies.exact_reads)."
         return type("GuardedSequence", (Sequence,), ns)
-    except TypeError:
+    except (TypeError, KeyError):  # compiled: no interpreted subclass (nor, maybe, slot descriptors)
         return None
 
 

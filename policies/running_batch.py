@@ -34,8 +34,8 @@ import heapq
 import warnings
 from collections.abc import Callable
 
-from policies import exact_reads
 from policies.block_manager import PagedBlockManager
+from policies.exact_reads import GUARDED, guard
 from policies.request import Sequence, SequenceGroup
 
 
@@ -66,7 +66,7 @@ class RunningBatch:
         seq.finish_at = -1
         seq.batch = self
         if self.guarded:
-            exact_reads.guard(seq)
+            guard(seq)
         q = (c - clock) % self.bs
         self.buckets[q].append(seq)
         self.counts[q] += 1
@@ -118,7 +118,7 @@ class RunningBatch:
         (policies/exact_reads.py); said once when this build cannot check (the compiled kernel)."""
         if self.guarded:
             return
-        self.guarded = all(exact_reads.guard(s) for b in self.buckets for s in b) and exact_reads.GUARDED is not None
+        self.guarded = all(guard(s) for b in self.buckets for s in b) and GUARDED is not None
         if not self.guarded:
             warnings.warn("--debug: reads of running sequences' owed fields are not checked with the compiled "
                           "kernel (PAGESIM_COMPILED=0 runs the sources, which check them)", stacklevel=2)
