@@ -12,6 +12,12 @@ policy only answers questions. Its contract is about its decisions and when they
 - hooks: `on_queued` (a group joins the queue, before its key is read), `on_admitted`, `on_served`
   (tokens computed for a group: after each step, or once for several iterations at a time),
   `on_finished`. A hook only records; overriding one changes nothing else.
+- What any of these reads of a group's sequences is exact at the call through
+  `Sequence.exact_output_len`, `exact_num_computed`, `exact_num_tokens`, `exact_token_ids` and
+  `SequenceGroup.output_len`; the stored fields (`output_len`, `num_computed`, ...) are the
+  scheduler's own, behind while skip-ahead owes a running sequence decode steps (--debug raises
+  on such a read, naming it). `on_served` is told before the served tokens are counted, as
+  stepping tells it: a window's k decode steps come as one call that reads as stepping's first.
 - When its answers may change, besides arrivals, admissions and finishes:
   - `wake_time(waiting, now)`: the earliest time after `now` at which `admit` may answer differently
     with nothing else changed (a deadline passing, a token bucket refilling); math.inf when never.
@@ -218,7 +224,7 @@ class BucketMeanPredictor(OutputLengthPredictor):
         return self.total[0] / self.total[1] if self.total[1] else self.prior
 
     def observe(self, group: SequenceGroup) -> None:
-        out = sum(s.output_len for s in group.finished_seqs) / max(len(group.finished_seqs), 1)
+        out = sum(s.exact_output_len for s in group.finished_seqs) / max(len(group.finished_seqs), 1)
         s = self.sums.setdefault(self._bucket(group.request.prompt_len), [0.0, 0])
         s[0] += out
         s[1] += 1
@@ -263,7 +269,7 @@ class ShortestFirstPolicy(QueuePolicy):
         guess = self._guess.get(group.group_id)
         if guess is None:
             guess = self._guess[group.group_id] = self.predictor.predict(group)
-        done = max((s.output_len for s in group.seqs), default=0) if self.remaining else 0
+        done = max((s.exact_output_len for s in group.seqs), default=0) if self.remaining else 0
         self._key[group.group_id] = (max(guess - done, 0.0) + self.aging * group.request.arrival, group.group_id)
 
     def key(self, group: SequenceGroup) -> tuple:
