@@ -8,6 +8,10 @@ not (a key that reads the policy's own state under `reads = "request"`, a router
 than its view) would give different numbers without a word; under --debug the first difference is
 a ContractError naming the class and the decision that changed. Invariant: `check_contract`
 returns the skip-ahead run's result only when both runs' request and iteration tables are equal.
+
+A plug-in that reads a running sequence's stored fields while skip-ahead owes it decode steps is
+stopped before any comparison: the debug run's invariant check guards those fields
+(policies/exact_reads.py), and the read raises StaleReadError naming the field and the reader.
 """
 
 from __future__ import annotations

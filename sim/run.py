@@ -307,7 +307,9 @@ def run_simulation(cfg: SimConfig, trace: Trace, cost_model: CostModel | None = 
 
     With cfg.debug (and skip-ahead on), the run is simulated twice, stepping and skipping ahead,
     and a ContractError names the policy or router class and the decision at the first difference
-    (sim.contract_check); disaggregated runs step every iteration, so they run once."""
+    (sim.contract_check); a read of a running sequence's owed field from outside the scheduler
+    raises StaleReadError (policies.exact_reads); disaggregated runs step every iteration, so they
+    run once."""
     if cfg.debug and cfg.fast_forward and observer is None and not cfg.disaggregate:
         def run(c: SimConfig) -> SimResult:
             return _simulate(c, trace, cost_model, progress and c.fast_forward, None, beam_picks)

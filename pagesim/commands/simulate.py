@@ -40,7 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--debug", action="store_true",
                    help="check block and request conservation every iteration, and simulate the run twice, "
                         "stepping and skipping ahead: a plug-in policy or router that breaks its contract is "
-                        "named with the decision that differed (twice as slow)")
+                        "named with the decision that differed, or with the stale sequence field it read "
+                        "(twice as slow)")
     sim.set_defaults(func=command)
 
     demo = sub.add_parser("demo", help="a quick tour: vllm vs orca-oracle on a sharegpt-like trace")
