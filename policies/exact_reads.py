@@ -12,9 +12,10 @@ modules (SCHEDULER_MODULES), raises StaleReadError naming the field, the sequenc
 Reads of an exact sequence (owing nothing, or not a member) pass whoever reads, and writes are
 never checked. It costs nothing unless called: a sequence keeps its own class otherwise.
 
-The check swaps the instance's class, which an interpreted `Sequence` allows: with the compiled
-kernel (`make compiled`) `guard` returns False and the running batch says once that reads are not
-checked (PAGESIM_COMPILED=0 runs the sources).
+The check swaps the instance's class to an interpreted subclass, which only an interpreted
+`Sequence` takes (compiled code checks the exact class): with the compiled kernel (`make compiled`)
+`guard` returns False and the running batch says once that reads are not checked
+(PAGESIM_COMPILED=0 runs the sources).
 """
 
 from __future__ import annotations
@@ -82,8 +83,11 @@ def _guarded_field(name: str) -> property:
 
 
 def _guarded_class() -> type | None:
-    """Sequence with its owed fields checked, or None when Sequence is compiled (no interpreted
-    subclass, and no class swap, is possible then)."""
+    """Sequence with its owed fields checked, or None when Sequence is compiled (its compiled
+    callers take no subclass of it)."""
+    source = getattr(sys.modules.get(Sequence.__module__), "__file__", None) or ""
+    if not source.endswith(".py"):
+        return None
     try:
         ns: dict[str, Any] = {name: _guarded_field(name) for name in OWED_FIELDS}
         ns["__slots__"] = ()
