@@ -405,7 +405,7 @@ class VllmScheduler(Scheduler):
 
     def settle(self) -> None:
         """Materialise every running sequence's owed decode steps and empty the running batch
-        (every running group is loose again): what stepping, abort and the debug check read."""
+        (every running group is loose again): what stepping and abort read."""
         if self._batch.size:
             self._batch.release_all()
         self._loose = list(self.running)

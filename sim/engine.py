@@ -202,7 +202,7 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
                 yield from _advance(env, window.start, window.ends, window.durations)
                 step.complete_window(window, replica.joined or ())
                 replica.joined = None
-                if replica.debug:  # checks the running batch's kept figures, then settles it
+                if replica.debug:  # checks the running batch's kept figures (and from now on its members' reads)
                     _check(sched)
                 if replica.on_progress is not None:
                     replica.on_progress(env.now, len(sched.done))
