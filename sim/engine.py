@@ -146,7 +146,8 @@ def arrival_process(env: simpy.Environment, feed: ArrivalFeed, replicas: list[Re
     # the view of each replica the router declares it reads (policies.router.replica_views)
     schedulers = replica_views(router, [r.scheduler for r in replicas]) if router is not None else []
     # a router handed the schedulers themselves may read any sequence's own fields: made exact
-    # first (replicas are between iterations at an arrival: windows end before it for this view)
+    # here, the one place (replicas are between iterations at such an arrival: windows end before
+    # it, and the iteration after a window settles the batch today; this keeps it so if that changes)
     whole = [r.scheduler for r in replicas] if router is not None and router.reads == SCHEDULER else []
     while not feed.exhausted:
         request = feed.requests[feed.next_index]
