@@ -204,11 +204,12 @@ class ReplicaStep:
             plan.steps, ends, durations = k, ends[:k], durations[:k]
         if k:
             # arrivals during the window join the queue behind a blocked head: count them in
-            waiting: int | list[int] = len(sched.waiting)
+            num_waiting = len(sched.waiting)
+            waiting: int | list[int] = num_waiting
             if queued is not None:
                 arrived = queued(ends)
                 if arrived[-1]:  # counts never fall: else none arrives in the window
-                    waiting = [waiting + a for a in arrived]
+                    waiting = [num_waiting + a for a in arrived]
             end = ends[-1]
         else:
             end = now
@@ -223,8 +224,11 @@ class ReplicaStep:
                 "num_seqs": b, "decode_tokens": b,
                 "context_tokens": list(range(context0 + b, context0 + b * (k + 1), b)),  # b >= 1
                 "waiting": waiting, "running": res.running, "kv_token_states": res.token_states,
-                "kv_internal_frag": res.internal_frag, "kv_free": res.free, "prefix_hits": sched.prefix_hits,
+                "kv_internal_frag": res.internal_frag, "kv_free": res.free,
             }
+            prefix_hits = sched.prefix_hits
+            if prefix_hits:  # columns left out of add_many stay 0
+                cols["prefix_hits"] = prefix_hits
             if not (_zero(res.reserved) and _zero(res.external_frag)):  # columns left out of add_many stay 0
                 cols["kv_reserved"], cols["kv_external_frag"] = res.reserved, res.external_frag
             window.rows = cols

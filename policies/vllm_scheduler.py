@@ -667,7 +667,7 @@ class VllmScheduler(Scheduler):
                 self._preempt(tail, preempt_plan)
             if g.status != SeqStatus.RUNNING:
                 break  # it was the tail: everything after it is preempted too
-            bm.open_decode_blocks((s.seq_id,))
+            bm.tables[s.seq_id].extend(bm.pool.take_ids(1))  # open_decode_blocks((s.seq_id,)), for one
         survivors = batch.size
         bm.add_token_states(survivors)
         if self.policy.tracks_service:
