@@ -52,7 +52,7 @@ class BlockPool:
     evicts its hash, if any. It is kept in two parts, as a block's hash says which it is in: the
     never-cached blocks (a stack whose top is the queue's front: a freed one is reused first)
     and the idle cached ones (least recently freed first); only a take clears a hash, so no block
-    moves between them while free.
+    moves between them while free. `num_free` is kept: len(_fresh) + len(_idle), always.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -62,6 +62,7 @@ class BlockPool:
         self.cached: dict[int, int] = {}  # content hash -> block id
         self.evictions = 0
         self.used_filled = 0  # sum of `filled` over blocks in use: the token states, kept O(1)
+        self.num_free = num_blocks  # the free queue's length, kept (asked at every iteration)
         # told of hashes stored, evicted, cleared (a typed attribute: compiled code checks what is assigned)
         self.listener: KvCacheListener | None = None
 
@@ -69,10 +70,6 @@ class BlockPool:
     def free(self) -> list[int]:
         """The free queue's block ids, front first (a copy: for checks and tests)."""
         return [*reversed(self._fresh), *self._idle]
-
-    @property
-    def num_free(self) -> int:
-        return len(self._fresh) + len(self._idle)
 
     def take(self) -> Block:
         return self.blocks[self.take_ids(1)[0]]
@@ -84,13 +81,15 @@ class BlockPool:
         if n <= len(fresh):  # the common case: never-cached blocks only, taken from the stack's top
             ids = fresh[:-n - 1:-1] if n else []
             del fresh[len(fresh) - n:]
+            self.num_free -= n
             for block_id in ids:
                 block = blocks[block_id]
                 block.ref_count = 1
                 block.filled = 0
             return ids
-        if n > len(fresh) + len(self._idle):
+        if n > self.num_free:
             raise KeyError("take from an empty free queue")
+        self.num_free -= n
         ids = []
         for _ in range(n):
             if fresh:
@@ -119,6 +118,7 @@ class BlockPool:
         """Take a reference on a block found by hash (removing it from the free queue if idle)."""
         if block.ref_count == 0:
             del self._idle[block.block_id]
+            self.num_free -= 1
             self.used_filled += block.filled
         block.ref_count += 1
 
@@ -128,20 +128,24 @@ class BlockPool:
     def release_ids(self, block_ids: Iterable[int]) -> None:
         """`release()` each block, in order: one loop for a whole table freed at once."""
         blocks, fresh, idle = self.blocks, self._fresh, self._idle
-        freed_states = 0
+        freed_states = freed = 0
         for block_id in block_ids:
             block = blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count <= 0:
-                if block.ref_count < 0:
+            refs = block.ref_count - 1
+            block.ref_count = refs
+            if refs <= 0:
+                if refs < 0:
                     self.used_filled -= freed_states
+                    self.num_free += freed
                     raise AssertionError(f"block {block_id} freed twice")
                 freed_states += block.filled
+                freed += 1
                 if block.hash is None:  # nothing worth keeping: reuse it first
                     fresh.append(block_id)
                 else:
                     idle[block_id] = None
         self.used_filled -= freed_states
+        self.num_free += freed
 
     def set_filled(self, block: Block, filled: int) -> None:
         """Record how many slots of an in-use block hold tokens."""
@@ -270,6 +274,18 @@ class PagedBlockManager:
         checked the same bound, `max_blocks_needed`, already): the scheduler's hot paths ask this
         of the same waiting head again and again."""
         needed = sum(self._new_blocks_for_admission(s, num_new_tokens) for s in group.seqs)
+        return self.pool.num_free - needed >= self.watermark_blocks
+
+    def seq_fits_now(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
+        """`fits_now` of a group holding the one waiting sequence `seq` (every waiting group's case:
+        asked of the queue's head at every window), without prefix caching in one call."""
+        if self.enable_prefix_caching:
+            needed = self._new_blocks_for_admission(seq, num_new_tokens)
+        else:
+            upto = seq.prompt_len + seq.output_len
+            if num_new_tokens is not None and num_new_tokens < upto:
+                upto = num_new_tokens
+            needed = -(-upto // self.block_size)
         return self.pool.num_free - needed >= self.watermark_blocks
 
     def _new_blocks_for_admission(self, seq: Sequence, num_new_tokens: int | None) -> int:
@@ -623,6 +639,7 @@ class PagedBlockManager:
         assert filled == self.pool.used_filled, f"token-state count {self.pool.used_filled} != {filled}"
         free = self.pool.free
         assert len(set(free)) == len(free), "a block is in the free queue twice"
+        assert self.pool.num_free == len(free), f"kept free count {self.pool.num_free} != {len(free)}"
         free_ids = set(free)
         for blk in self.pool.blocks:
             assert blk.ref_count == refs[blk.block_id], \

@@ -55,6 +55,9 @@ class Executor(Protocol):
 
 
 # stop(seq, token) -> True when `token` ends the sequence early (a served request's stop strings)
+# queued(times) -> how many requests not yet delivered join the replica's waiting queue by each of
+# `times` (ascending), for the log's waiting column (begin_window)
+Queued = Callable[[Sequence[float]], Sequence[int]]
 StopCheck = Callable[[Seq, int], bool]
 
 
@@ -151,7 +154,7 @@ class ReplicaStep:
 
     # ---------------------------------------------------------------- windows
     def begin_window(self, now: float, next_arrival: float = math.inf,
-                     queued: Callable[[np.ndarray], np.ndarray] | None = None) -> Window | None:
+                     queued: Queued | None = None) -> Window | None:
         """Apply at once the coming iterations that are certain, or None (step the next one).
 
         `next_arrival`: when the next request not yet delivered arrives (anywhere, behind a
@@ -176,7 +179,7 @@ class ReplicaStep:
             window = self._decode_step(now, next_arrival, queued)
         return window
 
-    def _window(self, now: float, next_arrival: float, queued: Callable[[np.ndarray], np.ndarray] | None,
+    def _window(self, now: float, next_arrival: float, queued: Queued | None,
                 reads_state: bool) -> Window | None:
         """begin_window's plain decodes (and the preempting iteration after them), or None."""
         sched = self.scheduler
@@ -201,7 +204,12 @@ class ReplicaStep:
             plan.steps, ends, durations = k, ends[:k], durations[:k]
         if k:
             # arrivals during the window join the queue behind a blocked head: count them in
-            waiting = len(sched.waiting) + (queued(np.array(ends)) if queued is not None else 0)
+            num_waiting = len(sched.waiting)
+            waiting: int | list[int] = num_waiting
+            if queued is not None:
+                arrived = queued(ends)
+                if arrived[-1]:  # counts never fall: else none arrives in the window
+                    waiting = [num_waiting + a for a in arrived]
             end = ends[-1]
         else:
             end = now
@@ -214,10 +222,13 @@ class ReplicaStep:
             cols = {
                 "start": [now, *ends[:-1]], "duration": durations,
                 "num_seqs": b, "decode_tokens": b,
-                "context_tokens": [context0 + b * j for j in range(1, k + 1)],
+                "context_tokens": list(range(context0 + b, context0 + b * (k + 1), b)),  # b >= 1
                 "waiting": waiting, "running": res.running, "kv_token_states": res.token_states,
-                "kv_internal_frag": res.internal_frag, "kv_free": res.free, "prefix_hits": sched.prefix_hits,
+                "kv_internal_frag": res.internal_frag, "kv_free": res.free,
             }
+            prefix_hits = sched.prefix_hits
+            if prefix_hits:  # columns left out of add_many stay 0
+                cols["prefix_hits"] = prefix_hits
             if not (_zero(res.reserved) and _zero(res.external_frag)):  # columns left out of add_many stay 0
                 cols["kv_reserved"], cols["kv_external_frag"] = res.reserved, res.external_frag
             window.rows = cols
@@ -225,7 +236,7 @@ class ReplicaStep:
         if res.exhaustion is not None:
             duration = res.exhaustion_duration
             end_x = end + duration  # the sum the scheduler finished its groups at
-            waiting_x = len(sched.waiting) + (int(queued(np.array([end_x]))[0]) if queued is not None else 0)
+            waiting_x = len(sched.waiting) + (queued((end_x,))[0] if queued is not None else 0)
             window.exhaustion_row = [end, duration, res.exhaustion, res.num_preempted, waiting_x,
                                      len(sched.running), sched.memory(), sched.prefix_hits]
             # new lists: the rows above hold the plain decodes' own
@@ -233,8 +244,7 @@ class ReplicaStep:
         sched.departing = len(sched.done) - done0  # all at the window's last end
         return window
 
-    def _decode_step(self, now: float, next_arrival: float,
-                     queued: Callable[[np.ndarray], np.ndarray] | None) -> Window | None:
+    def _decode_step(self, now: float, next_arrival: float, queued: Queued | None) -> Window | None:
         """The next iteration applied at once as a one-iteration window, when the scheduler offers
         it (a batch of plain decodes that preempts nothing, admitting and rejecting as stepping
         would), or None. Its decisions are taken at `now`, as stepping takes them; arrivals during
@@ -251,7 +261,7 @@ class ReplicaStep:
         end = now + duration
         waiting = len(sched.waiting)
         if queued is not None and next_arrival <= end:  # else none arrives by its end
-            waiting += int(queued(np.array([end]))[0])
+            waiting += queued((end,))[0]
         window = Window(now, [end], [duration], False)
         window.exhaustion_row = [now, duration, res.comp, 0, waiting, len(sched.running), sched.memory(),
                                  sched.prefix_hits]
@@ -269,7 +279,10 @@ class ReplicaStep:
         if rows is not None:
             if joined:
                 base = rows["waiting"]
-                rows["waiting"] = [base + bisect_right(joined, e) for e in window.ends[:len(rows["start"])]]
+                ends = window.ends[:len(rows["start"])]
+                if isinstance(base, int):
+                    base = [base] * len(ends)
+                rows["waiting"] = [w + bisect_right(joined, e) for w, e in zip(base, ends)]
             self.log.add_many(rows)
         if x_row is not None:
             if joined:

@@ -351,7 +351,8 @@ class VllmScheduler(Scheduler):
         back (nothing behind it is admitted); BLOCKED: free blocks or seats refuse it now;
         OVER_BUDGET: its first chunk, less the `cached` tokens the prefix cache holds, does not fit
         the token budget; ADMITTED: its first chunk (`chunk` tokens after `cached`) runs now."""
-        reason = self._never_fits(group)
+        memo = self._fits_memo  # _never_fits' own memo, read here first: the head is asked again and again
+        reason = memo[1] if memo is not None and memo[0] is group else self._never_fits(group)
         if reason is None and not self._admits_all:
             decision = self.policy.admit(group, now)
             if decision == DEFER:
@@ -361,8 +362,10 @@ class VllmScheduler(Scheduler):
         if reason is not None:
             return Admission(REJECTED, demand, reason=reason)
         (seq,) = group.seqs  # waiting groups always hold one sequence (see _preempt)
-        # never NEVER here: _never_fits checks the same bound
-        if not self.bm.fits_now(group, left if self._chunkable(seq) else None):
+        # never NEVER here: _never_fits checks the same bound; the chunk bound is _chunkable's
+        chunkable = (self.chunked_prefill
+                     or seq.prompt_len + seq.output_len - seq.num_computed > self.max_num_batched_tokens)
+        if not self.bm.seq_fits_now(seq, left if chunkable else None):
             return Admission(BLOCKED, demand)
         if demand is None:
             demand = self._demand()
@@ -469,18 +472,18 @@ class VllmScheduler(Scheduler):
             head_blocked = self._stays_blocked(waiting[0], len(running), now)
         else:
             head_blocked = all(self._stays_blocked(g, len(running), now) for g in self.head_candidates())
-        free = self.bm.num_free_blocks
+        free = self.bm.pool.num_free
         if not head_blocked and free >= len(running):
             return None  # an admission comes next, and no group can run out of blocks first
-        if not self._join_loose():
+        if self._loose and not self._join_loose():
             return None
         batch = self._batch
         h = _block_horizon(batch.opening_counts(), len(running), free)
         if not head_blocked and h > 0:
             return None
         unknown = list(batch.unknown)
-        plan = RepeatPlan(len(running), batch.context(), h, not self._custom_victim, unknown,
-                          None if unknown else [], first_known=batch.first_finish())
+        plan = RepeatPlan(len(running), batch.base + batch.size * batch.clock, h, not self._custom_victim,
+                          unknown, None if unknown else [], batch.first_finish())  # context(), inline
         self._offer = (plan, h, plan.exhausts)
         return plan
 
@@ -511,7 +514,7 @@ class VllmScheduler(Scheduler):
             return None
         # the members whose next token opens a block (nothing preempts when all are there)
         batch = self._batch
-        if not self._join_loose() or batch.counts[-batch.clock % self.block_size] > self.bm.num_free_blocks:
+        if (self._loose and not self._join_loose()) or batch.counts[-batch.clock % self.block_size] > self.bm.pool.num_free:
             return None
         unknown = list(self._batch.unknown)
         plan = DecodeStepPlan(unknown, None if unknown else [])
@@ -605,15 +608,15 @@ class VllmScheduler(Scheduler):
         batch = self._batch
         k = plan.steps
         b = batch.size
-        by_phase = batch.by_phase()
-        opening = batch.opening_counts()
+        # the members opening a block in decode step j + 1 from the clock: bucket -(clock + j) % bs
+        buckets, counts, clock = batch.buckets, batch.counts, batch.clock
         pool = bm.pool
         states0 = pool.used_filled
         used0 = bm.num_gpu_blocks - pool.num_free
         allocated0, free0 = used0 * bs, pool.num_free * bs
         # blocks taken in iteration order (any order within one: which block a sequence gets is
         # not observable, only how many are taken and when)
-        bm.open_decode_blocks([s.seq_id for p0 in range(0, k, bs) for phase in by_phase[:k - p0] for s in phase])
+        bm.open_decode_blocks([s.seq_id for j in range(k) for s in buckets[-(clock + j) % bs]])
         bm.add_token_states(k * b)
         if self.policy.tracks_service:  # before the clock moves: a group reads as stepping's first call
             served = self.policy.on_served
@@ -622,15 +625,15 @@ class VllmScheduler(Scheduler):
         batch.clock += k
         # per step, in plain ints (windows are mostly a few steps, where numpy's per-call cost
         # dominates): blocks taken by the end of each step, token states, slots in allocated blocks
-        taken = list(accumulate((opening * -(-k // bs))[:k]))
+        taken = list(accumulate([counts[-(clock + j) % bs] for j in range(k)]))
         states = [states0 + j * b for j in range(1, k + 1)]
         result = RepeatResult([b] * k, states, [allocated0 + t * bs - s for t, s in zip(taken, states)],
                               [free0 - t * bs for t in taken], 0, 0)
-        if self._finish_plain(now):
-            mem = bm.memory()
-            result.token_states[-1] = mem.token_states
-            result.internal_frag[-1] = mem.internal_frag
-            result.free[-1] = mem.free
+        if self._finish_plain(now):  # the last step's memory after its finishes (bm.memory(), from the pool)
+            states_k = pool.used_filled
+            result.token_states[-1] = states_k
+            result.internal_frag[-1] = (bm.num_gpu_blocks - pool.num_free) * bs - states_k
+            result.free[-1] = pool.num_free * bs
             result.running[-1] = len(self.running)
         return result
 
@@ -665,13 +668,13 @@ class VllmScheduler(Scheduler):
         openers = sorted(batch.opening_bucket(), key=lambda s: index(s.group))
         for s in openers:  # in batch order
             g = s.group
-            while not bm.num_free_blocks and g.status == SeqStatus.RUNNING:
+            while not bm.pool.num_free and g.status == SeqStatus.RUNNING:
                 tail = running[-1]
                 batch.leave(tail.seqs[0])
                 self._preempt(tail, preempt_plan)
             if g.status != SeqStatus.RUNNING:
                 break  # it was the tail: everything after it is preempted too
-            bm.open_decode_blocks((s.seq_id,))
+            bm.tables[s.seq_id].extend(bm.pool.take_ids(1))  # open_decode_blocks((s.seq_id,)), for one
         survivors = batch.size
         bm.add_token_states(survivors)
         if self.policy.tracks_service:

@@ -176,6 +176,9 @@ class RooflineCostModel(CostModel):
         self._ic_bw = hardware.interconnect_bandwidth * interconnect_efficiency
         self._pcie_bw = hardware.pcie_bandwidth * pcie_efficiency
         self._init_per_token_constants()
+        # (overhead + linear, lm_head) of a dense model's pure decode by batch size: a function of
+        # the batch size and the constants above, priced once (at most max_num_seqs entries)
+        self._decode_terms_memo: dict[int, tuple[float, float]] = {}
 
     def _init_per_token_constants(self) -> None:
         """Model-wide FLOPs and bytes per unit of work, per device."""
@@ -309,16 +312,27 @@ class RooflineCostModel(CostModel):
             return 0.0
         if self._expert_params or self.tp > 1:
             return self._decode_time(float(num_seqs), float(context_tokens))
-        seqs = float(num_seqs)
-        return self._decode_fixed(seqs) + self._decode_attention(float(context_tokens), seqs) + self._lm_head(seqs)
+        fixed, lm = self._decode_terms(num_seqs)
+        return fixed + self._decode_attention(float(context_tokens), float(num_seqs)) + lm
 
     def decode_step_series(self, num_seqs: int, context_tokens: list[int]) -> list[float]:
         if num_seqs <= 0 or self._expert_params or self.tp > 1:
             return super().decode_step_series(num_seqs, context_tokens)
-        # the terms of one batch size are the same in every iteration: priced once, added in order
-        seqs = float(num_seqs)
-        fixed, lm, attention = self._decode_fixed(seqs), self._lm_head(seqs), self._decode_attention
-        return [fixed + attention(float(c), seqs) + lm for c in context_tokens]
+        # the terms of one batch size are the same in every iteration: priced once, added in order;
+        # the attention term is _decode_attention's, written out (the same IEEE operations)
+        fixed, lm = self._decode_terms(num_seqs)
+        per_pair, flops, kv_bytes, bw = self._attn_flops_per_pair, self._attn_flops, self._kv_bytes, self._attn_bw
+        moved = self._qkvo_bytes * float(num_seqs)
+        return [fixed + max(per_pair * float(c) / flops, (kv_bytes * float(c) + moved) / bw) + lm
+                for c in context_tokens]
+
+    def _decode_terms(self, num_seqs: int) -> tuple[float, float]:
+        """(overhead + linear, lm_head) of a dense model's pure decode of `num_seqs` sequences."""
+        terms = self._decode_terms_memo.get(num_seqs)
+        if terms is None:
+            seqs = float(num_seqs)
+            terms = self._decode_terms_memo[num_seqs] = (self._decode_fixed(seqs), self._lm_head(seqs))
+        return terms
 
     def _decode_fixed(self, seqs: float) -> float:
         """overhead + linear of a dense model's pure decode, for a float: the first two terms of

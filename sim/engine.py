@@ -26,8 +26,10 @@ counted, and waits in the queue the next iteration is scheduled from.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import simpy
@@ -46,20 +48,25 @@ class ArrivalFeed:
     next_index: int = 0
 
     def __post_init__(self) -> None:
-        self.arrivals = np.array([r.arrival for r in self.requests], dtype=float)
-        self._queued: np.ndarray | None = None
+        # plain floats, searched with bisect: windows ask about a few times at once, where numpy's
+        # per-call cost dominates (bisect_right is searchsorted's side="right")
+        self.arrivals = [r.arrival for r in self.requests]
+        self._queued: list[int] | None = None
 
-    def arrived_by(self, times: np.ndarray) -> np.ndarray:
+    def arrived_by(self, times: Sequence[float]) -> list[int]:
         """How many requests have arrived at each time (an arrival at exactly t counts)."""
-        return np.searchsorted(self.arrivals, times, side="right")
+        arrivals = self.arrivals
+        return [bisect_right(arrivals, t) for t in times]
 
-    def queued_by(self, times: np.ndarray, scheduler: Scheduler) -> np.ndarray:
+    def queued_by(self, times: Sequence[float], scheduler: Scheduler) -> list[int]:
         """How many of the requests not yet delivered arrive by each time and join `scheduler`'s
         waiting queue (those it refuses on arrival never wait). For a single replica's feed."""
-        if self._queued is None:  # cumulative count of requests that would queue, first i requests
+        queued = self._queued
+        if queued is None:  # cumulative count of requests that would queue, first i requests
             refuse = scheduler.refusal_on_arrival
-            self._queued = np.concatenate(([0], np.cumsum([refuse(r) is None for r in self.requests])))
-        return self._queued[self.arrived_by(times)] - self._queued[self.next_index]
+            queued = self._queued = list(accumulate((refuse(r) is None for r in self.requests), initial=0))
+        base, arrivals = queued[self.next_index], self.arrivals
+        return [queued[bisect_right(arrivals, t)] - base for t in times]
 
     def next_arrival(self) -> float:
         return self.requests[self.next_index].arrival if self.next_index < len(self.requests) else math.inf
@@ -178,17 +185,20 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
     sched = replica.scheduler
     step = replica.step
 
-    def queued_by(times: np.ndarray) -> np.ndarray:
+    def queued_by(times: Sequence[float]) -> list[int]:
         return feed.queued_by(times, sched)
 
     # behind a router, arrivals' replicas are known only once routed: the replica records them
     queued = None if step.routed else queued_by
 
+    next_arrival = feed.next_arrival
     while True:
         # let every arrival due at this instant land first: arrivals are urgent (ArrivalTimeout),
         # so only at the start can this process run before one; with none due the yield is spared
-        if feed.next_arrival() <= env.now:
+        arrival = next_arrival()
+        if arrival <= env.now:
             yield env.timeout(0)
+            arrival = next_arrival()
         if not sched.has_unfinished():
             if feed.exhausted:
                 return
@@ -196,11 +206,15 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
             yield replica.wakeup
             continue
         if replica.fast_forward:
-            window = step.begin_window(env.now, feed.next_arrival(), queued)
+            window = step.begin_window(env.now, arrival, queued)
             if window is not None:
                 if step.routed:
                     replica.joined = []
-                yield from _advance(env, window.start, window.ends, window.durations)
+                ends = window.ends
+                if ends and window.start + (ends[-1] - window.start) == ends[-1]:
+                    yield env.timeout(ends[-1] - window.start)  # _advance's first try, which mostly lands
+                else:
+                    yield from _advance(env, window.start, ends, window.durations)
                 step.complete_window(window, replica.joined or ())
                 replica.joined = None
                 if replica.debug:  # checks the running batch's kept figures (and from now on its members' reads)
