@@ -187,7 +187,8 @@ def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
         "normalized_latency": normalized,
         "num_preemptions": np.array([g.num_preemptions for g in gs], dtype=np.int64),
         "prefix_hit_tokens": np.array([g.prefix_hit_tokens for g in gs], dtype=np.int64),
-        # one shared string object per status (not one per row, as np.where(...).astype(object) made)
+        # three shared strings indexed (pandas stores the column as its str dtype either way): no
+        # fixed-width string array and no string object per row on the way
         "status": _STATUS[np.where(done, 0, np.where(aborted, 1, 2))],
         "reject_reason": [g.rejected or "" for g in gs],
         "client": [r.client for r in reqs],
