@@ -367,8 +367,8 @@ def _kv_time_averages(iterations: pd.DataFrame, time_avg: Callable[[np.ndarray],
     beside the table: a million-request run has ~12 million iterations (96 MB a column), and
     a sub-frame of the five KV columns with its temporaries was a gigabyte at the run's peak. The
     integer counts are below 2**53, so float sums and quotients equal the integer ones divided."""
-    states, reserved, internal, external, free = (iterations[c].to_numpy() for c in (
-        "kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag", "kv_free"))
+    states, reserved, internal, external, free = [iterations[c].to_numpy() for c in (
+        "kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag", "kv_free")]
     allocated = states + reserved
     allocated += internal
     allocated += external
