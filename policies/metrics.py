@@ -4,7 +4,7 @@ the shared contract in policies/): a row per request, a row per iteration, and a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import pandas as pd
@@ -117,6 +117,13 @@ class IterationLog:
         self._flush()
         return [*self._sealed[c], self._cols[c][:self.rows - self._base]]
 
+    def pop_parts(self, c: str) -> list[np.ndarray]:
+        """`parts(c)`, handed over: the log drops column `c` (and takes no more rows), so that a
+        spent log's table is built a column at a time without the whole log beside it."""
+        pieces = self.parts(c)
+        del self._sealed[c], self._cols[c]
+        return pieces
+
     def column(self, c: str) -> np.ndarray:
         """Column `c` in full, as float64 / int64 (a copy, not a view of the log)."""
         return np.concatenate(self.parts(c), dtype=self.dtype(c))
@@ -136,6 +143,9 @@ def iteration_compositions(iterations: pd.DataFrame, block_size: int = 16) -> li
                             prefill_context_tokens=int(d), num_decode_seqs=int(e), decode_context_tokens=int(f - d),
                             swap_in_blocks=int(g), swap_out_blocks=int(h), copy_blocks=int(i), block_size=block_size)
             for a, b, c, d, e, f, g, h, i in zip(*cols.values())]
+
+
+_STATUS = np.array(["finished", "aborted", "rejected"], dtype=object)  # request_frame's status values
 
 
 def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
@@ -177,13 +187,15 @@ def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
         "normalized_latency": normalized,
         "num_preemptions": np.array([g.num_preemptions for g in gs], dtype=np.int64),
         "prefix_hit_tokens": np.array([g.prefix_hit_tokens for g in gs], dtype=np.int64),
-        "status": np.where(done, "finished", np.where(aborted, "aborted", "rejected")).astype(object),
+        # three shared strings indexed (pandas stores the column as its str dtype either way): no
+        # fixed-width string array and no string object per row on the way
+        "status": _STATUS[np.where(done, 0, np.where(aborted, 1, 2))],
         "reject_reason": [g.rejected or "" for g in gs],
         "client": [r.client for r in reqs],
         "priority": np.array([r.priority for r in reqs], dtype=np.int64),
         "slo_ttft": np.array([nan if r.slo_ttft is None else r.slo_ttft for r in reqs], dtype=float),
         "slo_tpot": np.array([nan if r.slo_tpot is None else r.slo_tpot for r in reqs], dtype=float),
-    })
+    }, copy=False)  # the arrays are this frame's alone: no consolidating copy of each kind's columns
 
 
 def latency_column(requests: pd.DataFrame, name: str) -> str:
@@ -302,22 +314,21 @@ def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float 
               slo_tpot: float | None = None) -> dict:
     """The headline numbers. Throughput is over the span from the first arrival to the last
     finish; goodput counts finished requests meeting both SLOs (null when no SLO applies)."""
-    done = requests[requests.status == "finished"]
+    finished = requests.status == "finished"
+    done = requests if finished.all() else requests[finished]  # no copy of a table where all finished
     start = float(requests.arrival.min()) if len(requests) else 0.0
     end = float(done.finish_time.max()) if len(done) else start
     span = max(end - start, 1e-12)
-    ok = done[meets_slo(done, slo_ttft, slo_tpot)]
+    num_ok = int(meets_slo(done, slo_ttft, slo_tpot).sum())
     has_slo = slo_ttft is not None or slo_tpot is not None or any(
         c in requests and requests[c].notna().any() for c in ("slo_ttft", "slo_tpot"))
     busy = float(iterations.duration.sum()) if len(iterations) else 0.0
-    weights = iterations.duration if busy else None
-    kv = iterations[["kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag", "kv_free"]]
-    allocated = kv.iloc[:, :4].sum(axis=1)
-    total = allocated + kv.kv_free
+    weights = iterations.duration.to_numpy() if busy else None
 
-    def time_avg(x: pd.Series) -> float:
+    def time_avg(x: np.ndarray) -> float:
         return float(np.average(x, weights=weights)) if busy else float("nan")
 
+    token_state_fraction, kv_usage = _kv_time_averages(iterations, time_avg)
     return {
         "num_requests": len(requests),
         "num_finished": len(done),
@@ -334,20 +345,41 @@ def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float 
         # finished requests within the SLOs per second, and their share of all requests (rejected ones
         # count as missing); null when no SLO applies (none given, no request of an SLO class), where
         # they would only repeat the throughput and the finished fraction
-        "goodput": len(ok) / span if has_slo else None,
-        "slo_attainment": (len(ok) / len(requests) if len(requests) else float("nan")) if has_slo else None,
+        "goodput": num_ok / span if has_slo else None,
+        "slo_attainment": (num_ok / len(requests) if len(requests) else float("nan")) if has_slo else None,
         "finished_fraction": len(done) / len(requests) if len(requests) else float("nan"),
         "slo": {"ttft": slo_ttft, "tpot": slo_tpot},
         "num_preemptions": int(requests.num_preemptions.sum()),
         "num_iterations": len(iterations),
-        "mean_batched_seqs": time_avg(iterations.num_seqs) if busy else 0.0,
+        "mean_batched_seqs": time_avg(iterations.num_seqs.to_numpy()) if busy else 0.0,
         # the vLLM paper's Figure 2 measure: the share of allocated KV slots holding token states
-        "kv_token_state_fraction": time_avg(kv.kv_token_states / allocated.clip(lower=1)),
-        "kv_usage": time_avg(allocated / total.clip(lower=1)),
+        "kv_token_state_fraction": token_state_fraction,
+        "kv_usage": kv_usage,
         "prefix_hit_tokens": int(requests.prefix_hit_tokens.sum()),
         **_client_latency_summary(done),
         **_client_summary(requests, slo_ttft, slo_tpot),
     }
+
+
+def _kv_time_averages(iterations: pd.DataFrame, time_avg: Callable[[np.ndarray], float]) -> tuple[float, float]:
+    """`time_avg` of the share of allocated KV slots holding token states, and of the share of
+    the cache allocated (each denominator at least 1). Computed in place on at most two arrays
+    beside the table: a million-request run has ~12 million iterations (96 MB a column), and
+    a sub-frame of the five KV columns with its temporaries was a gigabyte at the run's peak. The
+    integer counts are below 2**53, so float sums and quotients equal the integer ones divided."""
+    states, reserved, internal, external, free = [iterations[c].to_numpy() for c in (
+        "kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag", "kv_free")]
+    allocated = states + reserved
+    allocated += internal
+    allocated += external
+    share = np.maximum(allocated, 1, dtype=np.float64)
+    np.divide(states, share, out=share)
+    token_state_fraction = time_avg(share)
+    np.add(allocated, free, out=share)
+    np.maximum(share, 1, out=share)
+    np.divide(allocated, share, out=share)
+    del allocated
+    return token_state_fraction, time_avg(share)
 
 
 def _client_latency_summary(done: pd.DataFrame) -> dict:

@@ -48,7 +48,7 @@ class SamplingParams:
         return max(self.n, self.beam_width)
 
 
-@dataclass
+@dataclass(slots=True)  # slots: a million-request run holds a million of them
 class Request:
     """One incoming request.
 
@@ -204,6 +204,22 @@ class Sequence:
 
 class SequenceGroup:
     """A request's sequences and its life story (timestamps, preemptions, outcome)."""
+
+    __slots__ = (  # a million-request run keeps a million of them to build its request table
+        "aborted",
+        "finish_time",
+        "finished_seqs",
+        "first_scheduled",
+        "first_token_time",
+        "group_id",
+        "num_preemptions",
+        "num_swaps",
+        "prefix_hit_tokens",
+        "rejected",
+        "request",
+        "seqs",
+        "status",
+    )
 
     def __init__(self, request: Request, first_seq_id: int) -> None:
         self.request = request

@@ -8,8 +8,10 @@ stepped with a simulated executor), their SimPy processes, and the checks at the
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import gc
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import simpy
@@ -61,6 +63,24 @@ def gc_paused():
     finally:
         if was_enabled:
             gc.enable()
+
+
+def return_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing).
+    Numpy arrays below the mmap threshold live on that heap; freeing many of them leaves holes
+    that glibc keeps mapped, so a large run's peak memory would count them beside the arrays built
+    after. Cheap: one pass over the heap's free lists."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
 
 
 def final_checks(sched: Scheduler, num_requests: int) -> None:

@@ -4,6 +4,7 @@ and a summary out."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -23,7 +24,7 @@ from policies.replica_config import ReplicaConfig, build_scheduler
 from policies.router import PrefixAffinityRouter, Router, make_router, reads_counts
 from policies.scheduler import Scheduler
 from policies.trace_requests import requests_from_trace
-from sim.cluster import gc_paused, run_replicas, sim_replica
+from sim.cluster import gc_paused, return_freed_memory, run_replicas, sim_replica
 from sim.contract_check import Deciders, check_contract
 from sim.cost_model import CostModel, RooflineCostModel
 from sim.disagg import run_disaggregated
@@ -372,9 +373,11 @@ def _simulate(cfg: SimConfig, trace: Trace, cost_model: CostModel | None, progre
             run_replicas(env, feed, replicas, router)
         if bar is not None:
             bar.close()
+        num_in = len(feed.requests)
+        del feed  # it holds every Request: the finished groups keep what the table reads
         requests, iterations = _tables(replicas)
-        if len(requests) != len(feed.requests):
-            raise AssertionError(f"{len(feed.requests)} requests in, {len(requests)} out")
+        if len(requests) != num_in:
+            raise AssertionError(f"{num_in} requests in, {len(requests)} out")
         requests = with_client_latencies(requests, iterations, run_client_terms(costs.values()))
         summary = summarize(requests, iterations, cfg.slo_ttft, cfg.slo_tpot)
     first = configs[hardware[0]]  # every replica's: summary["router"]["replicas"]
@@ -427,22 +430,53 @@ def run_router(cfg: SimConfig) -> Router:
 
 
 def _tables(replicas: list[Replica]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Request and iteration tables of all replicas (one replica: exactly its own tables)."""
-    if len(replicas) == 1:
-        return request_frame(replicas[0].scheduler.done), replicas[0].log.frame()
-    # each column built once from the logs' compact pieces (no per-replica frame in between):
-    # the iteration tables of a large run are gigabytes
+    """Request and iteration tables of all replicas (one replica: exactly its own tables).
+
+    The request table is built first, and then the replicas' finished groups are released (each
+    scheduler's `done` emptied): a million-request run holds about a gigabyte of request objects,
+    which would otherwise stay alive beside its iteration table (gigabytes too) for nothing."""
+    requests = _request_table(replicas)
+    _release_done(replicas)
+    return requests, _iteration_table(replicas)
+
+
+def _iteration_table(replicas: list[Replica]) -> pd.DataFrame:
+    """The replicas' iteration logs as one table (one replica: exactly its log's frame; more: a
+    `replica` column says whose). Each column is built once from the logs' compact pieces, which
+    are then dropped and their memory handed back: a million-request run's table is 2 GB, its
+    logs half a gigabyte, and holding both at once was the run's peak."""
     logs = [r.log for r in replicas]
     columns = {"iteration": np.concatenate([np.arange(log.rows) for log in logs])}
-    columns.update((c, np.concatenate([p for log in logs for p in log.parts(c)], dtype=IterationLog.dtype(c)))
-                   for c in ITERATION_COLUMNS)
-    columns["replica"] = np.repeat(np.array([r.index for r in replicas], dtype=np.int64), [log.rows for log in logs])
-    iterations = pd.DataFrame(columns, copy=False)
-    # one request table over every replica's groups, in request id order (ids are unique)
+    for c in ITERATION_COLUMNS:
+        columns[c] = np.concatenate([p for log in logs for p in log.pop_parts(c)], dtype=IterationLog.dtype(c))
+        return_freed_memory()
+    if len(replicas) > 1:
+        columns["replica"] = np.repeat(np.array([r.index for r in replicas], dtype=np.int64),
+                                       [log.rows for log in logs])
+    return pd.DataFrame(columns, copy=False)
+
+
+def _request_table(replicas: list[Replica]) -> pd.DataFrame:
+    """One request table over every replica's finished groups, in request id order (ids are
+    unique); with more than one replica, a `replica` column says which served each."""
+    if len(replicas) == 1:
+        return request_frame(replicas[0].scheduler.done)
     pairs = sorted(((g, r.index) for r in replicas for g in r.scheduler.done), key=lambda p: p[0].request.request_id)
-    requests = request_frame([g for g, _ in pairs])
-    requests["replica"] = np.array([i for _, i in pairs], dtype=np.int64)
-    return requests, iterations
+    served_by = np.array([i for _, i in pairs], dtype=np.int64)
+    groups = [g for g, _ in pairs]
+    del pairs
+    requests = request_frame(groups)
+    requests["replica"] = served_by
+    return requests
+
+
+def _release_done(replicas: list[Replica]) -> None:
+    """Drop the replicas' finished groups (after the run's checks and its request table): their
+    sequences and groups refer to each other, so with the collector paused for the run (gc_paused)
+    one collection is what frees them."""
+    for r in replicas:
+        r.scheduler.done.clear()
+    gc.collect()
 
 
 def _router_summary(router: Router, requests: pd.DataFrame, iterations: pd.DataFrame,
