@@ -149,3 +149,38 @@ def test_spread_starts_are_seeded_stratified_and_within_the_spread() -> None:
         # one point in each quarter of [-1, 1) (attn_mem_eff's upper half clipped at its bound, 1.0)
         assert all(-1 + 0.5 * i <= v < -0.5 + 0.5 * i + 1e-9 or getattr(first[1], n) == 1.0
                    for i, v in enumerate(logs)), (n, logs)
+
+
+# --- the multi-start on a made-up stage with a local minimum (fast: no simulation) ------------------
+
+TRUE_OVERHEAD = 1e-3  # the made-up stage's overhead; a second, worse, minimum lies a factor e^2 above it
+
+
+def _two_minima_result(ref, params, hardware, seed, max_duration_s):  # simulate_ref's signature
+    """A stage whose TTFT is right at u = 0 and at u = 2 (u: log(overhead / TRUE_OVERHEAD)) and whose
+    time per output token is right at u = 0 only: u = 2 is a local minimum of the fit, u = 0 the best."""
+    from analysis.measurements import StageResult
+    u = math.log(params.iteration_overhead_s / TRUE_OVERHEAD)
+    meas = {"ttft_mean": 0.03, "tpot": 0.008}
+    pred = {"ttft_mean": 0.03 * math.exp(u * (u - 2)), "tpot": 0.008 * math.exp(0.1 * u)}
+    return StageResult("made-up", 0, 5.0, meas, pred, False, False, None, 5.0, 100, 10.0, 0.0)
+
+
+def test_multi_start_leaves_a_local_minimum_a_single_fit_stops_in(made_up: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starts at u = -0.6 and u = 2.5: alone, the second stops at the local minimum near u = 2; with
+    the multi-start (no prior: the starts alone), both end at u = 0 within 1% of the overhead."""
+    from analysis import calibrate
+    monkeypatch.setattr(calibrate, "simulate_ref", _two_minima_result)
+    names = ("iteration_overhead_s",)
+    starts = [CalibrationParams(iteration_overhead_s=TRUE_OVERHEAD * math.exp(u)) for u in (-0.6, 2.5)]
+    alone = [calibrate.fit_engine(made_up, s, "h100-sxm", names, max_evals=60, log=lambda _: None, tolerance=1e-3)
+             for s in starts]
+    assert alone[0].iteration_overhead_s == pytest.approx(TRUE_OVERHEAD, rel=0.01)
+    assert alone[1].iteration_overhead_s > TRUE_OVERHEAD * math.exp(1.5)  # the local minimum
+    centre = CalibrationParams(iteration_overhead_s=TRUE_OVERHEAD * 1.5)  # the seeded starts spread around it
+    for s in starts:
+        outcome: dict = {}
+        end = calibrate.fit_multistart(made_up, s, "h100-sxm", names, max_evals=60, log=lambda _: None,
+                                       tolerance=1e-3, outcome=outcome, prior=calibrate.Prior(centre, weight=0.0))
+        assert end.iteration_overhead_s == pytest.approx(TRUE_OVERHEAD, rel=0.01)
+        assert outcome["multi_start"]["chosen"] != 0 or s is starts[0]
