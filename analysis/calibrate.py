@@ -181,68 +181,241 @@ def error_table(results: Sequence[StageResult], metrics: Sequence[str] | None = 
 
 # --- the fit --------------------------------------------------------------------------------------
 
+_F_SCALE = 0.05  # soft-L1 scale of a log error: errors under ~5% weigh quadratically, larger ones linearly
+# A term's prior weight: a fitted term a factor e from its prior costs what one fitted metric 1% off costs
+# (its residual is PRIOR_WEIGHT x log(term / prior), next to log errors). Weak against the ~50 log errors:
+# it decides only where the data cannot (a direction along which they trade terms at no cost).
+PRIOR_WEIGHT = 0.01
+
+
+@dataclass(frozen=True)
+class Prior:
+    """Where a fit is pulled to when the data are indifferent: log-space residuals
+    `weight x log(term / centre)` for every fitted server term (invariant: weight >= 0; 0: no pull).
+    The centre is the operator fit's value for an operator term (gemm_m_half, allreduce_latency_s) and
+    CalibrationParams' engineering prior for the others: the start `pagesim calibrate` itself fits from."""
+
+    centre: CalibrationParams
+    weight: float = PRIOR_WEIGHT
+
+    def __post_init__(self) -> None:
+        if not (self.weight >= 0 and math.isfinite(self.weight)):
+            raise ValueError(f"prior weight: expected a finite number >= 0, got {self.weight}")
+
+
+def soft_l1_cost(r: np.ndarray) -> float:
+    """scipy least_squares' objective for loss="soft_l1", f_scale=_F_SCALE: 0.5 sum f^2 rho((r/f)^2)."""
+    z = (np.asarray(r) / _F_SCALE) ** 2
+    return float(0.5 * _F_SCALE ** 2 * np.sum(2.0 * (np.sqrt(1.0 + z) - 1.0)))
+
+
+def fit_names(refs: Sequence[StageRef], start: CalibrationParams, hardware: str, names: Sequence[str],
+              log: Callable[[str], None] | None = None) -> tuple[list[str], CalibrationParams]:
+    """(the terms the stages can tell, the start): with no stage at tp > 1 nothing says what the
+    engine's all-reduce costs, so it is not fitted and is the link's latency (when the hardware gives one)."""
+    names = list(names)
+    if any(r.exp.tp > 1 for r in refs):
+        return names, start
+    names = [n for n in names if n != "allreduce_latency_s"]
+    link = get_hardware(hardware).interconnect_latency_s
+    if link > 0 and start.allreduce_latency_s != link:  # the engine's all-reduce (custom, in a CUDA graph)
+        start = replace(start, allreduce_latency_s=link)  # is the link's latency, not a NCCL call's
+        if log is not None:
+            log(f"  no stage runs at tp > 1: all-reduce latency {link * 1e6:.3g} us, the link's on {hardware} "
+                "(the kernel profiles time a standalone NCCL call)")
+    return names, start
+
+
+class _Problem:
+    """The residuals of one fit: clipped log errors of every stage (the client terms fitted inside:
+    fit_client) and the prior's pull, at points in log space of the `outer` terms. Simulations of
+    several points (a finite-difference Jacobian's columns) go to the pool at once."""
+
+    def __init__(self, refs: Sequence[StageRef], start: CalibrationParams, hardware: str, outer: Sequence[str],
+                 inner: Sequence[str], seed: int, max_duration_s: float | None, pool: ProcessPoolExecutor | None,
+                 prior: Prior | None, log: Callable[[str], None], diff_step: float) -> None:
+        self.refs, self.start, self.hardware, self.outer, self.inner = refs, start, hardware, outer, inner
+        self.seed, self.max_duration_s, self.pool, self.log, self.diff_step = seed, max_duration_s, pool, log, diff_step
+        self.lo, self.hi, _ = _log_box(outer, start)
+        self.centre = None if prior is None or prior.weight == 0 else _log_box(outer, prior.centre)[2]
+        self.weight = 0.0 if prior is None else prior.weight
+        self.evaluations = 0
+        self.best: dict[str, Any] = {"cost": math.inf, "params": start}
+        self._seen: dict[bytes, np.ndarray] = {}  # residuals at every point evaluated (the solver asks again)
+
+    def params_at(self, x: np.ndarray) -> CalibrationParams:
+        return replace(self.start, **{n: float(v) for n, v in zip(self.outer, np.exp(x), strict=True)})
+
+    def resid_many(self, xs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Residuals at each point; every (point, stage) simulation in one batch."""
+        t0 = time.perf_counter()
+        points = [self.params_at(x) for x in xs]
+        jobs = [(r, p, self.hardware, self.seed, self.max_duration_s) for p in points for r in self.refs]
+        flat = list(self.pool.map(_simulate_job, jobs)) if self.pool is not None else [_simulate_job(j) for j in jobs]
+        out, fitted = [], []
+        for i, (x, p) in enumerate(zip(xs, points, strict=True)):
+            params, r = fit_client(flat[i * len(self.refs):(i + 1) * len(self.refs)], p, self.inner)
+            fitted.append(params)
+            full = np.concatenate([r, self._prior(x)])
+            cost = soft_l1_cost(full)
+            if cost < self.best["cost"]:
+                self.best.update(cost=cost, params=params)
+            self.evaluations += 1
+            out.append(full)
+        first = fitted[0]
+        self.log(f"  eval {self.evaluations}{f' ({len(xs)} points)' if len(xs) > 1 else ''} "
+                 f"({time.perf_counter() - t0:.1f} s): objective {soft_l1_cost(out[0]):.5g} at "
+                 + ", ".join(f"{n} {getattr(first, n):.3g}" for n in [*self.outer, *self.inner]))
+        return out
+
+    def _prior(self, x: np.ndarray) -> np.ndarray:
+        return np.zeros(0) if self.centre is None else self.weight * (x - self.centre)
+
+    def resid(self, x: np.ndarray) -> np.ndarray:
+        key = np.asarray(x, dtype=float).tobytes()
+        if key not in self._seen:
+            (self._seen[key],) = self.resid_many([x])
+        return self._seen[key]
+
+    def jac(self, x: np.ndarray) -> np.ndarray:
+        """Forward differences as scipy's "2-point" takes them (a step of diff_step x max(1, |x|) in log
+        space, away from x's sign, backwards where it would leave the box); the columns simulated together."""
+        f0 = self.resid(x)
+        h = self.diff_step * np.where(x >= 0, 1.0, -1.0) * np.maximum(1.0, np.abs(x))
+        h = np.where((x + h > self.hi) | (x + h < self.lo), -h, h)
+        xs = [x + np.eye(len(x))[i] * h[i] for i in range(len(x))]
+        steps = [xi[i] - x[i] for i, xi in enumerate(xs)]
+        cols = self.resid_many(xs)
+        for xi, f in zip(xs, cols, strict=True):
+            self._seen[np.asarray(xi, dtype=float).tobytes()] = f
+        return np.column_stack([(f - f0) / h for f, h in zip(cols, steps, strict=True)])
+
+
 def fit_engine(refs: Sequence[StageRef], start: CalibrationParams, hardware: str, names: Sequence[str] = ENGINE_PARAMS,
                seed: int = 0, max_duration_s: float | None = 40.0, max_evals: int = 8,
                pool: ProcessPoolExecutor | None = None, log: Callable[[str], None] = print,
-               tolerance: float | None = None, outcome: dict[str, Any] | None = None) -> CalibrationParams:
+               tolerance: float | None = None, outcome: dict[str, Any] | None = None,
+               prior: Prior | None = None) -> CalibrationParams:
     """The parameters `names` that best explain the stages (least squares on clipped log errors,
-    soft-L1 loss, parameters searched in log space within `_BOUNDS`); the others stay as `start`.
+    soft-L1 loss, parameters searched in log space within `_BOUNDS`, from `start`); the others stay as
+    `start`. With a `prior`, each fitted server term is also pulled to its centre (Prior).
 
     The client terms (`CLIENT_PARAMS`) do not change what the server does, so they are fitted inside
     each evaluation over the runs just simulated (`fit_client`), and the outer search moves only the
     terms that need a simulation (variable projection: fewer dimensions, and no trade between a
-    client constant and a server cost along a flat valley)."""
+    client constant and a server cost along a flat valley). `outcome` gets the evaluations, steps,
+    whether it converged and the objective (soft-L1 cost, prior included) at the end."""
     from scipy.optimize import least_squares
     if not refs:
         raise ValueError("no unsaturated stage to fit the engine terms to")
-    if not any(r.exp.tp > 1 for r in refs):  # nothing here says what the engine's all-reduce costs
-        names = [n for n in names if n != "allreduce_latency_s"]
-        link = get_hardware(hardware).interconnect_latency_s
-        if link > 0:  # the engine's all-reduce (custom, in a CUDA graph) is the link's latency, not a NCCL call's
-            start = replace(start, allreduce_latency_s=link)
-            log(f"  no stage runs at tp > 1: all-reduce latency {link * 1e6:.3g} us, the link's on {hardware} "
-                "(the kernel profiles time a standalone NCCL call)")
+    names, start = fit_names(refs, start, hardware, names, log)
     inner = [n for n in names if n in CLIENT_PARAMS]
     outer = [n for n in names if n not in CLIENT_PARAMS]
-    lo, hi, x0 = _log_box(outer, start)
-    count = [0]
-    best: dict[str, Any] = {"loss": math.inf, "params": start}
-
-    def params_at(x: np.ndarray) -> CalibrationParams:
-        return replace(start, **{n: float(v) for n, v in zip(outer, np.exp(x), strict=True)})
-
-    def resid(x: np.ndarray) -> np.ndarray:
-        t0 = time.perf_counter()
-        params = params_at(x)
-        results = simulate_all(refs, params, hardware, seed, max_duration_s, pool)
-        params, r = fit_client(results, params, inner)
-        loss = float(np.sum(np.abs(r)))
-        if loss < best["loss"]:
-            best.update(loss=loss, params=params)
-        count[0] += 1
-        log(f"  eval {count[0]} ({time.perf_counter() - t0:.1f} s): median |log err| {np.median(np.abs(r)):.4f} at "
-            + ", ".join(f"{n} {getattr(params, n):.3g}" for n in [*outer, *inner]))
-        return r
-
     if not outer:  # client terms only: one simulation
         return fit_client(simulate_all(refs, start, hardware, seed, max_duration_s, pool), start, inner)[0]
     # tolerance: converged once a step moves the (log) parameters by less than that share, or the
     # loss by less than a tenth of it; else the solver stops after max_evals steps wherever it is
     # (and finite differences of 1% rather than 3%: near the optimum a coarse slope stops it short)
-    tol = {"xtol": tolerance, "ftol": tolerance / 10, "gtol": 1e-12, "diff_step": 0.01} if tolerance else {
-        "diff_step": 0.03}
-    res = least_squares(resid, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.05, max_nfev=max_evals, x_scale=1.0,
-                        **tol)
-    log(f"  {count[0]} evaluations, {res.message}")
+    tol = {"xtol": tolerance, "ftol": tolerance / 10, "gtol": 1e-12} if tolerance else {}
+    problem = _Problem(refs, start, hardware, outer, inner, seed, max_duration_s, pool, prior, log,
+                       diff_step=0.01 if tolerance else 0.03)
+    lo, hi, x0 = _log_box(outer, start)
+    res = least_squares(problem.resid, x0, jac=problem.jac, bounds=(lo, hi), loss="soft_l1", f_scale=_F_SCALE,
+                        max_nfev=max_evals, x_scale=1.0, **tol)
+    log(f"  {problem.evaluations} evaluations, {res.message}")
+    # the solution with its client terms (the residuals' inner fit), or the best point evaluated if the
+    # solver ended elsewhere
+    problem.resid(res.x)
+    end, cost = problem.best["params"], problem.best["cost"]
     if outcome is not None:
-        outcome.update(evaluations=count[0], steps=int(res.nfev), converged=bool(res.status > 0),
-                       message=str(res.message), tolerance=tolerance)
-    if not inner:
-        return params_at(res.x)
-    # the client terms fitted at the solution (the best evaluation's, if the solver ended elsewhere)
-    final = fit_client(simulate_all(refs, params_at(res.x), hardware, seed, max_duration_s, pool),
-                       params_at(res.x), inner)
-    return final[0] if float(np.sum(np.abs(final[1]))) <= best["loss"] else best["params"]
+        outcome.update(evaluations=problem.evaluations, steps=int(res.nfev), converged=bool(res.status > 0),
+                       message=str(res.message), tolerance=tolerance, objective=cost)
+    return end
+
+
+@dataclass(frozen=True)
+class MultiStart:
+    """A multi-start fit: `starts` points (the given start, then seeded ones spread uniformly within a
+    factor `spread` of the prior's centre in log space, Latin-hypercube style, inside `_BOUNDS`), each
+    fitted coarsely (`coarse_duration_s` seconds of each stage, at most `coarse_evals` steps, tolerance
+    `coarse_tolerance`); the one with the lowest objective is then fitted to convergence.
+    Invariants: starts >= 1, spread >= 1; starts == 1 is the plain fit from the start."""
+
+    starts: int = 4
+    spread: float = 3.0
+    coarse_duration_s: float = 10.0
+    coarse_evals: int = 4
+    coarse_tolerance: float = 1e-2
+
+    def __post_init__(self) -> None:
+        if self.starts < 1 or not self.spread >= 1 or self.coarse_evals < 1 or not self.coarse_duration_s > 0:
+            raise ValueError(f"multi-start: starts >= 1, spread >= 1, coarse evals >= 1 and a coarse duration > 0 "
+                             f"expected, got {self}")
+
+
+def spread_starts(start: CalibrationParams, centre: CalibrationParams, names: Sequence[str], count: int,
+                  spread: float, seed: int) -> list[CalibrationParams]:
+    """`start`, then `count - 1` seeded points: each term's log drawn from `count - 1` equal strata of
+    [log(centre / spread), log(centre * spread)] (one point per stratum, strata shuffled per term),
+    clipped to `_BOUNDS`."""
+    rng = np.random.default_rng(seed)
+    lo, hi, c = _log_box(names, centre)
+    n = count - 1
+    out = [start]
+    if n == 0:
+        return out
+    half = math.log(spread)
+    u = np.column_stack([(rng.permutation(n) + rng.random(n)) / n for _ in names])  # n x terms in [0, 1)
+    for row in u:
+        x = np.clip(c - half + 2 * half * row, lo, hi)
+        out.append(replace(start, **{k: float(v) for k, v in zip(names, np.exp(x), strict=True)}))
+    return out
+
+
+def fit_multistart(refs: Sequence[StageRef], start: CalibrationParams, hardware: str,
+                   names: Sequence[str] = ENGINE_PARAMS, seed: int = 0, max_duration_s: float | None = 40.0,
+                   max_evals: int = 8, pool: ProcessPoolExecutor | None = None, log: Callable[[str], None] = print,
+                   tolerance: float | None = None, outcome: dict[str, Any] | None = None,
+                   prior: Prior | None = None, multi: MultiStart = MultiStart()) -> CalibrationParams:
+    """fit_engine from several starts (MultiStart): where the data leave local minima along nearly
+    flat directions, the end point no longer depends on the one start given. The coarse fits run
+    side by side (threads, each sending its simulations to `pool`), each deterministic on its own.
+    `outcome` gets every start, its coarse end and objective, which was chosen, and the refinement's."""
+    from concurrent.futures import ThreadPoolExecutor
+    names, start = fit_names(refs, start, hardware, names, log)
+    outer = [n for n in names if n not in CLIENT_PARAMS]
+    centre = prior.centre if prior is not None else start
+    starts = spread_starts(start, replace(start, **{n: getattr(centre, n) for n in outer}), outer,
+                           multi.starts if outer else 1, multi.spread, seed)
+    record: dict[str, Any] = {"starts": [], "spread": multi.spread, "coarse_duration_s": multi.coarse_duration_s,
+                              "coarse_evals": multi.coarse_evals, "coarse_tolerance": multi.coarse_tolerance,
+                              "seed": seed}
+    if len(starts) > 1:
+        def coarse(i: int) -> tuple[CalibrationParams, dict[str, Any]]:
+            said: dict[str, Any] = {}
+            end = fit_engine(refs, starts[i], hardware, names, seed, multi.coarse_duration_s, multi.coarse_evals,
+                             pool, lambda line: log(f"  start {i}:{line}"), multi.coarse_tolerance, said, prior)
+            return end, said
+
+        log(f"{len(starts)} starts, each fitted on {multi.coarse_duration_s:g} s of every stage, "
+            f"at most {multi.coarse_evals} steps")
+        with ThreadPoolExecutor(len(starts)) as threads:
+            ends = list(threads.map(coarse, range(len(starts))))
+        for s, (end, said) in zip(starts, ends, strict=True):
+            record["starts"].append({"start": {n: getattr(s, n) for n in outer},
+                                     "end": {n: getattr(end, n) for n in names}, **said})
+        chosen = min(range(len(ends)), key=lambda i: (ends[i][1]["objective"], i))
+        record["chosen"] = chosen
+        log(f"start {chosen} has the lowest objective ({ends[chosen][1]['objective']:.5g}): refined")
+        start = ends[chosen][0]
+    refined: dict[str, Any] = {}
+    params = fit_engine(refs, start, hardware, names, seed, max_duration_s, max_evals, pool, log, tolerance,
+                        refined, prior)
+    if outcome is not None:
+        outcome.update(refined, multi_start=record,
+                       prior={"weight": prior.weight if prior else 0.0,
+                              "centre": {n: getattr(centre, n) for n in outer}} if prior else None)
+    return params
 
 
 def fit_client(results: Sequence[StageResult], params: CalibrationParams,
@@ -261,7 +434,7 @@ def fit_client(results: Sequence[StageResult], params: CalibrationParams,
     if not names:
         return params, log_errors(results)
     lo, hi, x0 = _log_box(names, params)
-    res = least_squares(resid, np.zeros(len(names)), bounds=(lo - x0, hi - x0), loss="soft_l1", f_scale=0.05,
+    res = least_squares(resid, np.zeros(len(names)), bounds=(lo - x0, hi - x0), loss="soft_l1", f_scale=_F_SCALE,
                         diff_step=1e-3, max_nfev=60)
     return with_client(res.x), resid(res.x)
 
@@ -290,8 +463,10 @@ def operator_params(directory: str | Path | None, hardware: str) -> tuple[Calibr
 
 def leave_one_out(refs: Sequence[StageRef], start: CalibrationParams, hardware: str, names: Sequence[str],
                   seed: int, max_duration_s: float | None, eval_duration_s: float | None, max_evals: int,
-                  pool: ProcessPoolExecutor | None, log: Callable[[str], None], tolerance: float | None = None) -> dict[str, Any]:
-    """Refit without each group; predict the group. Median errors over all held-out stages."""
+                  pool: ProcessPoolExecutor | None, log: Callable[[str], None], tolerance: float | None = None,
+                  prior: Prior | None = None, multi: MultiStart = MultiStart(starts=1)) -> dict[str, Any]:
+    """Refit without each group (fit_multistart, as the whole fit); predict the group. Median errors
+    over all held-out stages."""
     groups = sorted({r.group for r in refs})
     held: list[StageResult] = []
     per_group = {}
@@ -301,7 +476,8 @@ def leave_one_out(refs: Sequence[StageRef], start: CalibrationParams, hardware: 
         if not train:
             continue
         log(f"leave out {g}: fit on {len(train)} stages, predict {len(test)}")
-        params = fit_engine(train, start, hardware, names, seed, max_duration_s, max_evals, pool, log, tolerance)
+        params = fit_multistart(train, start, hardware, names, seed, max_duration_s, max_evals, pool, log, tolerance,
+                                prior=prior, multi=multi)
         results = simulate_all(test, params, hardware, seed, eval_duration_s, pool)
         held.extend(results)
         per_group[g] = {"params": {n: getattr(params, n) for n in names}, **error_table(results)}

@@ -57,6 +57,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "one); default: stop after --max-evals steps")
     p.add_argument("--max-evals", type=positive_int, default=8,
                    help="least-squares steps per fit (default 8; each simulates every stage 1 + parameters times)")
+    p.add_argument("--starts", type=positive_int, default=calibration.MultiStart.starts,
+                   help="fit from this many starts (the operator fit and priors, then seeded points within a factor "
+                        "--spread of them), each coarsely; refine the one with the lowest objective (default "
+                        f"{calibration.MultiStart.starts}; 1: one fit from the start)")
+    p.add_argument("--spread", type=positive_float, default=calibration.MultiStart.spread,
+                   help="the seeded starts lie within this factor of the priors, per term "
+                        f"(default {calibration.MultiStart.spread:g}; >= 1)")
+    p.add_argument("--coarse-duration", type=positive_float, default=calibration.MultiStart.coarse_duration_s,
+                   help="seconds of each stage's arrivals simulated in the coarse fits "
+                        f"(default {calibration.MultiStart.coarse_duration_s:g})")
+    p.add_argument("--coarse-evals", type=positive_int, default=calibration.MultiStart.coarse_evals,
+                   help=f"least-squares steps per coarse fit (default {calibration.MultiStart.coarse_evals})")
+    p.add_argument("--prior-weight", type=non_negative_float, default=calibration.PRIOR_WEIGHT,
+                   help="pull of each fitted server term towards its prior (the operator fit's value, else "
+                        "CalibrationParams'): residual weight x log(term / prior), next to the log errors "
+                        f"(default {calibration.PRIOR_WEIGHT:g}: a factor e costs what one metric 1%% off does; 0: none)")
     p.add_argument("--jobs", type=positive_int, default=2, help="stages simulated at once (worker processes, default 2)")
     p.add_argument("--seed", type=seed, default=0)
     add_server_args(p)
@@ -82,18 +98,22 @@ def command(args: argparse.Namespace) -> int:
     fit_refs, over_refs = calibration.split_stages(experiments, args.leave_one_out)
     print(f"{len(fit_refs)} stages to fit, {len(over_refs)} overloaded to check")
     eval_s = args.eval_duration or None
+    if args.spread < 1:
+        raise ValueError(f"--spread: a factor >= 1 expected, got {args.spread:g}")
+    multi = calibration.MultiStart(args.starts, args.spread, args.coarse_duration, args.coarse_evals)
+    prior = calibration.Prior(start, args.prior_weight) if args.prior_weight > 0 else None
     pool = ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
     try:
         outcome: dict[str, Any] = {}
-        params = calibration.fit_engine(fit_refs, start, hardware, calibration.ENGINE_PARAMS, args.seed,
-                                        args.max_duration, args.max_evals, pool, tolerance=args.converge,
-                                        outcome=outcome)
+        params = calibration.fit_multistart(fit_refs, start, hardware, calibration.ENGINE_PARAMS, args.seed,
+                                            args.max_duration, args.max_evals, pool, tolerance=args.converge,
+                                            outcome=outcome, prior=prior, multi=multi)
         print("fitted: " + ", ".join(f"{n} {getattr(params, n):.4g}" for n in calibration.ENGINE_PARAMS))
         in_sample = calibration.simulate_all(fit_refs, params, hardware, args.seed, eval_s, pool)
         overloaded = calibration.simulate_all(over_refs, params, hardware, args.seed, eval_s, pool)
         loo = None if args.no_leave_one_out else calibration.leave_one_out(
             fit_refs, start, hardware, calibration.ENGINE_PARAMS, args.seed, args.max_duration, eval_s,
-            args.max_evals, pool, print, args.converge)
+            args.max_evals, pool, print, args.converge, prior, multi)
     finally:
         if pool is not None:
             pool.shutdown()
