@@ -51,14 +51,20 @@ def _free_port() -> int:
 
 
 def _stage(name: str):
-    """(experiment, stage) of the Llama-2-7B experiments by 'workload#index'."""
+    """(experiment, stage) by '[experiment suffix-]workload#index': 'codegen#0' is Llama-2-7B's
+    (the issue's model), 'codellama-34b-tp2-codegen#0' another experiment's."""
     from analysis.measurement_files import load_measurements
 
     workload, _, index = name.partition("#")
-    for exp in load_measurements(MEASUREMENTS):
-        if exp.tp == 1 and exp.name.endswith("-" + workload):
-            return exp, exp.stages[int(index or 0)]
-    raise SystemExit(f"no Llama-2-7B stage {name!r} in {MEASUREMENTS}")
+    found = [e for e in load_measurements(MEASUREMENTS) if e.name.endswith("-" + workload)]
+    if len(found) > 1:
+        found = [e for e in found if "-llama-2-7b-" in e.name]
+    if len(found) != 1 or (index and not index.isdigit()):
+        raise SystemExit(f"--stages: no single stage {name!r} in {MEASUREMENTS}")
+    exp = found[0]
+    if int(index or 0) >= len(exp.stages):
+        raise SystemExit(f"--stages: {name!r}: {exp.name} has {len(exp.stages)} stages")
+    return exp, exp.stages[int(index or 0)]
 
 
 def _server_args(cfg, port: int, out: Path, time_scale: float) -> list[str]:
