@@ -12,15 +12,19 @@ fidelity: for each stage, the client-measured TTFT, time per output token ((mean
   is a warm prefix cache; the first cycle meets a cold one (engine TTFT ~16.6 ms instead of ~10.7
   on codegen#0). The first --warm-up-cycles cycles are served and simulated but left out of the
   figures, the rule `pagesim calibrate` applies to its truncated stages (analysis/calibrate.py,
-  simulate_ref); the `sim stage` column is `pagesim simulate` of the whole measured stage, to show
-  the window stands for it.
+  simulate_ref). Window (`steady_window`): --duration seconds of arrivals after the warm-up, doubled
+  while `pagesim simulate` over it is further than --steady-tolerance from `pagesim simulate` of the
+  whole measured stage (the `sim stage` column) on mean TTFT, TPOT or E2E, up to --max-duration: a
+  stage near the engine's limit fills its batch over a minute or more. A window that does not get
+  there is flagged NOT STEADY: its emulate vs vLLM says nothing, its emulate vs simulate still does.
 capacity: the requests of one stage at rising constant rates, in real time (time scale 1); the p99
   token-release lag the server measured (summary.json), against 5 ms and 10% of the median
   iteration's time, the mean number of requests running (streams open at once), the requests whose
   connection failed, and how late the client sent its requests (median, wall ms: a client that
   cannot keep up offers less than the rate).
 
-    python -m benchmarks.bench_emulate fidelity [--stages codegen#0 general#0] [--duration 30] [--warm-up-cycles 1]
+    python -m benchmarks.bench_emulate fidelity [--stages codegen#0 general#0] [--duration 30] [--max-duration 120]
+        [--steady-tolerance 0.02] [--warm-up-cycles 1]
     python -m benchmarks.bench_emulate capacity [--stage general#0] [--rates 5 10 20 40] [--duration 20]
 """
 
@@ -222,6 +226,23 @@ def simulate_window(exp, stage, cfg, duration_s: float, skip: int):
     return trace, stage_result(exp, stage, trace, res, client_terms(model), t0, skip=skip)
 
 
+STEADY_METRICS = ("ttft_mean", "tpot", "e2e_mean")  # the issue's three
+
+
+def steady_window(exp, stage, cfg, skip: int, whole: dict[str, float], args: argparse.Namespace):
+    """The measured window after the warm-up: --duration seconds, doubled until `pagesim simulate`
+    over it is within --steady-tolerance of `pagesim simulate` over the whole measured stage on
+    STEADY_METRICS (a load near the engine's limit fills its batch over minutes), at most
+    --max-duration. (duration, trace, StageResult over it, whether it reached the tolerance)."""
+    duration = args.duration
+    while True:
+        trace, sim = simulate_window(exp, stage, cfg, skip / stage.rate + duration, skip)
+        steady = all(abs(sim.predicted[m] / whole[m] - 1) <= args.steady_tolerance for m in STEADY_METRICS)
+        if steady or 2 * duration > args.max_duration or skip / stage.rate + duration >= stage.duration_s:
+            return duration, trace, sim, steady
+        duration *= 2
+
+
 def fidelity(args: argparse.Namespace) -> None:
     from analysis.measurements import simulate_stage, stage_config
 
@@ -231,14 +252,17 @@ def fidelity(args: argparse.Namespace) -> None:
         cfg = stage_config(exp, stage, calibration=CALIBRATION)
         skip = warm_up_requests(exp, stage, args.warm_up_cycles)
         warm_s = skip / stage.rate
-        trace, sim = simulate_window(exp, stage, cfg, warm_s + args.duration, skip)
         whole = simulate_stage(exp, stage, cfg, seed=cfg.seed)
+        duration, trace, sim, steady = steady_window(exp, stage, cfg, skip, whole.predicted, args)
         emu, summary, _ = run_emulated(cfg, trace, args.time_scale, skip=skip)
         lag = summary["release_lag"]
-        print(f"\n{name}: rate {stage.rate:g} req/s, {len(trace)} requests ({warm_s + args.duration:g} s of arrivals: "
+        print(f"\n{name}: rate {stage.rate:g} req/s, {len(trace)} requests ({warm_s + duration:g} s of arrivals: "
               f"the first {skip} ({warm_s:g} s, {args.warm_up_cycles} prompt cycles) warm the prefix cache and are "
               f"left out), time scale {args.time_scale:g}; release lag p50 {lag['p50_s'] * 1e3:.2f} ms, p99 "
               f"{lag['p99_s'] * 1e3:.2f} ms, late {lag['behind']}/{lag['releases']}")
+        if not steady:
+            print(f"NOT STEADY: simulate over {duration:g} s differs from simulate over the whole stage by more than "
+                  f"{args.steady_tolerance:.0%}; emulate vs vLLM is not a fair comparison here, emulate vs simulate is")
         done = sim.requests[sim.requests.status == "finished"]
         sim_ttft = float((done.first_token_time - done.arrival).mean())
         print(f"server-side mean TTFT (engine only, no client terms): emulate {summary['server_ttft_mean'] * 1e3:.2f} "
@@ -251,7 +275,8 @@ def fidelity(args: argparse.Namespace) -> None:
             sim_real = (s - real) / real if real else float("nan")
             print(f"{m:10} {real * 1e3 if real else float('nan'):9.2f} {w * 1e3:9.2f} {s * 1e3:9.2f} {e * 1e3:9.2f} "
                   f"{vs_real:+8.1%} {(e - s) / s:+8.1%} {sim_real:+11.1%}   (ms)")
-            rows.append({"stage": name, "metric": m, "vllm": real, "simulate_stage": w, "simulate": s, "emulate": e})
+            rows.append({"stage": name, "metric": m, "vllm": real, "simulate_stage": w, "simulate": s, "emulate": e,
+                         "window_s": duration, "steady": steady})
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
@@ -285,7 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("fidelity")
     f.add_argument("--stages", nargs="+", default=["codegen#0", "general#0"])
     f.add_argument("--duration", type=float, default=30.0,
-                   help="seconds of each stage's arrivals measured, after the warm-up (default 30)")
+                   help="seconds of each stage's arrivals measured after the warm-up, at least (default 30)")
+    f.add_argument("--steady-tolerance", type=float, default=0.02,
+                   help="the window is doubled until simulate over it is this close to simulate over the whole "
+                        "stage (TTFT, TPOT, E2E means; default 0.02)")
+    f.add_argument("--max-duration", type=float, default=120.0,
+                   help="the longest window, seconds of arrivals after the warm-up (default 120)")
     f.add_argument("--warm-up-cycles", type=int, default=1,
                    help="prompt cycles served first and left out of the figures (default 1; 0: a cold cache)")
     f.add_argument("--time-scale", type=float, default=1.0)

@@ -434,3 +434,24 @@ def test_client_metrics_leave_out_the_warm_up_and_failures():
     assert got["tpot"] == pytest.approx(0.5 * (0.7 - 0.2) / 4)
     with pytest.raises(ValueError, match="no successful request"):
         client_metrics(records[:2], time_scale=1.0, skip=1)
+
+
+def test_fidelity_window_grows_until_simulate_over_it_matches_the_whole_stage():
+    import argparse
+
+    from analysis.measurements import simulate_stage, stage_config
+    from benchmarks.bench_emulate import CALIBRATION, STEADY_METRICS, steady_window, warm_up_requests
+
+    exp, stage = _bench_stage("codegen#0")
+    cfg = stage_config(exp, stage, calibration=CALIBRATION)
+    skip = warm_up_requests(exp, stage, 1)
+    whole = simulate_stage(exp, stage, cfg, seed=cfg.seed).predicted
+    args = argparse.Namespace(duration=5.0, max_duration=20.0, steady_tolerance=0.02)
+    duration, trace, sim, steady = steady_window(exp, stage, cfg, skip, whole, args)
+    assert steady and duration in (5.0, 10.0, 20.0)
+    assert all(abs(sim.predicted[m] / whole[m] - 1) <= 0.02 for m in STEADY_METRICS)
+    assert trace.arrival[-1] - trace.arrival[0] <= skip / stage.rate + duration
+    # a target no window reaches: doubled up to --max-duration, then flagged
+    far = {**whole, "ttft_mean": 1.5 * whole["ttft_mean"]}
+    duration, _, _, steady = steady_window(exp, stage, cfg, skip, far, args)
+    assert not steady and duration == 20.0
