@@ -376,3 +376,82 @@ def test_kv_events_streams_per_replica_http_and_zmq(tmp_path):
         r.join(10)
         assert not r.is_alive(), "the KV-event stream did not end with the server"
     assert proc.returncode == 0, out
+
+
+# --- benchmarks/bench_emulate's fidelity window (no server) -------------------------------------
+
+def _bench_stage(name: str):
+    from benchmarks import bench_emulate
+
+    if not bench_emulate.MEASUREMENTS.exists():
+        pytest.skip(f"no measurements at {bench_emulate.MEASUREMENTS}")
+    return bench_emulate._stage(name)
+
+
+def test_fidelity_warm_up_is_whole_prompt_cycles():
+    import dataclasses
+
+    from benchmarks.bench_emulate import warm_up_requests
+
+    exp, stage = _bench_stage("codegen#0")
+    cycle = exp.workload.num_groups * exp.workload.prompts_per_group
+    assert warm_up_requests(exp, stage, 1) == cycle
+    assert warm_up_requests(exp, stage, 2) == 2 * cycle
+    assert warm_up_requests(exp, stage, 0) == 0
+    assert warm_up_requests(dataclasses.replace(exp, workload=None), stage, 1) == 0  # recorded requests: no cycle
+    with pytest.raises(ValueError, match="--warm-up-cycles"):
+        warm_up_requests(exp, stage, -1)
+
+
+def test_first_prompt_cycle_meets_a_cold_prefix_cache():
+    """Why the warm-up: the stage's prompts repeat every cycle, so after the first one the prefix cache
+    holds them and the engine's TTFT drops; a window of the first cycle alone overstates TTFT against
+    a measurement of minutes. The window's figures leave the warm-up out."""
+    from analysis.measurements import stage_config
+    from benchmarks.bench_emulate import CALIBRATION, simulate_window, warm_up_requests
+
+    exp, stage = _bench_stage("codegen#0")
+    cfg = stage_config(exp, stage, calibration=CALIBRATION)
+    skip = warm_up_requests(exp, stage, 1)
+    trace, res = simulate_window(exp, stage, cfg, skip / stage.rate + 5.0, skip)
+    assert len(trace) > skip and len(res.requests) == len(trace) - skip
+    assert res.requests.request_id.min() == skip
+    _, cold = simulate_window(exp, stage, cfg, skip / stage.rate + 5.0, 0)
+    engine_ttft = (cold.requests.first_token_time - cold.requests.arrival).to_numpy()
+    first, later = engine_ttft[:skip].mean(), engine_ttft[skip:].mean()
+    assert later < 0.9 * first
+    assert res.predicted["ttft_mean"] < cold.predicted["ttft_mean"]
+
+
+def test_client_metrics_leave_out_the_warm_up_and_failures():
+    from benchmarks.bench_emulate import client_metrics
+
+    records = [{"ttft": 1.0, "e2e": 9.0, "tokens": 5}, {"error": "ReadError"},
+               {"ttft": 0.1, "e2e": 0.5, "tokens": 5}, {"ttft": 0.3, "e2e": 0.9, "tokens": 5}]
+    got = client_metrics(records, time_scale=0.5, skip=1)
+    assert got["ttft_mean"] == pytest.approx(0.5 * 0.2)
+    assert got["e2e_mean"] == pytest.approx(0.5 * 0.7)
+    assert got["tpot"] == pytest.approx(0.5 * (0.7 - 0.2) / 4)
+    with pytest.raises(ValueError, match="no successful request"):
+        client_metrics(records[:2], time_scale=1.0, skip=1)
+
+
+def test_fidelity_window_grows_until_simulate_over_it_matches_the_whole_stage():
+    import argparse
+
+    from analysis.measurements import simulate_stage, stage_config
+    from benchmarks.bench_emulate import CALIBRATION, STEADY_METRICS, steady_window, warm_up_requests
+
+    exp, stage = _bench_stage("codegen#0")
+    cfg = stage_config(exp, stage, calibration=CALIBRATION)
+    skip = warm_up_requests(exp, stage, 1)
+    whole = simulate_stage(exp, stage, cfg, seed=cfg.seed).predicted
+    args = argparse.Namespace(duration=5.0, max_duration=20.0, steady_tolerance=0.02)
+    duration, trace, sim, steady = steady_window(exp, stage, cfg, skip, whole, args)
+    assert steady and duration in (5.0, 10.0, 20.0)
+    assert all(abs(sim.predicted[m] / whole[m] - 1) <= 0.02 for m in STEADY_METRICS)
+    assert trace.arrival[-1] - trace.arrival[0] <= skip / stage.rate + duration
+    # a target no window reaches: doubled up to --max-duration, then flagged
+    far = {**whole, "ttft_mean": 1.5 * whole["ttft_mean"]}
+    duration, _, _, steady = steady_window(exp, stage, cfg, skip, far, args)
+    assert not steady and duration == 20.0
