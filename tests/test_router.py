@@ -233,8 +233,9 @@ def test_routed_tables_are_each_replicas_tables_joined():
     seen = {}
     tables = sim_run._tables
 
-    def spy(replicas):
-        seen["replicas"] = replicas
+    def spy(replicas):  # the replicas' own frames, taken before `_tables` consumes the logs
+        seen["requests"] = [request_frame(r.scheduler.done).assign(replica=r.index) for r in replicas]
+        seen["iterations"] = [r.log.frame().assign(replica=r.index) for r in replicas]
         return tables(replicas)
 
     tr = resolve_trace("multi-client", num_requests=300, rate=30.0, seed=4)
@@ -244,10 +245,9 @@ def test_routed_tables_are_each_replicas_tables_joined():
         res = run_simulation(SimConfig(num_gpu_blocks=300, replicas=3, router="least-loaded"), tr)
     finally:
         sim_run._tables = tables
-    reps = seen["replicas"]
-    requests = pd.concat([request_frame(r.scheduler.done).assign(replica=r.index) for r in reps], ignore_index=True)
+    requests = pd.concat(seen["requests"], ignore_index=True)
     requests = requests.sort_values("request_id", kind="stable", ignore_index=True)
-    iterations = pd.concat([r.log.frame().assign(replica=r.index) for r in reps], ignore_index=True)
+    iterations = pd.concat(seen["iterations"], ignore_index=True)
     pd.testing.assert_frame_equal(res.requests, requests, check_exact=True)
     pd.testing.assert_frame_equal(res.iterations, iterations, check_exact=True)
     assert (res.requests.status == "rejected").sum() == 1
