@@ -269,24 +269,12 @@ class PagedBlockManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def fits_now(self, group: SequenceGroup, num_new_tokens: int | None = None) -> bool:
-        """`can_allocate(...) is AllocStatus.OK` for a group the caller knows is not NEVER (it
-        checked the same bound, `max_blocks_needed`, already): the scheduler's hot paths ask this
-        of the same waiting head again and again."""
-        needed = sum(self._new_blocks_for_admission(s, num_new_tokens) for s in group.seqs)
-        return self.pool.num_free - needed >= self.watermark_blocks
-
-    def seq_fits_now(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
-        """`fits_now` of a group holding the one waiting sequence `seq` (every waiting group's case:
-        asked of the queue's head at every window), without prefix caching in one call."""
-        if self.enable_prefix_caching:
-            needed = self._new_blocks_for_admission(seq, num_new_tokens)
-        else:
-            upto = seq.prompt_len + seq.output_len
-            if num_new_tokens is not None and num_new_tokens < upto:
-                upto = num_new_tokens
-            needed = -(-upto // self.block_size)
-        return self.pool.num_free - needed >= self.watermark_blocks
+    def fits_now(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
+        """`can_allocate(...) is AllocStatus.OK` for a waiting group, given its one sequence (waiting
+        groups hold one), that the caller knows is not NEVER (it checked the same bound,
+        `max_blocks_needed`, already): the scheduler's hot paths ask this of the same waiting head
+        again and again."""
+        return self.pool.num_free - self._new_blocks_for_admission(seq, num_new_tokens) >= self.watermark_blocks
 
     def _new_blocks_for_admission(self, seq: Sequence, num_new_tokens: int | None) -> int:
         hits, idle_hits = self._lookup_prefix(seq) if self.enable_prefix_caching else (0, 0)

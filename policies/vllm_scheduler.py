@@ -351,8 +351,7 @@ class VllmScheduler(Scheduler):
         back (nothing behind it is admitted); BLOCKED: free blocks or seats refuse it now;
         OVER_BUDGET: its first chunk, less the `cached` tokens the prefix cache holds, does not fit
         the token budget; ADMITTED: its first chunk (`chunk` tokens after `cached`) runs now."""
-        memo = self._fits_memo  # _never_fits' own memo, read here first: the head is asked again and again
-        reason = memo[1] if memo is not None and memo[0] is group else self._never_fits(group)
+        reason = self._never_fits(group)
         if reason is None and not self._admits_all:
             decision = self.policy.admit(group, now)
             if decision == DEFER:
@@ -362,10 +361,8 @@ class VllmScheduler(Scheduler):
         if reason is not None:
             return Admission(REJECTED, demand, reason=reason)
         (seq,) = group.seqs  # waiting groups always hold one sequence (see _preempt)
-        # never NEVER here: _never_fits checks the same bound; the chunk bound is _chunkable's
-        chunkable = (self.chunked_prefill
-                     or seq.prompt_len + seq.output_len - seq.num_computed > self.max_num_batched_tokens)
-        if not self.bm.seq_fits_now(seq, left if chunkable else None):
+        # never NEVER here: _never_fits checks the same bound
+        if not self.bm.fits_now(seq, left if self._chunkable(seq) else None):
             return Admission(BLOCKED, demand)
         if demand is None:
             demand = self._demand()
@@ -482,8 +479,8 @@ class VllmScheduler(Scheduler):
         if not head_blocked and h > 0:
             return None
         unknown = list(batch.unknown)
-        plan = RepeatPlan(len(running), batch.base + batch.size * batch.clock, h, not self._custom_victim,
-                          unknown, None if unknown else [], batch.first_finish())  # context(), inline
+        plan = RepeatPlan(len(running), batch.context(), h, not self._custom_victim,
+                          unknown, None if unknown else [], batch.first_finish())
         self._offer = (plan, h, plan.exhausts)
         return plan
 
@@ -674,7 +671,7 @@ class VllmScheduler(Scheduler):
                 self._preempt(tail, preempt_plan)
             if g.status != SeqStatus.RUNNING:
                 break  # it was the tail: everything after it is preempted too
-            bm.tables[s.seq_id].extend(bm.pool.take_ids(1))  # open_decode_blocks((s.seq_id,)), for one
+            bm.open_decode_blocks((s.seq_id,))
         survivors = batch.size
         bm.add_token_states(survivors)
         if self.policy.tracks_service:

@@ -318,13 +318,10 @@ class RooflineCostModel(CostModel):
     def decode_step_series(self, num_seqs: int, context_tokens: list[int]) -> list[float]:
         if num_seqs <= 0 or self._expert_params or self.tp > 1:
             return super().decode_step_series(num_seqs, context_tokens)
-        # the terms of one batch size are the same in every iteration: priced once, added in order;
-        # the attention term is _decode_attention's, written out (the same IEEE operations)
+        # the terms of one batch size are the same in every iteration: priced once, added in order
         fixed, lm = self._decode_terms(num_seqs)
-        per_pair, flops, kv_bytes, bw = self._attn_flops_per_pair, self._attn_flops, self._kv_bytes, self._attn_bw
-        moved = self._qkvo_bytes * float(num_seqs)
-        return [fixed + max(per_pair * float(c) / flops, (kv_bytes * float(c) + moved) / bw) + lm
-                for c in context_tokens]
+        seqs, attention = float(num_seqs), self._decode_attention
+        return [fixed + attention(float(c), seqs) + lm for c in context_tokens]
 
     def _decode_terms(self, num_seqs: int) -> tuple[float, float]:
         """(overhead + linear, lm_head) of a dense model's pure decode of `num_seqs` sequences."""

@@ -210,11 +210,7 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
             if window is not None:
                 if step.routed:
                     replica.joined = []
-                ends = window.ends
-                if ends and window.start + (ends[-1] - window.start) == ends[-1]:
-                    yield env.timeout(ends[-1] - window.start)  # _advance's first try, which mostly lands
-                else:
-                    yield from _advance(env, window.start, ends, window.durations)
+                yield from _advance(env, window.start, window.ends, window.durations)
                 step.complete_window(window, replica.joined or ())
                 replica.joined = None
                 if replica.debug:  # checks the running batch's kept figures (and from now on its members' reads)
