@@ -16,12 +16,13 @@ from policies.block_manager import PagedBlockManager
 from policies.exact_reads import StaleReadError
 from policies.queue_policy import QueuePolicy
 from policies.registry import make_scheduler
-from policies.request import Request, SamplingParams, SequenceGroup
+from policies.request import Request, SequenceGroup
 from policies.router import ROUTERS, Router
 from policies.running_batch import RunningBatch
 from policies.scheduler import Scheduler
 from policies.vllm_scheduler import VllmScheduler
 from sim.run import SimConfig, run_simulation
+from tests.test_running_batch import decode_steps, plain_decoder
 from traces import resolve_trace
 
 checked = pytest.mark.skipif(exact_reads.GUARDED is None, reason="the read check needs the interpreted Sequence")
@@ -29,23 +30,9 @@ checked = pytest.mark.skipif(exact_reads.GUARDED is None, reason="the read check
 
 def _member(bm: PagedBlockManager, batch: RunningBatch, rid: int, prompt: int) -> SequenceGroup:
     """A plain decoder (prompt computed, one token sampled, token ids kept) joined to `batch`."""
-    g = SequenceGroup(Request(rid, 0.0, prompt, SamplingParams(max_tokens=100, ignore_eos=True), 100,
-                              prompt_token_ids=list(range(prompt))), rid)
-    s = g.seqs[0]
-    bm.allocate(s)
-    bm.append_slots(s, prompt)
-    s.num_computed, s.output_len = prompt, 1
-    s.token_ids.append(7)
-    batch.join(s)
+    g = plain_decoder(bm, rid, prompt, keep_token_ids=True)
+    batch.join(g.seqs[0])
     return g
-
-
-def _decode(batch: RunningBatch, bm: PagedBlockManager, k: int) -> None:
-    """k decode steps of every member, as a window applies them."""
-    for _ in range(k):
-        bm.open_decode_blocks([s.seq_id for s in batch.opening_bucket()])
-        bm.add_token_states(batch.size)
-        batch.clock += 1
 
 
 def test_exact_reads_add_what_a_member_owes_and_materialise_all_pays_it_keeping_the_batch():
@@ -53,7 +40,7 @@ def test_exact_reads_add_what_a_member_owes_and_materialise_all_pays_it_keeping_
     batch = RunningBatch(bm, Scheduler.seq_demand)
     g = _member(bm, batch, 0, 5)
     s = g.seqs[0]
-    _decode(batch, bm, 6)
+    decode_steps(batch, bm, 6)
     assert (s.owed, s.num_computed, s.output_len) == (6, 5, 1)  # stored: the clock at its anchor
     assert (s.exact_num_computed, s.exact_output_len, s.exact_num_tokens) == (11, 7, 12)
     assert s.exact_token_ids == [*range(5), 7, -1, -1, -1, -1, -1, -1] and len(s.token_ids) == 6
@@ -76,7 +63,7 @@ def test_a_guarded_member_refuses_stale_reads_from_outside_the_scheduler_only():
     late = _member(bm, batch, 1, 3).seqs[0]  # joins guarded
     assert s.output_len == 1 and late.num_tokens == 4  # owing nothing: exact, whoever reads
     batch.set_finishes([s, late], [50, 50])  # as a plan is told before it is applied
-    _decode(batch, bm, 3)
+    decode_steps(batch, bm, 3)
     for seq in (s, late):
         with pytest.raises(StaleReadError, match=rf"test_exact_reads\.test_a_guarded.*read Sequence\.output_len "
                                                  rf"of sequence {seq.seq_id} .*owes 3 decode steps.*exact_output_len"):

@@ -12,18 +12,23 @@ from policies.running_batch import RunningBatch
 from policies.scheduler import Scheduler
 
 
-def _decoder(bm: PagedBlockManager, rid: int, prompt: int) -> SequenceGroup:
+def plain_decoder(bm: PagedBlockManager, rid: int, prompt: int, keep_token_ids: bool = False) -> SequenceGroup:
     """A group whose single sequence has computed its prompt and sampled one token (a plain
-    decoder: one token left to compute), with its blocks allocated."""
-    g = SequenceGroup(Request(rid, 0.0, prompt, SamplingParams(max_tokens=100, ignore_eos=True), 100), rid)
+    decoder: one token left to compute), with its blocks allocated; with `keep_token_ids`, its
+    token ids are kept (the prompt's 0, 1, ..., then a sampled 7)."""
+    ids = list(range(prompt)) if keep_token_ids else None
+    g = SequenceGroup(Request(rid, 0.0, prompt, SamplingParams(max_tokens=100, ignore_eos=True), 100,
+                              prompt_token_ids=ids), rid)
     s = g.seqs[0]
     bm.allocate(s)
     bm.append_slots(s, prompt)
     s.num_computed, s.output_len = prompt, 1
+    if s.token_ids is not None:
+        s.token_ids.append(7)
     return g
 
 
-def _decode(batch: RunningBatch, bm: PagedBlockManager, k: int) -> None:
+def decode_steps(batch: RunningBatch, bm: PagedBlockManager, k: int) -> None:
     """k decode steps of every member, as a window applies them: blocks opened in step order."""
     for _ in range(k):
         bm.open_decode_blocks([s.seq_id for s in batch.opening_bucket()])
@@ -34,15 +39,15 @@ def _decode(batch: RunningBatch, bm: PagedBlockManager, k: int) -> None:
 def test_members_are_exact_once_materialised_and_figures_follow_joins_and_leaves():
     bm = PagedBlockManager(200, block_size=4)
     batch = RunningBatch(bm, Scheduler.seq_demand)
-    groups = [_decoder(bm, i, p) for i, p in enumerate([3, 4, 5, 9])]
+    groups = [plain_decoder(bm, i, p) for i, p in enumerate([3, 4, 5, 9])]
     for g in groups[:3]:
         batch.join(g.seqs[0])
     batch.set_finishes(list(batch.unknown), [50] * 3)  # as a plan is told before it is applied
-    _decode(batch, bm, 5)
+    decode_steps(batch, bm, 5)
     late = groups[3].seqs[0]
     batch.join(late)  # joins at clock 5: owes nothing yet
     batch.set_finishes([late], [50])
-    _decode(batch, bm, 6)
+    decode_steps(batch, bm, 6)
     owed = batch.check([g.seqs[0] for g in groups])
     assert owed == {0: 11, 1: 11, 2: 11, 3: 6}
     bm.check_invariants(owed)
@@ -62,14 +67,14 @@ def test_members_are_exact_once_materialised_and_figures_follow_joins_and_leaves
 def test_finishes_come_off_the_heap_at_their_clock_and_stale_entries_are_skipped():
     bm = PagedBlockManager(100, block_size=4)
     batch = RunningBatch(bm, Scheduler.seq_demand)
-    a, b, c = (_decoder(bm, i, 4).seqs[0] for i in range(3))
+    a, b, c = (plain_decoder(bm, i, 4).seqs[0] for i in range(3))
     for s in (a, b, c):
         batch.join(s)
     assert batch.first_finish() == float("inf")
     batch.set_finishes([a, b, c], [3, 2, 2])
     assert batch.unknown == [] and batch.first_finish() == 2
     batch.leave(c)  # preempted: its heap entry goes stale
-    _decode(batch, bm, 2)
+    decode_steps(batch, bm, 2)
     assert batch.finishing() == [b]
     batch.leave(b)
     assert batch.first_finish() == 1 and batch.finishing(ahead=1) == [a]
@@ -78,10 +83,10 @@ def test_finishes_come_off_the_heap_at_their_clock_and_stale_entries_are_skipped
 def test_the_check_catches_a_member_read_without_settling():
     bm = PagedBlockManager(50, block_size=4)
     batch = RunningBatch(bm, Scheduler.seq_demand)
-    s = _decoder(bm, 0, 5).seqs[0]
+    s = plain_decoder(bm, 0, 5).seqs[0]
     batch.join(s)
     batch.set_finishes([s], [50])
-    _decode(batch, bm, 3)
+    decode_steps(batch, bm, 3)
     s.num_computed += 1  # a writer outside the batch: the context base drifts
     with pytest.raises(AssertionError, match="context base drifted"):
         batch.check([s])
