@@ -41,14 +41,11 @@ from analysis.measurements import (
     client_terms,
     simulate_stage,
     stage_config,
-    stage_result,
-    stage_workload,
 )
 from analysis.operator_fit import fit_operators
 from analysis.plots import save_figure
 from analysis.request_runs import is_request_run, run_files
 from sim.calibrated import CalibratedCostModel, CalibrationParams
-from sim.run import run_simulation
 from sim.specs import get_hardware, get_model
 
 ENGINE_PARAMS = ("iteration_overhead_s", "per_seq_s", "attn_mem_eff", "prefill_attn_eff", "client_ttft_s",
@@ -104,29 +101,13 @@ def split_stages(experiments: Sequence[Experiment], by: str = "model") -> tuple[
 
 def simulate_ref(ref: StageRef, params: CalibrationParams, hardware: str, seed: int,
                  max_duration_s: float | None) -> StageResult:
-    """The stage simulated under `params` over `max_duration_s` seconds of arrivals (None: all).
-
-    A truncated shared-prefix stage is simulated for one prompt cycle more, and that first cycle
-    (whose prompts meet a cold prefix cache) is left out of the latencies: a measured stage of
-    minutes repeats each prompt tens of times, so its figures are those of a warm cache, which a
-    short cold window would misstate (its TTFT most of all)."""
+    """The stage simulated under `params` over `max_duration_s` seconds of arrivals (None: all), as
+    `pagesim fidelity` simulates it: analysis.measurements `simulate_stage`, whose one warm-up rule
+    (`stage_window`) leaves a shared-prefix stage's first prompt cycle out of the latencies."""
     exp, stage = ref.exp, ref.stage
     cfg = stage_config(exp, stage, hardware)
     model = CalibratedCostModel(get_model(cfg.model), get_hardware(cfg.hardware), params, tp=cfg.tp)
-    cycle = exp.workload.num_groups * exp.workload.prompts_per_group if exp.workload is not None else 0
-    warm_s = cycle / stage.rate if cycle else 0.0
-    if max_duration_s is None or not cycle or max_duration_s + warm_s >= stage.duration_s:
-        return simulate_stage(exp, stage, cfg, model, seed=seed, max_duration_s=max_duration_s)
-    return _simulate_warm(ref, cfg, model, seed, max_duration_s + warm_s, cycle)
-
-
-def _simulate_warm(ref: StageRef, cfg: Any, model: CalibratedCostModel, seed: int, duration_s: float,
-                   skip: int) -> StageResult:
-    """simulate_stage over `duration_s`, latencies over the requests after the first `skip`."""
-    t0 = time.perf_counter()
-    trace = stage_workload(ref.exp, ref.stage, seed, duration_s)
-    res = run_simulation(replace(cfg, seed=seed), trace, model)
-    return stage_result(ref.exp, ref.stage, trace, res, client_terms(model), t0, skip=skip)
+    return simulate_stage(exp, stage, cfg, model, seed=seed, max_duration_s=max_duration_s)
 
 
 def _simulate_job(job: tuple) -> StageResult:

@@ -5,7 +5,9 @@ what a client measured at each (TTFT, end-to-end latency, throughput). `load_mea
 the formats in `analysis/measurement_formats.py` (the vllm-h100 measurements.json, `vllm bench
 serve` result files, pagesim run folders). `stage_workload` rebuilds a stage's requests,
 `stage_config` the engine's settings as a `SimConfig`, and `simulate_stage` simulates the stage
-and returns measured and predicted metrics side by side.
+and returns measured and predicted metrics side by side, over the window `stage_window` gives (one
+warm-up rule for fidelity, calibrate and --max-duration windows: a stage that cycles its prompts has
+its first cycle simulated and left out).
 
 Conventions, the same for measured and predicted figures:
 - latencies are in seconds, percentiles over finished (successful) requests;
@@ -172,6 +174,7 @@ class StageResult:
     requests: pd.DataFrame | None = dataclasses.field(default=None, repr=False, compare=False)
     iterations: pd.DataFrame | None = dataclasses.field(default=None, repr=False, compare=False)
     backlog_grew: bool = dataclasses.field(default=False, repr=False, compare=False)  # steady_state's verdict
+    warm_up: int = 0                 # requests simulated first and left out of the latencies (stage_window)
 
     def with_client(self, client: ClientTerms) -> StageResult:
         """The same simulated run seen by another client (ClientTerms): the server's times do not
@@ -345,17 +348,57 @@ def steady_state(requests: pd.DataFrame) -> SteadyState:
                        int(((finish > start) & (finish <= last)).sum()))
 
 
+@dataclass(frozen=True)
+class StageWindow:
+    """What of a stage one simulation covers: its first `simulated_s` seconds of arrivals (None: all
+    of them), of which the first `warm_up` requests are simulated but left out of the latencies.
+    Invariant: the simulated arrivals are the start of the stage's own, never beyond its duration."""
+
+    simulated_s: float | None
+    warm_up: int = 0
+
+
+def prompt_cycle(exp: Experiment, stage: Stage) -> int:
+    """Requests in one cycle of the prompts a rebuilt stage repeats (a shared-prefix workload's
+    groups x prompts per group, `stage_workload`); 0 where the stage does not cycle prompts (its own
+    recorded requests are replayed)."""
+    if stage.requests is not None or exp.workload is None:
+        return 0
+    return exp.workload.num_groups * exp.workload.prompts_per_group
+
+
+def stage_window(exp: Experiment, stage: Stage, max_duration_s: float | None = None) -> StageWindow:
+    """The one warm-up rule (fidelity, calibrate, --max-duration windows alike): a stage that cycles
+    its prompts (`prompt_cycle`) is simulated from its first arrival, and its first cycle, whose
+    prompts meet a cold prefix cache, is left out of the latencies: a measured stage of minutes
+    repeats each prompt tens of times, so its figures are those of a warm cache (a cold 10 s window
+    of codegen reads ~20% high on TTFT). The counted window is the next `max_duration_s` seconds of
+    arrivals (None: the rest of the stage), cut at the stage's end. A stage shorter than two cycles,
+    or one that does not cycle prompts, is simulated over its first `max_duration_s` seconds with
+    nothing left out."""
+    cycle = prompt_cycle(exp, stage)
+    warm_s = cycle / stage.rate if cycle else 0.0
+    if not cycle or stage.duration_s < 2 * warm_s:
+        return StageWindow(max_duration_s)
+    if max_duration_s is None or warm_s + max_duration_s >= stage.duration_s:
+        return StageWindow(None, cycle)
+    return StageWindow(max_duration_s + warm_s, cycle)
+
+
 def simulate_stage(exp: Experiment, stage: Stage, cfg: SimConfig, cost_model: CostModel | None = None,
                    seed: int = 0, max_duration_s: float | None = None, client: Any = None) -> StageResult:
-    """Simulate the stage under `cfg` (see `stage_config`) and compare with what was measured.
-    `cost_model` replaces the one cfg names (built once by a caller that simulates many stages);
-    `client` (see `client_terms`) defaults to the cost model's client terms when it has them
-    (a calibrated model), else none. Deterministic for a given seed."""
+    """Simulate the stage under `cfg` (see `stage_config`) and compare with what was measured, over
+    the window `stage_window` gives (`max_duration_s` seconds of arrivals counted after a warm-up
+    cycle; None: the whole stage). `cost_model` replaces the one cfg names (built once by a caller
+    that simulates many stages); `client` (see `client_terms`) defaults to the cost model's client
+    terms when it has them (a calibrated model), else none. Deterministic for a given seed."""
     t0 = time.perf_counter()
-    trace = stage_workload(exp, stage, seed, max_duration_s)
+    window = stage_window(exp, stage, max_duration_s)
+    trace = stage_workload(exp, stage, seed, window.simulated_s)
     cost_model = cost_model or build_cost_model(cfg)
     res = run_simulation(dataclasses.replace(cfg, seed=seed), trace, cost_model)
-    return stage_result(exp, stage, trace, res, client_terms(client if client is not None else cost_model), t0)
+    return stage_result(exp, stage, trace, res, client_terms(client if client is not None else cost_model), t0,
+                        skip=window.warm_up)
 
 
 def stage_result(exp: Experiment, stage: Stage, trace: Trace, res: Any, client: ClientTerms, t0: float,
@@ -374,4 +417,5 @@ def stage_result(exp: Experiment, stage: Stage, trace: Trace, res: Any, client: 
         predicted_overloaded=steady.overloaded or is_overloaded(None, stage.rate, predicted["ttft_mean"]),
         measured_throughput=stage.throughput_rps, predicted_throughput=steady.completion_rate, num_requests=len(trace),
         simulated_s=float(trace.arrival[-1] - trace.arrival[0]) if len(trace) else 0.0,
-        wall_s=time.perf_counter() - t0, requests=requests, iterations=res.iterations, backlog_grew=steady.overloaded)
+        wall_s=time.perf_counter() - t0, requests=requests, iterations=res.iterations, backlog_grew=steady.overloaded,
+        warm_up=skip)

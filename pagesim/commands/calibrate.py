@@ -48,9 +48,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="refit without each model (default) or experiment and predict it")
     p.add_argument("--no-leave-one-out", action="store_true", help="skip the left-out fits")
     p.add_argument("--max-duration", type=positive_float, default=40.0,
-                   help="seconds of each stage's arrivals simulated while fitting (default 40)")
+                   help="seconds of each stage's arrivals counted while fitting (default 40), after a warm-up "
+                        "prompt cycle where the stage cycles its prompts, as `pagesim fidelity --max-duration`")
     p.add_argument("--eval-duration", type=non_negative_float, default=300.0,
-                   help="seconds of arrivals simulated for the reported errors (default 300; 0: whole stages)")
+                   help="seconds of arrivals counted for the reported errors (default 300; 0: whole stages): the "
+                        "in-sample predictions are `pagesim fidelity --max-duration` S's (whole stages: its default)")
     p.add_argument("--converge", type=positive_float, metavar="TOL", default=None,
                    help="run the least squares until a step moves the log parameters by under TOL (relative; "
                         "e.g. 1e-3) or the loss by under TOL/10, at most --max-evals steps (then give a larger "
