@@ -71,6 +71,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         f"(default {calibration.MultiStart.coarse_duration_s:g})")
     p.add_argument("--coarse-evals", type=positive_int, default=calibration.MultiStart.coarse_evals,
                    help=f"least-squares steps per coarse fit (default {calibration.MultiStart.coarse_evals})")
+    p.add_argument("--coarse-race", type=non_negative_float, default=calibration.MultiStart.race_factor,
+                   metavar="FACTOR", help="stop a coarse start whose objective after a step is more than FACTOR times "
+                                          "the lowest after the same step (default "
+                                          f"{calibration.MultiStart.race_factor:g}; 0: every start runs its coarse steps)")
     p.add_argument("--prior-weight", type=non_negative_float, default=calibration.PRIOR_WEIGHT,
                    help="pull of each fitted server term towards its prior (the operator fit's value, else "
                         "CalibrationParams'): residual weight x log(term / prior), next to the log errors "
@@ -102,7 +106,10 @@ def command(args: argparse.Namespace) -> int:
     eval_s = args.eval_duration or None
     if args.spread < 1:
         raise ValueError(f"--spread: a factor >= 1 expected, got {args.spread:g}")
-    multi = calibration.MultiStart(args.starts, args.spread, args.coarse_duration, args.coarse_evals)
+    if 0 < args.coarse_race < 1:
+        raise ValueError(f"--coarse-race: 0 or a factor >= 1 expected, got {args.coarse_race:g}")
+    multi = calibration.MultiStart(args.starts, args.spread, args.coarse_duration, args.coarse_evals,
+                                   race_factor=args.coarse_race)
     prior = calibration.Prior(start, args.prior_weight) if args.prior_weight > 0 else None
     pool = ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
     try:
