@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from policies.client_latency import ClientTerms, with_client_latencies
+from policies.client_latency import ClientTerms, sent_known
 from sim.cost_model import CostModel
 from sim.run import SimConfig, build_cost_model, run_simulation
 from sim.specs import get_hardware
@@ -175,14 +175,17 @@ class StageResult:
     iterations: pd.DataFrame | None = dataclasses.field(default=None, repr=False, compare=False)
     backlog_grew: bool = dataclasses.field(default=False, repr=False, compare=False)  # steady_state's verdict
     warm_up: int = 0                 # requests simulated first and left out of the latencies (stage_window)
+    finished: FinishedRequests | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def with_client(self, client: ClientTerms) -> StageResult:
         """The same simulated run seen by another client (ClientTerms): the server's times do not
         depend on the client terms, so nothing is simulated again."""
         if self.requests is None:
             raise ValueError(f"{self.experiment}#{self.stage}: the simulated requests were not kept")
+        if self.finished is None:  # the finished rows' arrays, taken once (a fit applies many clients)
+            self.finished = FinishedRequests.of(self.requests)
         # the server-side figures (a per-request run's gauges) do not depend on the client
-        predicted = {**self.predicted, **predicted_metrics(self.requests, client, self.iterations)}
+        predicted = {**self.predicted, **predicted_metrics(self.finished, client, self.iterations)}
         return dataclasses.replace(self, predicted=predicted, predicted_overloaded=self.backlog_grew or is_overloaded(
             None, self.rate, predicted["ttft_mean"]))
 
@@ -291,19 +294,49 @@ def client_terms(client: Any) -> ClientTerms:
                      f"got {type(client).__name__}")
 
 
-def predicted_metrics(requests: pd.DataFrame, client: ClientTerms = NO_CLIENT_TERMS,
+@dataclass(frozen=True)
+class FinishedRequests:
+    """A simulated request table's finished rows as the arrays `predicted_metrics` reads: kept beside
+    a StageResult so that client terms can be applied again and again (a calibration's inner fit)
+    without pandas. `replica`: each row's replica, None for a one-replica table."""
+
+    arrival: np.ndarray
+    first_token: np.ndarray
+    finish: np.ndarray
+    output_len: np.ndarray
+    replica: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, requests: pd.DataFrame) -> FinishedRequests:
+        done = requests[requests.status == "finished"]
+        return cls(done.arrival.to_numpy(np.float64), done.first_token_time.to_numpy(np.float64),
+                   done.finish_time.to_numpy(np.float64), done.output_len.to_numpy(np.float64),
+                   done.replica.to_numpy() if "replica" in done.columns else None)
+
+
+def predicted_metrics(requests: pd.DataFrame | FinishedRequests, client: ClientTerms = NO_CLIENT_TERMS,
                       iterations: pd.DataFrame | None = None) -> dict[str, float]:
-    """`LATENCY_METRICS` of a simulated requests table, as a client would measure them: the client's
-    TTFT add on TTFT and E2E, its per-token add on E2E, and its output lag (over `iterations`, the
-    run's iteration table; needed when the lag is not zero) on the first and last tokens
-    (policies/client_latency.py, the same columns every run reports)."""
-    done = with_client_latencies(requests[requests.status == "finished"], iterations, client)
-    if not len(done):
+    """`LATENCY_METRICS` of a simulated requests table (or its `FinishedRequests`), as a client would
+    measure them: the client's TTFT add on TTFT and E2E, its per-token add on E2E, and its output lag
+    (over `iterations`, the run's iteration table; needed when the lag is not zero) on the first and
+    last tokens. The same arithmetic, in the same order, as the client columns every run reports
+    (policies/client_latency.py `client_columns`), on the finished rows: the same figures bit for bit."""
+    done = requests if isinstance(requests, FinishedRequests) else FinishedRequests.of(requests)
+    if not len(done.arrival):
         return dict.fromkeys(LATENCY_METRICS + REQUEST_RUN_METRICS[:4], math.nan)
-    ttft, e2e = done.client_ttft.to_numpy(np.float64), done.client_e2e_latency.to_numpy(np.float64)
-    out = done.output_len.to_numpy(np.float64)
+    first, last = done.first_token, done.finish
+    if client.output_lag_steps > 0:
+        if iterations is None:
+            raise ValueError("an output lag needs the run's iteration table")
+        first = sent_known(first, iterations, client.output_lag_steps, done.replica)
+        last = sent_known(last, iterations, client.output_lag_steps, done.replica)
+    out = done.output_len
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ttft = first - done.arrival + client.ttft_s
+        e2e = last - done.arrival + client.ttft_s + client.per_output_token_s * np.maximum(out - 1, 0)
+        tpot = np.where(out > 1, (e2e - ttft) / (out - 1), np.nan)
+    tpot = tpot[~np.isnan(tpot)]
     p_ttft, p_e2e = np.percentile(ttft, [10, 50, 90]), np.percentile(e2e, [90, 99])
-    tpot = done.client_tpot.dropna().to_numpy(np.float64)
     p_tpot = np.percentile(tpot, [50, 90]) if len(tpot) else (math.nan, math.nan)
     return {"ttft_mean": float(ttft.mean()), "ttft_p90": float(p_ttft[2]), "e2e_mean": float(e2e.mean()),
             "e2e_p90": float(p_e2e[0]), "e2e_p99": float(p_e2e[1]),
