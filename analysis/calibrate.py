@@ -293,10 +293,12 @@ class _Dropped(Exception):
 
 class _Race:
     """Coarse fits side by side (threads), stopped early where one is clearly behind. At its k-th
-    accepted point (k >= 1) each start reports its objective and waits for every other start's k-th
-    (or its last objective, once it has ended); a start whose objective is more than `factor` times the
-    lowest there is dropped. The starts left run exactly as they would alone: when the start that ends
-    lowest is never dropped, the race ends where the full round would have."""
+    accepted point each start reports its objective and waits for every other start's k-th (or its
+    last objective, once it has ended); from k = 1 a start is dropped when its objective is more than
+    `factor` times the lowest there and another step that improved it as much as its last one did
+    would still leave it above that lowest. The starts left run exactly as they would alone: when the
+    start that ends lowest is never dropped, the race ends where the full round would have (a rule of
+    thumb, not a bound: a start may still fall faster than it did)."""
 
     def __init__(self, starts: int, factor: float) -> None:
         self.factor = factor
@@ -314,7 +316,9 @@ class _Race:
             if k == 0:
                 return True
             best = min(self._reports[j].get(k, self._ended[j]) for j in others)  # type: ignore[type-var]
-            if cost > self.factor * best:
+            # behind by more than the factor, and one more step improving as much as its last one
+            # would still leave it above the lowest now (a start far out can fall 5-10x in a step)
+            if cost > self.factor * best and cost * cost / self._reports[index][k - 1] > best:
                 self._ended[index] = cost
                 self._cond.notify_all()
                 return False
