@@ -250,8 +250,8 @@ class FidelityPlan:
         study, experiments = self.study, self.experiments
         report = Report()
         report.say(f"{len(experiments)} experiments, {sum(len(e.stages) for e in experiments)} stages; simulating "
-                   f"with {study.cost}" + (f", first {study.max_duration:g} s of each stage" if study.max_duration else "")
-                   + " (a stage that cycles its prompts: its first cycle simulated and left out)")
+                   f"with {study.cost}" + (f", {study.max_duration:g} s of each stage (after a warm-up prompt cycle, left out, where the "
+                      "stage cycles its prompts)" if study.max_duration else ""))
         unsaid = [e.name for e in experiments if not e.hardware]
         if unsaid and not study.hardware:
             report.say(f"note: {len(unsaid)} experiments do not say their hardware ({', '.join(unsaid[:3])}"

@@ -121,22 +121,20 @@ def test_the_cost_in_headers_and_figure_titles_names_a_calibration_file_not_its_
 
 # --- one warm-up rule for fidelity, calibrate and --max-duration windows (analysis.measurements.stage_window) ---
 
-def test_stage_window_leaves_one_prompt_cycle_out_within_the_stage(tmp_path):
+def test_stage_window_warms_a_window_up_and_simulates_a_whole_stage_as_measured(tmp_path):
     from analysis.measurements import StageWindow, prompt_cycle, stage_window
 
     exp = load_measurements(write_measurements(tmp_path, experiment_dict()))[0]  # 2 groups x 3 prompts, 2 req/s, 10 s
     s = exp.stages[0]
     assert prompt_cycle(exp, s) == 6  # one cycle: 3 s of arrivals
     assert stage_window(exp, s, 4.0) == StageWindow(7.0, 6)  # the cycle, then 4 s counted
-    assert stage_window(exp, s, None) == StageWindow(None, 6)  # the whole stage, less its first cycle
-    assert stage_window(exp, s, 8.0) == StageWindow(None, 6)  # cut at the stage's end: never past its arrivals
-    short = dataclasses.replace(s, duration_s=5.0)  # under two cycles: nothing left out
-    assert stage_window(exp, short, 4.0) == StageWindow(4.0, 0) and stage_window(exp, short, None) == StageWindow(None, 0)
+    assert stage_window(exp, s, None) == StageWindow(None, 0)  # the whole stage, as measured
+    assert stage_window(exp, s, 8.0) == StageWindow(8.0, 0)  # the cycle and 8 s would reach the end: as measured
     replayed = dataclasses.replace(s, requests=stage_workload(exp, s, 0, 4.0))  # its own requests: no cycle
     assert prompt_cycle(exp, replayed) == 0 and stage_window(exp, replayed, 4.0) == StageWindow(4.0, 0)
 
 
-def test_simulate_stage_counts_the_requests_after_the_warm_up_cycle(tmp_path):
+def test_simulate_stage_counts_a_window_after_the_warm_up_cycle(tmp_path):
     from analysis.measurements import simulate_stage, stage_config
 
     exp = load_measurements(write_measurements(tmp_path, experiment_dict()))[0]
@@ -145,7 +143,7 @@ def test_simulate_stage_counts_the_requests_after_the_warm_up_cycle(tmp_path):
     assert res.warm_up == 6 and res.num_requests == 14  # 7 s of arrivals at 2 req/s
     assert sorted(res.requests.request_id) == list(range(6, 14))
     whole = simulate_stage(exp, s, stage_config(exp, s, "h100-sxm"))
-    assert whole.warm_up == 6 and whole.num_requests == 20 and len(whole.requests) == 14
+    assert whole.warm_up == 0 and whole.num_requests == len(whole.requests) == 20
 
 
 @pytest.mark.slow  # the operator fit of the default kernel profiles, then one short fit of a made-up stage
@@ -168,7 +166,7 @@ def test_fidelity_predicts_a_stage_as_calibrate_did_in_sample(tmp_path, capsys):
         assert main(["fidelity", "--measurements", str(path), "--calibration", str(cal), "--hardware", "h100-sxm",
                      "--out", str(out), *fid_args]) == 0
         table = pd.read_csv(out / "fidelity.csv")
-        assert len(table) == 3 * len(LATENCY_METRICS) and set(table.warm_up_requests) == {6}
+        assert len(table) == 3 * len(LATENCY_METRICS) and set(table.warm_up_requests) == {6 if fid_args else 0}
         predicted = {(f"{r.experiment}#{r.stage}", r.metric): r.predicted for r in table.itertuples()}
         assert len(recorded) == 2 * 5 + 1  # two fitted stages x FIT_METRICS, the overloaded stage's TTFT
         for key, value in recorded.items():
