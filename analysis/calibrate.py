@@ -453,9 +453,13 @@ def fit_multistart(refs: Sequence[StageRef], start: CalibrationParams, hardware:
 
         def coarse(i: int) -> tuple[CalibrationParams, dict[str, Any]]:
             said: dict[str, Any] = {}
-            end = fit_engine(refs, starts[i], hardware, names, seed, multi.coarse_duration_s, multi.coarse_evals,
-                             pool, lambda line: log(f"  start {i}:{line}"), multi.coarse_tolerance, said, prior,
-                             None if race is None else (race, i))
+            try:
+                end = fit_engine(refs, starts[i], hardware, names, seed, multi.coarse_duration_s, multi.coarse_evals,
+                                 pool, lambda line: log(f"  start {i}:{line}"), multi.coarse_tolerance, said, prior,
+                                 None if race is None else (race, i))
+            finally:  # however it ended (an error included), the other starts must not wait for it
+                if race is not None:
+                    race.ended(i, math.inf)
             return end, said
 
         log(f"{len(starts)} starts, each fitted on {multi.coarse_duration_s:g} s of every stage, "
