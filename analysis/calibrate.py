@@ -393,7 +393,8 @@ class MultiStart:
     factor `spread` of the prior's centre in log space, Latin-hypercube style, inside `_BOUNDS`), each
     fitted coarsely (`coarse_duration_s` seconds of each stage, at most `coarse_evals` steps, tolerance
     `coarse_tolerance`), side by side in a race (`_Race`: a start whose objective after a step is more
-    than `race_factor` times the lowest after the same step stops there; 0: no race); the one with the
+    than `race_factor` times the lowest after the same step, and would stay above it after one more
+    step improving as much as its last, stops there; 0: no race); the one with the
     lowest objective is then fitted to convergence.
     Invariants: starts >= 1, spread >= 1, race_factor 0 or >= 1; starts == 1 is the plain fit from the start."""
 

@@ -73,7 +73,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"least-squares steps per coarse fit (default {calibration.MultiStart.coarse_evals})")
     p.add_argument("--coarse-race", type=non_negative_float, default=calibration.MultiStart.race_factor,
                    metavar="FACTOR", help="stop a coarse start whose objective after a step is more than FACTOR times "
-                                          "the lowest after the same step (default "
+                                          "the lowest after the same step and would stay above it after one more "
+                                          "step improving as much as its last (default "
                                           f"{calibration.MultiStart.race_factor:g}; 0: every start runs its coarse steps)")
     p.add_argument("--prior-weight", type=non_negative_float, default=calibration.PRIOR_WEIGHT,
                    help="pull of each fitted server term towards its prior (the operator fit's value, else "
