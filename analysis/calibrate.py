@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -41,14 +42,11 @@ from analysis.measurements import (
     client_terms,
     simulate_stage,
     stage_config,
-    stage_result,
-    stage_workload,
 )
 from analysis.operator_fit import fit_operators
 from analysis.plots import save_figure
 from analysis.request_runs import is_request_run, run_files
 from sim.calibrated import CalibratedCostModel, CalibrationParams
-from sim.run import run_simulation
 from sim.specs import get_hardware, get_model
 
 ENGINE_PARAMS = ("iteration_overhead_s", "per_seq_s", "attn_mem_eff", "prefill_attn_eff", "client_ttft_s",
@@ -104,29 +102,13 @@ def split_stages(experiments: Sequence[Experiment], by: str = "model") -> tuple[
 
 def simulate_ref(ref: StageRef, params: CalibrationParams, hardware: str, seed: int,
                  max_duration_s: float | None) -> StageResult:
-    """The stage simulated under `params` over `max_duration_s` seconds of arrivals (None: all).
-
-    A truncated shared-prefix stage is simulated for one prompt cycle more, and that first cycle
-    (whose prompts meet a cold prefix cache) is left out of the latencies: a measured stage of
-    minutes repeats each prompt tens of times, so its figures are those of a warm cache, which a
-    short cold window would misstate (its TTFT most of all)."""
+    """The stage simulated under `params` over `max_duration_s` seconds of arrivals (None: all), as
+    `pagesim fidelity` simulates it: analysis.measurements `simulate_stage`, whose one warm-up rule
+    (`stage_window`) leaves a shared-prefix stage's first prompt cycle out of the latencies."""
     exp, stage = ref.exp, ref.stage
     cfg = stage_config(exp, stage, hardware)
     model = CalibratedCostModel(get_model(cfg.model), get_hardware(cfg.hardware), params, tp=cfg.tp)
-    cycle = exp.workload.num_groups * exp.workload.prompts_per_group if exp.workload is not None else 0
-    warm_s = cycle / stage.rate if cycle else 0.0
-    if max_duration_s is None or not cycle or max_duration_s + warm_s >= stage.duration_s:
-        return simulate_stage(exp, stage, cfg, model, seed=seed, max_duration_s=max_duration_s)
-    return _simulate_warm(ref, cfg, model, seed, max_duration_s + warm_s, cycle)
-
-
-def _simulate_warm(ref: StageRef, cfg: Any, model: CalibratedCostModel, seed: int, duration_s: float,
-                   skip: int) -> StageResult:
-    """simulate_stage over `duration_s`, latencies over the requests after the first `skip`."""
-    t0 = time.perf_counter()
-    trace = stage_workload(ref.exp, ref.stage, seed, duration_s)
-    res = run_simulation(replace(cfg, seed=seed), trace, model)
-    return stage_result(ref.exp, ref.stage, trace, res, client_terms(model), t0, skip=skip)
+    return simulate_stage(exp, stage, cfg, model, seed=seed, max_duration_s=max_duration_s)
 
 
 def _simulate_job(job: tuple) -> StageResult:
@@ -233,9 +215,12 @@ class _Problem:
 
     def __init__(self, refs: Sequence[StageRef], start: CalibrationParams, hardware: str, outer: Sequence[str],
                  inner: Sequence[str], seed: int, max_duration_s: float | None, pool: ProcessPoolExecutor | None,
-                 prior: Prior | None, log: Callable[[str], None], diff_step: float) -> None:
+                 prior: Prior | None, log: Callable[[str], None], diff_step: float,
+                 race: tuple[_Race, int] | None = None) -> None:
         self.refs, self.start, self.hardware, self.outer, self.inner = refs, start, hardware, outer, inner
         self.seed, self.max_duration_s, self.pool, self.log, self.diff_step = seed, max_duration_s, pool, log, diff_step
+        self.race = race
+        self.jacobians = 0  # Jacobians the solver asked for (the k-th at its k-th accepted point; 0: the start)
         self.lo, self.hi, _ = _log_box(outer, start)
         self.centre = None if prior is None or prior.weight == 0 else _log_box(outer, prior.centre)[2]
         self.weight = 0.0 if prior is None else prior.weight
@@ -279,7 +264,14 @@ class _Problem:
 
     def jac(self, x: np.ndarray) -> np.ndarray:
         """Forward differences as scipy's "2-point" takes them (a step of diff_step x max(1, |x|) in log
-        space, away from x's sign, backwards where it would leave the box); the columns simulated together."""
+        space, away from x's sign, backwards where it would leave the box); the columns simulated together.
+        In a race (`_Race`), the objective at the point (an accepted one: scipy asks for the Jacobian at
+        its start and after each accepted step) is reported first, and a start left behind stops here."""
+        k, self.jacobians = self.jacobians, self.jacobians + 1
+        if self.race is not None:
+            race, index = self.race
+            if not race.report(index, k, soft_l1_cost(self.resid(x))):
+                raise _Dropped(k)
         f0 = self.resid(x)
         h = self.diff_step * np.where(x >= 0, 1.0, -1.0) * np.maximum(1.0, np.abs(x))
         h = np.where((x + h > self.hi) | (x + h < self.lo), -h, h)
@@ -291,11 +283,60 @@ class _Problem:
         return np.column_stack([(f - f0) / h for f, h in zip(cols, steps, strict=True)])
 
 
+class _Dropped(Exception):
+    """A coarse start stopped by its race (`_Race`) at its k-th accepted point."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"dropped at step {step}")
+        self.step = step
+
+
+class _Race:
+    """Coarse fits side by side (threads), stopped early where one is clearly behind. At its k-th
+    accepted point each start reports its objective and waits for every other start's k-th (or its
+    last objective, once it has ended); from k = 1 a start is dropped when its objective is more than
+    `factor` times the lowest there and another step that improved it as much as its last one did
+    would still leave it above that lowest. The starts left run exactly as they would alone: when the
+    start that ends lowest is never dropped, the race ends where the full round would have (a rule of
+    thumb, not a bound: a start may still fall faster than it did)."""
+
+    def __init__(self, starts: int, factor: float) -> None:
+        self.factor = factor
+        self._cond = threading.Condition()
+        self._reports: list[dict[int, float]] = [{} for _ in range(starts)]
+        self._ended: list[float | None] = [None] * starts
+
+    def report(self, index: int, k: int, cost: float) -> bool:
+        """True: go on; False: dropped (recorded as ended at `cost`)."""
+        with self._cond:
+            self._reports[index][k] = cost
+            self._cond.notify_all()
+            others = range(len(self._reports))
+            self._cond.wait_for(lambda: all(k in self._reports[j] or self._ended[j] is not None for j in others))
+            if k == 0:
+                return True
+            best = min(self._reports[j].get(k, self._ended[j]) for j in others)  # type: ignore[type-var]
+            # behind by more than the factor, and one more step improving as much as its last one
+            # would still leave it above the lowest now (a start far out can fall 5-10x in a step)
+            if cost > self.factor * best and cost * cost / self._reports[index][k - 1] > best:
+                self._ended[index] = cost
+                self._cond.notify_all()
+                return False
+            return True
+
+    def ended(self, index: int, cost: float) -> None:
+        """The start's fit ended (steps done, converged, or failed) at objective `cost`."""
+        with self._cond:
+            if self._ended[index] is None:
+                self._ended[index] = cost
+            self._cond.notify_all()
+
+
 def fit_engine(refs: Sequence[StageRef], start: CalibrationParams, hardware: str, names: Sequence[str] = ENGINE_PARAMS,
                seed: int = 0, max_duration_s: float | None = 40.0, max_evals: int = 8,
                pool: ProcessPoolExecutor | None = None, log: Callable[[str], None] = print,
                tolerance: float | None = None, outcome: dict[str, Any] | None = None,
-               prior: Prior | None = None) -> CalibrationParams:
+               prior: Prior | None = None, race: tuple[_Race, int] | None = None) -> CalibrationParams:
     """The parameters `names` that best explain the stages (least squares on clipped log errors,
     soft-L1 loss, parameters searched in log space within `_BOUNDS`, from `start`); the others stay as
     `start`. With a `prior`, each fitted server term is also pulled to its centre (Prior).
@@ -304,7 +345,8 @@ def fit_engine(refs: Sequence[StageRef], start: CalibrationParams, hardware: str
     each evaluation over the runs just simulated (`fit_client`), and the outer search moves only the
     terms that need a simulation (variable projection: fewer dimensions, and no trade between a
     client constant and a server cost along a flat valley). `outcome` gets the evaluations, steps,
-    whether it converged and the objective (soft-L1 cost, prior included) at the end."""
+    whether it converged and the objective (soft-L1 cost, prior included) at the end. `race` (the
+    race, this start's index): a coarse start of fit_multistart, dropped when left behind (`_Race`)."""
     from scipy.optimize import least_squares
     if not refs:
         raise ValueError("no unsaturated stage to fit the engine terms to")
@@ -318,10 +360,22 @@ def fit_engine(refs: Sequence[StageRef], start: CalibrationParams, hardware: str
     # (and finite differences of 1% rather than 3%: near the optimum a coarse slope stops it short)
     tol = {"xtol": tolerance, "ftol": tolerance / 10, "gtol": 1e-12} if tolerance else {}
     problem = _Problem(refs, start, hardware, outer, inner, seed, max_duration_s, pool, prior, log,
-                       diff_step=0.01 if tolerance else 0.03)
+                       diff_step=0.01 if tolerance else 0.03, race=race)
     lo, hi, x0 = _log_box(outer, start)
-    res = least_squares(problem.resid, x0, jac=problem.jac, bounds=(lo, hi), loss="soft_l1", f_scale=_F_SCALE,
-                        max_nfev=max_evals, x_scale=1.0, **tol)
+    try:
+        res = least_squares(problem.resid, x0, jac=problem.jac, bounds=(lo, hi), loss="soft_l1", f_scale=_F_SCALE,
+                            max_nfev=max_evals, x_scale=1.0, **tol)
+    except _Dropped as dropped:
+        log(f"  {problem.evaluations} evaluations, {dropped}: objective {problem.best['cost']:.5g} more than "
+            f"{race[0].factor:g} x another start's at the same step" if race else f"  {dropped}")
+        if outcome is not None:
+            outcome.update(evaluations=problem.evaluations, steps=dropped.step, converged=False,
+                           message=f"{dropped} (race)", tolerance=tolerance, objective=problem.best["cost"],
+                           dropped_at_step=dropped.step)
+        return problem.best["params"]
+    finally:
+        if race is not None:
+            race[0].ended(race[1], problem.best["cost"])
     log(f"  {problem.evaluations} evaluations, {res.message}")
     # the solution with its client terms (the residuals' inner fit), or the best point evaluated if the
     # solver ended elsewhere
@@ -338,19 +392,24 @@ class MultiStart:
     """A multi-start fit: `starts` points (the given start, then seeded ones spread uniformly within a
     factor `spread` of the prior's centre in log space, Latin-hypercube style, inside `_BOUNDS`), each
     fitted coarsely (`coarse_duration_s` seconds of each stage, at most `coarse_evals` steps, tolerance
-    `coarse_tolerance`); the one with the lowest objective is then fitted to convergence.
-    Invariants: starts >= 1, spread >= 1; starts == 1 is the plain fit from the start."""
+    `coarse_tolerance`), side by side in a race (`_Race`: a start whose objective after a step is more
+    than `race_factor` times the lowest after the same step, and would stay above it after one more
+    step improving as much as its last, stops there; 0: no race); the one with the
+    lowest objective is then fitted to convergence.
+    Invariants: starts >= 1, spread >= 1, race_factor 0 or >= 1; starts == 1 is the plain fit from the start."""
 
     starts: int = 4
     spread: float = 3.0
     coarse_duration_s: float = 10.0
     coarse_evals: int = 4
     coarse_tolerance: float = 1e-2
+    race_factor: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.starts < 1 or not self.spread >= 1 or self.coarse_evals < 1 or not self.coarse_duration_s > 0:
-            raise ValueError(f"multi-start: starts >= 1, spread >= 1, coarse evals >= 1 and a coarse duration > 0 "
-                             f"expected, got {self}")
+        if self.starts < 1 or not self.spread >= 1 or self.coarse_evals < 1 or not self.coarse_duration_s > 0 \
+                or not (self.race_factor == 0 or self.race_factor >= 1):
+            raise ValueError(f"multi-start: starts >= 1, spread >= 1, coarse evals >= 1, a coarse duration > 0 and a "
+                             f"race factor of 0 or >= 1 expected, got {self}")
 
 
 def spread_starts(start: CalibrationParams, centre: CalibrationParams, names: Sequence[str], count: int,
@@ -389,16 +448,24 @@ def fit_multistart(refs: Sequence[StageRef], start: CalibrationParams, hardware:
                            multi.starts if outer else 1, multi.spread, seed)
     record: dict[str, Any] = {"starts": [], "spread": multi.spread, "coarse_duration_s": multi.coarse_duration_s,
                               "coarse_evals": multi.coarse_evals, "coarse_tolerance": multi.coarse_tolerance,
-                              "seed": seed}
+                              "race_factor": multi.race_factor, "seed": seed}
     if len(starts) > 1:
+        race = _Race(len(starts), multi.race_factor) if multi.race_factor else None
+
         def coarse(i: int) -> tuple[CalibrationParams, dict[str, Any]]:
             said: dict[str, Any] = {}
-            end = fit_engine(refs, starts[i], hardware, names, seed, multi.coarse_duration_s, multi.coarse_evals,
-                             pool, lambda line: log(f"  start {i}:{line}"), multi.coarse_tolerance, said, prior)
+            try:
+                end = fit_engine(refs, starts[i], hardware, names, seed, multi.coarse_duration_s, multi.coarse_evals,
+                                 pool, lambda line: log(f"  start {i}:{line}"), multi.coarse_tolerance, said, prior,
+                                 None if race is None else (race, i))
+            finally:  # however it ended (an error included), the other starts must not wait for it
+                if race is not None:
+                    race.ended(i, math.inf)
             return end, said
 
         log(f"{len(starts)} starts, each fitted on {multi.coarse_duration_s:g} s of every stage, "
-            f"at most {multi.coarse_evals} steps")
+            f"at most {multi.coarse_evals} steps" + (f", a start more than {multi.race_factor:g} x the lowest objective "
+                                                     "after a step stopped there" if race else ""))
         with ThreadPoolExecutor(len(starts)) as threads:
             ends = list(threads.map(coarse, range(len(starts))))
         for s, (end, said) in zip(starts, ends, strict=True):

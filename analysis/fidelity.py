@@ -88,7 +88,8 @@ def _simulate(exp: Experiment, index: int, hardware: str, calibration: str | Non
 
 def results_table(results: Sequence[StageResult], experiments: Sequence[Experiment] = ()) -> pd.DataFrame:
     """One row per stage x metric the source measured: measured, predicted, error % and the stage's
-    throughput and overload flags."""
+    throughput and overload flags, the arrivals simulated and the warm-up requests left out of them
+    (analysis.measurements `stage_window`)."""
     models = {e.name: e.model_id for e in experiments}
     rows = []
     for r in results:
@@ -102,7 +103,7 @@ def results_table(results: Sequence[StageResult], experiments: Sequence[Experime
                          "error_pct": 100 * (predicted - measured) / measured if measured else np.nan,
                          "measured_throughput": r.measured_throughput, "predicted_throughput": r.predicted_throughput,
                          "measured_overloaded": r.measured_overloaded, "predicted_overloaded": r.predicted_overloaded,
-                         "simulated_s": r.simulated_s, "wall_s": r.wall_s})
+                         "simulated_s": r.simulated_s, "warm_up_requests": r.warm_up, "wall_s": r.wall_s})
     return pd.DataFrame(rows)
 
 
@@ -249,7 +250,8 @@ class FidelityPlan:
         study, experiments = self.study, self.experiments
         report = Report()
         report.say(f"{len(experiments)} experiments, {sum(len(e.stages) for e in experiments)} stages; simulating "
-                   f"with {study.cost}" + (f", first {study.max_duration:g} s of each stage" if study.max_duration else ""))
+                   f"with {study.cost}" + (f", {study.max_duration:g} s of each stage (after a warm-up prompt cycle, left out, where the "
+                      "stage cycles its prompts)" if study.max_duration else ""))
         unsaid = [e.name for e in experiments if not e.hardware]
         if unsaid and not study.hardware:
             report.say(f"note: {len(unsaid)} experiments do not say their hardware ({', '.join(unsaid[:3])}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from analysis.fidelity import fidelity_summary, fidelity_table, format_table
 from analysis.measurement_files import load_measurements
-from analysis.measurements import LATENCY_METRICS
+from analysis.measurements import LATENCY_METRICS, stage_workload
 from pagesim.cli import main
 from tests.test_measurements import SHARED, experiment_dict, write_measurements
 
@@ -116,3 +117,58 @@ def test_the_cost_in_headers_and_figure_titles_names_a_calibration_file_not_its_
     assert FidelityStudy(["m.json"], calibration="/some/where/my-cal.json").cost == "calibration my-cal"
     assert FidelityStudy(["m.json"], calibration="vllm-v1-h100").cost == "calibration vllm-v1-h100"
     assert FidelityStudy(["m.json"]).cost == "the roofline cost model"
+
+
+# --- one warm-up rule for fidelity, calibrate and --max-duration windows (analysis.measurements.stage_window) ---
+
+def test_stage_window_warms_a_window_up_and_simulates_a_whole_stage_as_measured(tmp_path):
+    from analysis.measurements import StageWindow, prompt_cycle, stage_window
+
+    exp = load_measurements(write_measurements(tmp_path, experiment_dict()))[0]  # 2 groups x 3 prompts, 2 req/s, 10 s
+    s = exp.stages[0]
+    assert prompt_cycle(exp, s) == 6  # one cycle: 3 s of arrivals
+    assert stage_window(exp, s, 4.0) == StageWindow(7.0, 6)  # the cycle, then 4 s counted
+    assert stage_window(exp, s, None) == StageWindow(None, 0)  # the whole stage, as measured
+    assert stage_window(exp, s, 8.0) == StageWindow(8.0, 0)  # the cycle and 8 s would reach the end: as measured
+    replayed = dataclasses.replace(s, requests=stage_workload(exp, s, 0, 4.0))  # its own requests: no cycle
+    assert prompt_cycle(exp, replayed) == 0 and stage_window(exp, replayed, 4.0) == StageWindow(4.0, 0)
+
+
+def test_simulate_stage_counts_a_window_after_the_warm_up_cycle(tmp_path):
+    from analysis.measurements import simulate_stage, stage_config
+
+    exp = load_measurements(write_measurements(tmp_path, experiment_dict()))[0]
+    s = exp.stages[0]
+    res = simulate_stage(exp, s, stage_config(exp, s, "h100-sxm"), max_duration_s=4.0)
+    assert res.warm_up == 6 and res.num_requests == 14  # 7 s of arrivals at 2 req/s
+    assert sorted(res.requests.request_id) == list(range(6, 14))
+    whole = simulate_stage(exp, s, stage_config(exp, s, "h100-sxm"))
+    assert whole.warm_up == 0 and whole.num_requests == len(whole.requests) == 20
+
+
+@pytest.mark.slow  # the operator fit of the default kernel profiles, then one short fit of a made-up stage
+def test_fidelity_predicts_a_stage_as_calibrate_did_in_sample(tmp_path, capsys):
+    """The calibration's recorded in-sample prediction of each stage (`fit.in_sample`) is what `pagesim
+    fidelity` predicts with that calibration over the same window: truncated, and over whole stages."""
+    from sim.calibrated import load_calibration
+
+    path = two_experiments(tmp_path)
+    for eval_s, fid_args in (("4", ["--max-duration", "4"]), ("0", [])):
+        cal = tmp_path / f"cal{eval_s}.json"
+        assert main(["calibrate", "--measurements", str(path), "--hardware", "h100-sxm", "--out", str(cal),
+                     "--no-leave-one-out", "--jobs", "1", "--starts", "1", "--max-evals", "1",
+                     "--max-duration", "3", "--eval-duration", eval_s]) == 0
+        fit = load_calibration(cal).meta["fit"]
+        recorded = {(row["stage"], m): v["predicted"] for row in fit["in_sample"]["stages"]
+                    for m, v in row.items() if isinstance(v, dict)}
+        recorded |= {(c["stage"], "ttft_mean"): c["predicted_ttft_mean"] for c in fit["overloaded_checks"]}
+        out = tmp_path / f"fid{eval_s}"
+        assert main(["fidelity", "--measurements", str(path), "--calibration", str(cal), "--hardware", "h100-sxm",
+                     "--out", str(out), *fid_args]) == 0
+        table = pd.read_csv(out / "fidelity.csv")
+        assert len(table) == 3 * len(LATENCY_METRICS) and set(table.warm_up_requests) == {6 if fid_args else 0}
+        predicted = {(f"{r.experiment}#{r.stage}", r.metric): r.predicted for r in table.itertuples()}
+        assert len(recorded) == 2 * 5 + 1  # two fitted stages x FIT_METRICS, the overloaded stage's TTFT
+        for key, value in recorded.items():
+            assert predicted[key] == pytest.approx(value, rel=1e-12), key
+    capsys.readouterr()

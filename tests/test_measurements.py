@@ -280,6 +280,28 @@ def test_output_lag_delays_first_and_last_tokens_by_the_runs_own_steps(tmp_path)
         predicted_metrics(res.requests, ClientTerms(output_lag_steps=1.0))
 
 
+@pytest.mark.parametrize("terms", [ClientTerms(), ClientTerms(0.004, 0.0, 1.28), ClientTerms(0.01, 0.001, 0.5),
+                                   ClientTerms(0.0, 0.0, 3.0)])
+def test_predicted_metrics_are_the_client_columns_statistics_bit_for_bit(tmp_path, terms):
+    """predicted_metrics (the arrays a calibration's inner fit re-applies client terms to, without
+    pandas) gives exactly the statistics of the client columns every run's request table carries."""
+    from analysis.measurements import FinishedRequests
+    from policies.client_latency import with_client_latencies
+
+    exp = _with_rate(tiny(tmp_path), 6.0)  # a queue: iterations back to back, so the lag has steps to count
+    s = exp.stages[0]
+    res = run_simulation(dataclasses.replace(stage_config(exp, s, "h100-sxm"), seed=2), stage_workload(exp, s, 2))
+    table = with_client_latencies(res.requests[res.requests.status == "finished"], res.iterations, terms)
+    ttft, e2e = table.client_ttft.to_numpy(np.float64), table.client_e2e_latency.to_numpy(np.float64)
+    tpot = table.client_tpot.dropna().to_numpy(np.float64)
+    got = predicted_metrics(FinishedRequests.of(res.requests), terms, res.iterations)
+    assert got == predicted_metrics(res.requests, terms, res.iterations)
+    assert (got["ttft_mean"], got["e2e_mean"]) == (float(ttft.mean()), float(e2e.mean()))
+    assert [got[k] for k in ("ttft_p10", "ttft_p50", "ttft_p90")] == np.percentile(ttft, [10, 50, 90]).tolist()
+    assert [got["e2e_p90"], got["e2e_p99"]] == np.percentile(e2e, [90, 99]).tolist()
+    assert [got["tpot_p50"], got["tpot_p90"]] == np.percentile(tpot, [50, 90]).tolist()
+
+
 def test_simulated_overload(tmp_path):
     """4 sequences at a time, each 20 decode steps of 50 ms: about 4 requests/s at most."""
     slow = ConstantCostModel(prefill_per_token=1e-5, decode_per_seq=0.0, base=0.05)

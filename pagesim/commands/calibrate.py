@@ -48,9 +48,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="refit without each model (default) or experiment and predict it")
     p.add_argument("--no-leave-one-out", action="store_true", help="skip the left-out fits")
     p.add_argument("--max-duration", type=positive_float, default=40.0,
-                   help="seconds of each stage's arrivals simulated while fitting (default 40)")
+                   help="seconds of each stage's arrivals counted while fitting (default 40), after a warm-up "
+                        "prompt cycle where the stage cycles its prompts, as `pagesim fidelity --max-duration`")
     p.add_argument("--eval-duration", type=non_negative_float, default=300.0,
-                   help="seconds of arrivals simulated for the reported errors (default 300; 0: whole stages)")
+                   help="seconds of arrivals counted for the reported errors (default 300; 0: whole stages): the "
+                        "in-sample predictions are `pagesim fidelity --max-duration` S's (whole stages: its default)")
     p.add_argument("--converge", type=positive_float, metavar="TOL", default=None,
                    help="run the least squares until a step moves the log parameters by under TOL (relative; "
                         "e.g. 1e-3) or the loss by under TOL/10, at most --max-evals steps (then give a larger "
@@ -69,6 +71,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         f"(default {calibration.MultiStart.coarse_duration_s:g})")
     p.add_argument("--coarse-evals", type=positive_int, default=calibration.MultiStart.coarse_evals,
                    help=f"least-squares steps per coarse fit (default {calibration.MultiStart.coarse_evals})")
+    p.add_argument("--coarse-race", type=non_negative_float, default=calibration.MultiStart.race_factor,
+                   metavar="FACTOR", help="stop a coarse start whose objective after a step is more than FACTOR times "
+                                          "the lowest after the same step and would stay above it after one more "
+                                          "step improving as much as its last (default "
+                                          f"{calibration.MultiStart.race_factor:g}; 0: every start runs its coarse steps)")
     p.add_argument("--prior-weight", type=non_negative_float, default=calibration.PRIOR_WEIGHT,
                    help="pull of each fitted server term towards its prior (the operator fit's value, else "
                         "CalibrationParams'): residual weight x log(term / prior), next to the log errors "
@@ -100,7 +107,10 @@ def command(args: argparse.Namespace) -> int:
     eval_s = args.eval_duration or None
     if args.spread < 1:
         raise ValueError(f"--spread: a factor >= 1 expected, got {args.spread:g}")
-    multi = calibration.MultiStart(args.starts, args.spread, args.coarse_duration, args.coarse_evals)
+    if 0 < args.coarse_race < 1:
+        raise ValueError(f"--coarse-race: 0 or a factor >= 1 expected, got {args.coarse_race:g}")
+    multi = calibration.MultiStart(args.starts, args.spread, args.coarse_duration, args.coarse_evals,
+                                   race_factor=args.coarse_race)
     prior = calibration.Prior(start, args.prior_weight) if args.prior_weight > 0 else None
     pool = ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
     try:

@@ -30,7 +30,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="folder of HF config.json files for model ids (repeatable; default ../shared/models beside "
                         "the repository and the working directory)")
     p.add_argument("--max-duration", type=positive_float, metavar="S",
-                   help="simulate only each stage's first S seconds of arrivals (default: the whole stage)")
+                   help="count only S seconds of each stage's arrivals (default: the whole stage); a stage that "
+                        "cycles its prompts has its first cycle simulated before them and left out")
     p.add_argument("--seed", type=seed, default=0)
     add_server_args(p)
     p.add_argument("--jobs", type=positive_int, default=1,
