@@ -114,6 +114,16 @@ class Window:
     rows: dict | None = None
     exhaustion_row: list | None = None
 
+    def __init__(self, start: float, ends: list[float], durations: list[float], exhaustion: bool,
+                 rows: dict | None = None, exhaustion_row: list | None = None) -> None:
+        # written out, not generated: one per window in the compiled kernel (see policies/plan.py)
+        self.start = start
+        self.ends = ends
+        self.durations = durations
+        self.exhaustion = exhaustion
+        self.rows = rows
+        self.exhaustion_row = exhaustion_row
+
 
 class ReplicaStep:
     """A replica's scheduler and executor stepped one iteration, or one window, at a time, each
