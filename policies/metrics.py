@@ -5,7 +5,6 @@ the shared contract in policies/): a row per request, a row per iteration, and a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from itertools import repeat
 
 import numpy as np
 import pandas as pd
@@ -21,16 +20,14 @@ ITERATION_COLUMNS = (
     "kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag", "kv_free",
     "prefix_hits", "prefill_seqs", "prefill_attn_pairs", "prefill_context_tokens", "copy_blocks",
 )
-_COLUMN_SET = frozenset(ITERATION_COLUMNS)
 _FLOAT_COLUMNS = ("start", "duration")
 _NARROW = (np.int8, np.int16, np.int32)  # IterationLog: tried in order when a block is sealed
 
 
 class IterationLog:
     """Per-iteration records, one column per field. Recent rows sit in a staging block (one array
-    per column, the layout the frame wants); rows (single ones and windows') take their row numbers
-    at once and wait as tuples until a batch of them is written, a column at a time, so millions of
-    rows stay cheap (a window writing its dozen columns itself cost a dozen numpy calls). A full staging block
+    per column, the layout the frame wants); single rows take their row number at once and wait as
+    tuples until a batch of them is written, so millions of rows stay cheap. A full staging block
     is sealed: each integer column is stored in the narrowest integer type that holds its values
     exactly (most counts fit in one or two bytes), floats as they are, so a million-request log
     holds ~40 bytes a row instead of 168. Reading widens every column back to float64 / int64, so
@@ -43,9 +40,8 @@ class IterationLog:
         self._cols = self._staging(capacity)
         self._sealed: dict[str, list[np.ndarray]] = {c: [] for c in ITERATION_COLUMNS}
         self._base = 0                         # rows sealed so far (the staging block's first row)
-        # rows not yet written: always the staging block's last ones (rows are reserved in order,
-        # and reserving rows that seal the block writes the pending ones first)
-        self._pending: list[tuple] = []
+        self._pending: list[tuple] = []        # single rows not yet written
+        self._pending_at: list[int] = []       # and their row numbers within the staging block
         self.rows = 0
 
     @classmethod
@@ -57,13 +53,14 @@ class IterationLog:
 
     def add(self, start: float, duration: float, c: StepComposition, num_preempted: int,
             waiting: int, running: int, mem: MemoryBreakdown, prefix_hits: int) -> None:
-        self._reserve(1)  # first: reserving may seal the block, writing the rows pending so far
+        at = self._reserve(1)  # first: reserving may seal the block, writing the rows pending so far
         self._pending.append((start, duration, c.num_prefill_seqs + c.num_decode_seqs, c.prefill_tokens,
                               c.num_decode_seqs, c.decode_context_tokens + c.prefill_context_tokens,
                               num_preempted, c.swap_in_blocks, c.swap_out_blocks, waiting, running,
                               mem.token_states, mem.reserved, mem.internal_frag, mem.external_frag, mem.free,
                               prefix_hits, c.num_prefill_seqs, c.prefill_attn_pairs, c.prefill_context_tokens,
                               c.copy_blocks))
+        self._pending_at.append(at)
         if len(self._pending) >= self._BATCH:
             self._flush()
 
@@ -101,28 +98,18 @@ class IterationLog:
         return col.copy()
 
     def _flush(self) -> None:
-        pending = self._pending
-        if pending:
-            end = self.rows - self._base
-            start = end - len(pending)
-            cols = self._cols
-            for c, values in zip(ITERATION_COLUMNS, zip(*pending)):
-                cols[c][start:end] = values
-            self._pending = []
+        if self._pending:
+            at = np.array(self._pending_at)
+            for c, values in zip(ITERATION_COLUMNS, zip(*self._pending)):
+                self._cols[c][at] = values
+            self._pending, self._pending_at = [], []
 
-    def add_many(self, columns: dict[str, object]) -> None:
-        """k rows at once: each column given as k values (a list or array) or one value for all of
-        them (a number); columns left out are 0. `columns["start"]` has the k values."""
-        k = len(columns["start"])  # type: ignore[arg-type]
-        unknown = columns.keys() - _COLUMN_SET
-        if unknown:
-            raise KeyError(f"IterationLog.add_many: no column {sorted(unknown)[0]!r}")
-        self._reserve(k)  # first: reserving may seal the block, writing the rows pending so far
-        get = columns.get
-        # strict: a column of another length than k is an error, not rows cut short
-        self._pending.extend(zip(*[_column(get(c, 0), k) for c in ITERATION_COLUMNS], strict=True))
-        if len(self._pending) >= self._BATCH:
-            self._flush()
+    def add_many(self, columns: dict[str, np.ndarray]) -> None:
+        k = len(columns["start"])
+        pos = self._reserve(k)
+        cols = self._cols
+        for c, values in columns.items():
+            cols[c][pos:pos + k] = values
 
     def parts(self, c: str) -> list[np.ndarray]:
         """Column `c` in pieces, oldest first (sealed ones may be narrower than the column's type;
@@ -145,13 +132,6 @@ class IterationLog:
         data = {"iteration": np.arange(self.rows)}
         data.update((c, self.column(c)) for c in ITERATION_COLUMNS)
         return pd.DataFrame(data, copy=False)
-
-
-def _column(values: object, k: int) -> Iterable:
-    """IterationLog.add_many's column of k rows: its values, or one number repeated k times."""
-    if isinstance(values, (int, float, np.generic)):
-        return repeat(values, k)
-    return values  # type: ignore[return-value]
 
 
 def iteration_compositions(iterations: pd.DataFrame, block_size: int = 16) -> list[StepComposition]:
