@@ -51,6 +51,8 @@ MODULES: tuple[str, ...] = (
     "policies.step",
     "policies.metrics",
     "sim.cost_model",
+    "sim.executor",
+    "sim.engine",
 )
 GROUP = "pagesim_kernel"  # the shared library's name: pagesim_kernel__mypyc.<ext suffix>, at the root
 C_FLAGS = ["-ffp-contract=off", "-fno-fast-math"]

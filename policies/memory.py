@@ -23,6 +23,15 @@ class MemoryBreakdown:
     external_frag: int
     free: int
 
+    def __init__(self, token_states: int, reserved: int, internal_frag: int, external_frag: int, free: int) -> None:
+        # written out, not generated: the compiled kernel builds one per iteration (see policies/plan.py)
+        setattr_ = object.__setattr__  # frozen
+        setattr_(self, "token_states", token_states)
+        setattr_(self, "reserved", reserved)
+        setattr_(self, "internal_frag", internal_frag)
+        setattr_(self, "external_frag", external_frag)
+        setattr_(self, "free", free)
+
     @property
     def total(self) -> int:
         return self.token_states + self.reserved + self.internal_frag + self.external_frag + self.free

@@ -10,6 +10,12 @@ Skip-ahead is the same contract over many iterations: a scheduler may offer a `R
 batch repeats k times unless something changes"), the executor prices its iterations in one call,
 the replica step (policies/step.py) narrows it to what is certain, and the scheduler applies it at
 once, reporting a `RepeatResult`.
+
+The classes built at every iteration or window write their `__init__` out (the dataclass decorator
+keeps it and still adds repr, eq and fields): the compiled kernel (build_compiled.py) runs a
+generated `__init__` as interpreted code called with a keyword dict, ten times the cost of a
+written one compiled; interpreted, the two cost the same. A frozen class sets its fields through
+`object.__setattr__`, as the generated one does.
 """
 
 from __future__ import annotations
@@ -44,6 +50,22 @@ class StepComposition:
     copy_blocks: int = 0
     block_size: int = 16
 
+    def __init__(self, num_prefill_seqs: int = 0, prefill_tokens: int = 0, prefill_attn_pairs: int = 0,
+                 prefill_context_tokens: int = 0, num_decode_seqs: int = 0, decode_context_tokens: int = 0,
+                 swap_in_blocks: int = 0, swap_out_blocks: int = 0, copy_blocks: int = 0,
+                 block_size: int = 16) -> None:
+        setattr_ = object.__setattr__  # frozen
+        setattr_(self, "num_prefill_seqs", num_prefill_seqs)
+        setattr_(self, "prefill_tokens", prefill_tokens)
+        setattr_(self, "prefill_attn_pairs", prefill_attn_pairs)
+        setattr_(self, "prefill_context_tokens", prefill_context_tokens)
+        setattr_(self, "num_decode_seqs", num_decode_seqs)
+        setattr_(self, "decode_context_tokens", decode_context_tokens)
+        setattr_(self, "swap_in_blocks", swap_in_blocks)
+        setattr_(self, "swap_out_blocks", swap_out_blocks)
+        setattr_(self, "copy_blocks", copy_blocks)
+        setattr_(self, "block_size", block_size)
+
     @property
     def num_tokens(self) -> int:
         return self.prefill_tokens + self.num_decode_seqs
@@ -75,6 +97,16 @@ class ScheduledSeq:
     samples: bool  # True when this chunk reaches the end of the known tokens, so a token is sampled
     seq: Sequence | None
 
+    def __init__(self, seq_id: int, group_id: int, start: int, num_new_tokens: int, block_table: list[int] | range,
+                 samples: bool, seq: Sequence | None) -> None:
+        self.seq_id = seq_id
+        self.group_id = group_id
+        self.start = start
+        self.num_new_tokens = num_new_tokens
+        self.block_table = block_table
+        self.samples = samples
+        self.seq = seq
+
 
 @dataclass
 class StepPlan:
@@ -97,6 +129,19 @@ class StepPlan:
     preempted: list[tuple[int, str]] = field(default_factory=list)     # (group id, "recompute" | "swap")
     rejected: list[tuple[int, str]] = field(default_factory=list)      # (group id, reason)
     block_size: int = 16
+
+    def __init__(self, seqs: list[ScheduledSeq] | None = None, copies: list[tuple[int, int]] | None = None,
+                 swap_out: list[tuple[int, int]] | None = None, swap_in: list[tuple[int, int]] | None = None,
+                 preempted: list[tuple[int, str]] | None = None, rejected: list[tuple[int, str]] | None = None,
+                 block_size: int = 16) -> None:
+        # None: a new empty list (the fields' default_factory)
+        self.seqs = [] if seqs is None else seqs
+        self.copies = [] if copies is None else copies
+        self.swap_out = [] if swap_out is None else swap_out
+        self.swap_in = [] if swap_in is None else swap_in
+        self.preempted = [] if preempted is None else preempted
+        self.rejected = [] if rejected is None else rejected
+        self.block_size = block_size
 
     @property
     def is_empty(self) -> bool:
@@ -141,6 +186,17 @@ class SeqOutcome:
     logprob: float = 0.0
     children_finished: list[bool] | tuple[bool, ...] = ()
 
+    def __init__(self, seq_id: int, token: int | None = None, keep: bool = True,
+                 children: list[int | None] | tuple[int | None, ...] = (), finished: bool = False,
+                 logprob: float = 0.0, children_finished: list[bool] | tuple[bool, ...] = ()) -> None:
+        self.seq_id = seq_id
+        self.token = token
+        self.keep = keep
+        self.children = children
+        self.finished = finished
+        self.logprob = logprob
+        self.children_finished = children_finished
+
 
 @dataclass
 class StepResult:
@@ -156,6 +212,12 @@ class StepResult:
     duration: float
     outcomes: dict[int, SeqOutcome] = field(default_factory=dict)
     others_continue: bool = False
+
+    def __init__(self, duration: float, outcomes: dict[int, SeqOutcome] | None = None,
+                 others_continue: bool = False) -> None:
+        self.duration = duration
+        self.outcomes = {} if outcomes is None else outcomes  # None: a new empty dict (default_factory)
+        self.others_continue = others_continue
 
 
 @dataclass(slots=True, eq=False)
@@ -187,6 +249,17 @@ class RepeatPlan:
     remaining: list[int] | None = None
     first_known: float = math.inf
 
+    def __init__(self, num_seqs: int, context_tokens: int, steps: int, exhausts: bool,
+                 seqs: list[Sequence] | None = None, remaining: list[int] | None = None,
+                 first_known: float = math.inf) -> None:
+        self.num_seqs = num_seqs
+        self.context_tokens = context_tokens
+        self.steps = steps
+        self.exhausts = exhausts
+        self.seqs = [] if seqs is None else seqs  # None: a new empty list (default_factory)
+        self.remaining = remaining
+        self.first_known = first_known
+
     def first_finish(self) -> float:
         """Iterations until the first finish in the batch (its last token's iteration), once the
         executor has given `remaining`."""
@@ -207,6 +280,10 @@ class DecodeStepPlan:
     seqs: list[Sequence]
     remaining: list[int] | None = None
 
+    def __init__(self, seqs: list[Sequence], remaining: list[int] | None = None) -> None:
+        self.seqs = seqs
+        self.remaining = remaining
+
 
 @dataclass(slots=True, eq=False)
 class DecodeStepResult:
@@ -217,6 +294,11 @@ class DecodeStepResult:
     comp: StepComposition
     result: StepResult
     finished: list[SequenceGroup]
+
+    def __init__(self, comp: StepComposition, result: StepResult, finished: list[SequenceGroup]) -> None:
+        self.comp = comp
+        self.result = result
+        self.finished = finished
 
 
 @dataclass(slots=True, eq=False)
@@ -236,3 +318,18 @@ class RepeatResult:
     exhaustion: StepComposition | None = None
     exhaustion_duration: float = 0.0
     num_preempted: int = 0
+
+    def __init__(self, running: np.ndarray | list[int], token_states: np.ndarray | list[int],
+                 internal_frag: np.ndarray | list[int], free: np.ndarray | list[int],
+                 reserved: np.ndarray | list[int] | int = 0, external_frag: np.ndarray | list[int] | int = 0,
+                 exhaustion: StepComposition | None = None, exhaustion_duration: float = 0.0,
+                 num_preempted: int = 0) -> None:
+        self.running = running
+        self.token_states = token_states
+        self.internal_frag = internal_frag
+        self.free = free
+        self.reserved = reserved
+        self.external_frag = external_frag
+        self.exhaustion = exhaustion
+        self.exhaustion_duration = exhaustion_duration
+        self.num_preempted = num_preempted

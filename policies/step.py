@@ -44,7 +44,7 @@ from typing import Protocol
 import numpy as np
 
 from policies.metrics import IterationLog
-from policies.plan import RepeatPlan, StepComposition, StepPlan, StepResult
+from policies.plan import DecodeStepPlan, RepeatPlan, StepComposition, StepPlan, StepResult
 from policies.request import Request, SequenceGroup
 from policies.request import Sequence as Seq
 from policies.scheduler import Scheduler
@@ -77,7 +77,7 @@ class RepeatExecutor(Executor, Protocol):
     """An executor that can run windows: it knows how long each sequence runs and prices
     iterations without running them (the simulated executor)."""
 
-    def remaining(self, plan: RepeatPlan) -> list[int]: ...
+    def remaining(self, plan: RepeatPlan | DecodeStepPlan) -> list[int]: ...
 
     def price_repeat(self, plan: RepeatPlan) -> np.ndarray | list[float]: ...
 
@@ -113,6 +113,16 @@ class Window:
     exhaustion: bool
     rows: dict | None = None
     exhaustion_row: list | None = None
+
+    def __init__(self, start: float, ends: list[float], durations: list[float], exhaustion: bool,
+                 rows: dict | None = None, exhaustion_row: list | None = None) -> None:
+        # written out, not generated: one per window in the compiled kernel (see policies/plan.py)
+        self.start = start
+        self.ends = ends
+        self.durations = durations
+        self.exhaustion = exhaustion
+        self.rows = rows
+        self.exhaustion_row = exhaustion_row
 
 
 class ReplicaStep:
@@ -255,7 +265,7 @@ class ReplicaStep:
         if plan is None:
             return None
         executor: RepeatExecutor = self.executor  # type: ignore[assignment]
-        plan.remaining = executor.remaining(plan)  # type: ignore[arg-type]  # a DecodeStepPlan has seqs too
+        plan.remaining = executor.remaining(plan)
         res = sched.apply_decode_step(plan, now, executor.execute)
         duration = res.result.duration
         end = now + duration

@@ -30,6 +30,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Protocol
 
 import numpy as np
 import simpy
@@ -74,6 +75,19 @@ class ArrivalFeed:
     @property
     def exhausted(self) -> bool:
         return self.next_index >= len(self.requests)
+
+
+class Arrivals(Protocol):
+    """What a replica's engine process asks of its arrivals: an ArrivalFeed, or anything shaped like
+    it (sim.disagg's decode replicas, whose arrivals are not known in advance). A protocol, not the
+    class: the compiled engine (build_compiled.py) checks argument types at run time."""
+
+    @property
+    def exhausted(self) -> bool: ...
+
+    def next_arrival(self) -> float: ...
+
+    def queued_by(self, times: Sequence[float], scheduler: Scheduler) -> list[int]: ...
 
 
 class ArrivalTimeout(simpy.Timeout):
@@ -156,6 +170,9 @@ def arrival_process(env: simpy.Environment, feed: ArrivalFeed, replicas: list[Re
     # here, the one place (replicas are between iterations at such an arrival: windows end before
     # it, and the iteration after a window settles the batch today; this keeps it so if that changes)
     whole = [r.scheduler for r in replicas] if router is not None and router.reads == SCHEDULER else []
+    # a user's router may answer anything: its answer is an object here (the compiled engine would
+    # otherwise check it is the int Router.route declares, before _replica_index could name it)
+    route: Callable[[Request, list], object] | None = router.route if router is not None else None
     while not feed.exhausted:
         request = feed.requests[feed.next_index]
         if request.arrival > env.now:
@@ -163,9 +180,8 @@ def arrival_process(env: simpy.Environment, feed: ArrivalFeed, replicas: list[Re
         feed.next_index += 1
         for sched in whole:
             sched.materialise()
-        i = router.route(request, schedulers) if router is not None else 0
-        if type(i) is not int:  # a user's router may answer anything
-            i = _replica_index(i, router, request, len(replicas))
+        answer = route(request, schedulers) if route is not None else 0
+        i = answer if type(answer) is int else _replica_index(answer, router, request, len(replicas))
         if not 0 <= i < len(replicas):
             raise RuntimeError(f"router {router.name if router else '-'} picked replica {i} of {len(replicas)} "
                                f"(indices 0-{len(replicas) - 1}) for request {request.request_id}")
@@ -180,7 +196,7 @@ def _replica_index(i: object, router: Router | None, request: Request, n: int) -
                        f"{request.request_id}: route() must return a replica index, an int in 0-{n - 1}")
 
 
-def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
+def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals):
     """The serving loop: schedule, execute, apply; idle until an arrival when there is nothing to do."""
     sched = replica.scheduler
     step = replica.step
@@ -227,12 +243,14 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: ArrivalFeed):
             replica.wakeup = env.event()
             yield replica.wakeup
             continue
-        yield env.timeout(it.result.duration)  # simulated time passes: the cost model's duration
+        result = it.result
+        assert result is not None  # not idle
+        yield env.timeout(result.duration)  # simulated time passes: the cost model's duration
         finished = step.complete(it, env.now)  # arrivals due by now have landed (ArrivalTimeout)
         if finished and replica.on_finish is not None:
             replica.on_finish(finished)
         if replica.observer is not None:
-            replica.observer(it.start, it.result.duration, sched)
+            replica.observer(it.start, result.duration, sched)
         if replica.debug:
             _check(sched)
         if replica.on_progress is not None:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from policies.plan import RepeatPlan, SeqOutcome, StepComposition, StepPlan, StepResult
+from policies.plan import DecodeStepPlan, RepeatPlan, SeqOutcome, StepComposition, StepPlan, StepResult
 from sim.cost_model import CostModel
 
 
@@ -120,6 +120,7 @@ class SimulatedExecutor:
             if not ss.samples:
                 continue
             seq = ss.seq
+            assert seq is not None, "an executed plan's sequences come with their Sequence"
             group = seq.group
             sp = group.request.sampling
             if sp.n == 1 and sp.beam_width == 1:  # the common case
@@ -155,7 +156,7 @@ class SimulatedExecutor:
                 self.targets[seq.seq_id] = t
         return t
 
-    def remaining(self, plan: RepeatPlan) -> list[int]:
+    def remaining(self, plan: RepeatPlan | DecodeStepPlan) -> list[int]:
         """How many more tokens each sequence of the plan's batch samples before it finishes, as
         `target` decides: the trace's length, or a forked sample's drawn one (drawn at its first
         step, before any window can contain it)."""

@@ -184,6 +184,21 @@ def _state(sched: VllmScheduler) -> list:
     return [groups, bm.pool.free, bm.pool.used_filled]
 
 
+class _RecordingExecutor:
+    """An executor that records the (seq id, Sequence) pairs of every plan it executes and passes
+    everything to `inner` (a wrapper: the compiled kernel's executor takes no attribute of its own)."""
+
+    def __init__(self, inner, executed: list) -> None:
+        self.inner, self.executed = inner, executed
+
+    def execute(self, plan, comp):
+        self.executed.append([(ss.seq_id, ss.seq) for ss in plan.seqs])
+        return self.inner.execute(plan, comp)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
 @pytest.mark.parametrize("finishing", [False, True])
 def test_an_admitting_iteration_is_applied_as_one_window_as_stepping_applies_it(finishing):
     # a request waits that the next iteration admits: no window of plain decodes, but that one
@@ -194,9 +209,7 @@ def test_an_admitting_iteration_is_applied_as_one_window_as_stepping_applies_it(
     for sched in (a, b):
         sched.add_request(Request(10, now, 30, SamplingParams(max_tokens=5, ignore_eos=True), 5))
     executed = []  # the partial plan is all the executor reads: each of its sequences comes with it
-    execute = rs_a.executor.execute
-    rs_a.executor.execute = lambda plan, comp: executed.append([(ss.seq_id, ss.seq) for ss in plan.seqs]) or \
-        execute(plan, comp)
+    rs_a.executor = _RecordingExecutor(rs_a.executor, executed)
     window = rs_a.begin_window(now)
     assert [[sid for sid, _ in e] for e in executed] == [([0] if finishing else []) + [a.running[-1].seqs[0].seq_id]]
     assert all(seq is not None and seq.seq_id == sid for sid, seq in executed[0])
