@@ -19,14 +19,22 @@ an emulated engine (`pagesim serve --emulate`, sim.emulated.PacedClock) plans ea
 executor's priced duration and waits for the wall clock to get there before releasing its tokens.
 The replica's executor holds no scheduler and is told about a served request only through its two
 hooks (`ServedExecutor`: `register` before the scheduler sees it, `release` once it has ended):
-`LiveExecutor` or sim.emulated.EmulatedExecutor, both built through policies.replica_config.build_replica. With `output_lag_steps` k > 0 a step's outputs are held until k more
-steps have ended (vLLM V1 sends a step's outputs while the next one runs), and sent at once when
-the engine has nothing left to run or a request ends early.
+`LiveExecutor` or sim.emulated.EmulatedExecutor, both built through policies.replica_config.build_replica.
+
+Output lag (`output_lag_steps` = n + f, n whole, 0 <= f < 1; vLLM V1 sends a step's outputs while
+the next one runs): the outputs of step i go out at end(i + n) + f * duration(i + n + 1), the time
+policies.client_latency.lagged_times gives `pagesim simulate`'s client latencies, and at once when
+the engine goes idle. Invariant: a step's outputs are never delivered before that lagged time, and
+nothing is held once the engine is idle (one exception, for order: a request that ends early, aborted
+or rejected, first gets its own held outputs). A step that starts a little after the previous one's
+end (a request read in just after it) is not idleness and does not flush: the simulated engine would
+have run it back to back. The live engine holds nothing (lag 0).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import threading
 import time
@@ -84,6 +92,8 @@ class StepClock(Protocol):
 
     def wait(self, end: float, step: float) -> float: ...  # block until its tokens may go out; the lag
 
+    def until(self, t: float) -> float: ...  # block until engine time t (inside a step); how late
+
 
 class WallClock:
     """The live loop's clock: engine time is wall time; an iteration lasts what it measured."""
@@ -110,6 +120,9 @@ class WallClock:
 
     def wait(self, end: float, step: float) -> float:
         return 0.0
+
+    def until(self, t: float) -> float:
+        return 0.0  # a measured step has already ended: what is owed part-way through it goes now
 
 
 class EngineObserver:
@@ -145,13 +158,17 @@ class AsyncEngine:
     Invariant: every request submitted is, once the engine has stopped, in `scheduler.done`."""
 
     def __init__(self, replica: ReplicaStep, tokenizer=None, observer: EngineObserver | None = None,
-                 debug: bool = False, clock: StepClock | None = None, output_lag_steps: int = 0) -> None:
+                 debug: bool = False, clock: StepClock | None = None, output_lag_steps: float = 0.0) -> None:
+        if not (math.isfinite(output_lag_steps) and output_lag_steps >= 0):
+            raise ValueError(f"--output-lag-steps: must be a finite number >= 0, got {output_lag_steps!r}")
         self.replica = replica
         self.scheduler: Scheduler = replica.scheduler
         self.executor: ServedExecutor = replica.executor
         self.tokenizer = tokenizer
         self.timing: StepClock = clock or WallClock()
         self.output_lag_steps = output_lag_steps
+        self._lag_whole = int(output_lag_steps)                  # n: whole steps held
+        self._lag_frac = output_lag_steps - self._lag_whole      # f: and this fraction of the one after
         self._held: deque[list[tuple[Callable, RequestOutput]]] = deque()  # outputs of the last steps, unsent
         self.observer = observer or EngineObserver()
         self.debug = debug  # check the block pool after every step
@@ -306,14 +323,24 @@ class AsyncEngine:
         end = self.timing.end(now, step.result)  # live: measured wall time; emulated: the priced time
         finished = self.replica.complete(step, end)
         self.observer.on_step(sched, step.result.duration, len(plan.preempted))
-        self.timing.wait(end, step.result.duration)  # emulated: tokens go out when the wall clock gets there
+        self._release_lagged(now, end)
         done = {g.group_id for g in finished}
         self._held.append([self._publish(group, end, group.group_id in done)
                            for group in {g.group_id: g for g in sampling.values()}.values()])
-        while len(self._held) > self.output_lag_steps:
+        while len(self._held) > self._lag_whole + (self._lag_frac > 0):
             self._deliver(self._held.popleft())
         if self.debug:
             self._check_pool()
+
+    def _release_lagged(self, start: float, end: float) -> None:
+        """Wait until the step [start, end] has ended on the clock (emulated: the wall clock gets to its
+        planned end). With a fractional lag f, the held step that has already waited its n whole steps
+        goes out on the way, at start + f * (end - start): the lagged time of the module docstring."""
+        if self._lag_frac and len(self._held) > self._lag_whole:
+            self.timing.until(start + self._lag_frac * (end - start))
+            while len(self._held) > self._lag_whole:
+                self._deliver(self._held.popleft())
+        self.timing.wait(end, end - start)  # emulated: this step's tokens exist when the wall clock gets there
 
     def _deliver(self, outputs: list[tuple[Callable, RequestOutput]]) -> None:
         for sink, out in outputs:
@@ -355,8 +382,16 @@ class AsyncEngine:
             self.observer.on_end(group, "length" if set(out.finish_reasons.values()) == {"length"} else "stop")
         return live.req.sink, out
 
+    def _deliver_own(self, group_id: int) -> None:
+        """Deliver now the held outputs of one request (it is ending early), the others keep their lag."""
+        for batch in self._held:
+            mine = [item for item in batch if item[1].request_id == group_id]
+            if mine:
+                self._deliver(mine)
+                batch[:] = [item for item in batch if item[1].request_id != group_id]
+
     def _end(self, group: SequenceGroup, live: _Live, error: str, aborted: bool = False) -> None:
-        self._flush()  # what it was sent before goes first
+        self._deliver_own(group.group_id)  # what it was sent before goes first
         self._forget(group)
         self.observer.on_end(group, "abort" if aborted else "rejected")
         live.req.sink(RequestOutput(group.group_id, {}, finished=True, error=error, aborted=aborted))

@@ -259,7 +259,8 @@ def fidelity(args: argparse.Namespace) -> None:
         print(f"\n{name}: rate {stage.rate:g} req/s, {len(trace)} requests ({warm_s + duration:g} s of arrivals: "
               f"the first {skip} ({warm_s:g} s, {args.warm_up_cycles} prompt cycles) warm the prefix cache and are "
               f"left out), time scale {args.time_scale:g}; release lag p50 {lag['p50_s'] * 1e3:.2f} ms, p99 "
-              f"{lag['p99_s'] * 1e3:.2f} ms, late {lag['behind']}/{lag['releases']}")
+              f"{lag['p99_s'] * 1e3:.2f} ms, late {lag['behind']}/{lag['releases']}; output lag "
+              f"{summary['output_lag_steps']:.3f} steps")
         if summary["client_errors"]:  # counted, not hidden: the figures are over the requests that succeeded
             print(f"FAILED: {len(summary['client_errors'])} requests, e.g. {summary['client_errors'][0]}")
         if not steady:

@@ -9,7 +9,8 @@ What a client sees beyond the engine is emulated from the calibration's client t
 as `pagesim simulate` adds them to its latencies: each call waits --frontend-delay (default the
 calibration's client_ttft_s: vLLM's HTTP, tokenization and first chunk) before it reaches the engine,
 and each iteration's tokens go out --output-lag-steps iterations later (default its
-client_output_lag_steps, rounded: vLLM V1 sends a step's outputs while the next one runs). This
+client_output_lag_steps, e.g. 1.28: the end of the next iteration plus 0.28 of the one after, as
+`pagesim simulate` applies it; vLLM V1 sends a step's outputs while the next one runs). This
 server's own HTTP cost comes on top (about a millisecond on loopback). With a profile both are 0.
 Prompts are tokenized by --tokenizer (a HF folder or GGUF file) or the documented approximation of
 backend/text_tokens.py; answers are words of its fixed output vocabulary.
@@ -86,9 +87,9 @@ def add_emulate_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--frontend-delay", type=non_negative_float, metavar="SECONDS",
                    help="emulated seconds each call waits before it reaches the engine (default: the calibration's "
                         "client_ttft_s; 0 with --profile)")
-    e.add_argument("--output-lag-steps", type=non_negative_int, metavar="K",
-                   help="iterations after its own that a step's tokens go out (default: the calibration's "
-                        "client_output_lag_steps, rounded; 0 with --profile)")
+    e.add_argument("--output-lag-steps", type=non_negative_float, metavar="K",
+                   help="iterations after its own that a step's tokens go out, a fraction of the last one "
+                        "included (default: the calibration's client_output_lag_steps; 0 with --profile)")
     k = p.add_argument_group("KV-cache events (--emulate, with --prefix-caching: vLLM's KV events for cache-aware "
                              "routers; backend/kv_events.py)")
     k.add_argument("--kv-events", action="store_true",
@@ -268,12 +269,12 @@ def _offset_port(endpoint: str, i: int, flag: str) -> str:
     return f"{head}:{int(port) + i}"
 
 
-def _client_terms(args: argparse.Namespace, cost: CostModel) -> tuple[float, int]:
+def _client_terms(args: argparse.Namespace, cost: CostModel) -> tuple[float, float]:
     """(--frontend-delay in emulated seconds, --output-lag-steps): given, or the cost model's client
     terms (a calibration's; none for a profile: 0 and 0)."""
     terms = cost.client_terms() or ClientTerms()
     frontend = terms.ttft_s if args.frontend_delay is None else args.frontend_delay
-    lag = round(terms.output_lag_steps) if args.output_lag_steps is None else args.output_lag_steps
+    lag = terms.output_lag_steps if args.output_lag_steps is None else args.output_lag_steps
     args.frontend_delay, args.output_lag_steps = frontend, lag  # as run: the summary's config says so
     return frontend, lag
 

@@ -27,7 +27,9 @@ between iterations costs no engine time), or when the newest request it may incl
 whichever is later (never later than now; after an iteration that ran nothing, now); it ends its priced duration later, and its tokens are released when the wall
 clock gets there (`wait`). How late each release was (wall seconds) is the clock's lag: reported
 to `on_lag`, and when it exceeds `behind_s` or `behind_fraction` of the step's wall time the clock
-is behind (`behind`): it catches up by releasing at once, never by stretching the plan.
+is behind (`behind`): it catches up by releasing at once, never by stretching the plan. `until`
+sleeps to a point inside an iteration (a fractional output lag, backend/async_engine.py) and
+counts nothing: the release measured is the iteration's end.
 """
 
 from __future__ import annotations
@@ -216,14 +218,18 @@ class PacedClock:
         """Nothing ran: the next iteration starts when it is planned, not back to back."""
         self._last_end = None
 
-    def wait(self, end: float, step: float) -> float:
-        """Sleep until the wall clock reaches engine time `end` (an iteration of `step` engine
-        seconds ends there); returns the release's lag in wall seconds."""
-        target = self._t0 + end / self.time_scale
+    def until(self, t: float) -> float:
+        """Sleep until the wall clock reaches engine time `t`; how late it woke (wall seconds, >= 0)."""
+        target = self._t0 + t / self.time_scale
         delay = target - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        lag = max(0.0, time.perf_counter() - target)
+        return max(0.0, time.perf_counter() - target)
+
+    def wait(self, end: float, step: float) -> float:
+        """Sleep until the wall clock reaches engine time `end` (an iteration of `step` engine
+        seconds ends there); returns the release's lag in wall seconds, counted in `stats`."""
+        lag = self.until(end)
         step_wall = step / self.time_scale
         behind = lag > self.behind_s or lag > self.behind_fraction * step_wall
         self.stats.add(lag, behind)

@@ -169,6 +169,10 @@ def test_sigterm_drains_in_flight_and_writes_tables(server):
     assert len(seen) == 300 and seen[-1].finish_reason == "length"  # drained, not cut
     summary = json.loads((server["out"] / "summary.json").read_text())
     assert summary["mode"] == "emulate" and summary["time_scale"] == 5 and summary["pool_whole"]
+    from sim.calibrated import load_calibration
+
+    # the calibration's output lag as run, unrounded (1.28 steps: the fraction is held, tests/test_output_lag.py)
+    assert summary["output_lag_steps"] == load_calibration("vllm-v1-h100").params.client_output_lag_steps
     assert summary["release_lag"]["releases"] >= 300
     import pandas as pd
 
