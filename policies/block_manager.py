@@ -52,12 +52,19 @@ class BlockPool:
     evicts its hash, if any. It is kept in two parts, as a block's hash says which it is in: the
     never-cached blocks (a stack whose top is the queue's front: a freed one is reused first)
     and the idle cached ones (least recently freed first); only a take clears a hash, so no block
-    moves between them while free. `num_free` is kept: len(_fresh) + len(_idle), always.
+    moves between them while free.
+
+    Blocks are made when first taken: `blocks` holds blocks 0 .. len(blocks) - 1 (block i at index
+    i), and the ids from len(blocks) to num_blocks - 1, never taken, lie under the never-cached
+    stack in id order (the lowest taken first, as if the stack had started full). A small model on
+    a large GPU has millions of blocks and a run may touch a few hundred. `num_free` is kept:
+    len(_fresh) + len(_idle) + the blocks not made yet, always.
     """
 
     def __init__(self, num_blocks: int) -> None:
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._fresh: list[int] = list(range(num_blocks - 1, -1, -1))  # hash None; the front is the end
+        self.num_blocks = num_blocks
+        self.blocks: list[Block] = []  # the blocks taken at least once, by id
+        self._fresh: list[int] = []  # made, free, hash None; the front is the end
         self._idle: OrderedDict[int, None] = OrderedDict()  # hashed, least recently freed first
         self.cached: dict[int, int] = {}  # content hash -> block id
         self.evictions = 0
@@ -69,7 +76,14 @@ class BlockPool:
     @property
     def free(self) -> list[int]:
         """The free queue's block ids, front first (a copy: for checks and tests)."""
-        return [*reversed(self._fresh), *self._idle]
+        return [*reversed(self._fresh), *range(len(self.blocks), self.num_blocks), *self._idle]
+
+    def _make(self, n: int) -> None:
+        """Make the next `n` never-taken blocks, under the never-cached stack (after every block
+        freed there, in the free queue's order)."""
+        first = len(self.blocks)
+        self.blocks.extend([Block(i) for i in range(first, first + n)])
+        self._fresh[:0] = range(first + n - 1, first - 1, -1)
 
     def take(self) -> Block:
         return self.blocks[self.take_ids(1)[0]]
@@ -78,6 +92,8 @@ class BlockPool:
         """`take()` n times (the caller has counted them against the free blocks); their ids, in
         the order taken. One loop for the many blocks a window of decodes opens."""
         fresh, blocks = self._fresh, self.blocks
+        if n > len(fresh) and len(blocks) < self.num_blocks:
+            self._make(min(n - len(fresh), self.num_blocks - len(blocks)))
         if n <= len(fresh):  # the common case: never-cached blocks only, taken from the stack's top
             ids = fresh[:-n - 1:-1] if n else []
             del fresh[len(fresh) - n:]
@@ -162,7 +178,7 @@ class BlockPool:
     def clear_cache(self) -> bool:
         """Forget every cached hash (vLLM's reset_prefix_cache): only while no block is in use
         (else False, nothing changes); the idle cached blocks become never-cached free blocks."""
-        if self.num_free != len(self.blocks):
+        if self.num_free != self.num_blocks:
             return False
         for block_id in self._idle:
             self.blocks[block_id].hash = None
@@ -172,6 +188,24 @@ class BlockPool:
         if self.listener is not None:
             self.listener.cleared()
         return True
+
+    def check_invariants(self, refs: list[int]) -> None:
+        """Raise AssertionError unless each made block's reference count is `refs[block id]` (the
+        block tables' count, one per made block), the free queue holds exactly the blocks with no
+        reference, once, and every cache entry names a block with its hash."""
+        made = len(self.blocks)
+        assert len(refs) == made, f"{len(refs)} reference counts for {made} blocks"
+        free = self._fresh + list(self._idle)
+        free_ids = set(free)
+        assert len(free_ids) == len(free), "a block is in the free queue twice"
+        assert self.num_free == len(free) + self.num_blocks - made, \
+            f"kept free count {self.num_free} != {len(free) + self.num_blocks - made}"
+        assert all(b < made for b in free_ids), "the free queue holds a block never taken"
+        for blk in self.blocks:
+            assert blk.ref_count == refs[blk.block_id], f"block {blk.block_id}: ref {blk.ref_count} != {refs[blk.block_id]}"
+            assert (blk.ref_count == 0) == (blk.block_id in free_ids), f"block {blk.block_id}: free-queue mismatch"
+        for h, bid in self.cached.items():
+            assert self.blocks[bid].hash == h, f"cache entry {h} points at block {bid} with other hash"
 
 
 class CpuBlockPool:
@@ -617,24 +651,17 @@ class PagedBlockManager:
         steps counted in the pool's token states and tables but not yet in the sequences' slots
         and fill levels (a scheduler's running batch), by seq id."""
         owed = owed or {}
-        refs = [0] * self.num_gpu_blocks
+        made = len(self.pool.blocks)
+        refs = [0] * made  # blocks never taken have none, and the pool checks they are free
         for sid, table in self.tables.items():
             assert len(table) == _cdiv(self.slots[sid] + owed.get(sid, 0), self.block_size), \
                 f"seq {sid}: table/slots mismatch"
             for b in table:
+                assert 0 <= b < made, f"seq {sid}: block {b} in its table was never taken"
                 refs[b] += 1
+        self.pool.check_invariants(refs)
         filled = sum(b.filled for b in self.pool.blocks if b.ref_count > 0) + sum(owed.values())
         assert filled == self.pool.used_filled, f"token-state count {self.pool.used_filled} != {filled}"
-        free = self.pool.free
-        assert len(set(free)) == len(free), "a block is in the free queue twice"
-        assert self.pool.num_free == len(free), f"kept free count {self.pool.num_free} != {len(free)}"
-        free_ids = set(free)
-        for blk in self.pool.blocks:
-            assert blk.ref_count == refs[blk.block_id], \
-                f"block {blk.block_id}: ref {blk.ref_count} != {refs[blk.block_id]}"
-            assert (blk.ref_count == 0) == (blk.block_id in free_ids), f"block {blk.block_id}: free-queue mismatch"
-        for h, bid in self.pool.cached.items():
-            assert self.pool.blocks[bid].hash == h, f"cache entry {h} points at block {bid} with other hash"
         cpu_refs = [0] * self.cpu.num_blocks
         for t in self.cpu_tables.values():
             for c in t:

@@ -351,18 +351,21 @@ def test_freed_cached_blocks_are_reused_then_evicted_lru():
     assert bm.allocate(group(5, 1, ids=[1, 2, 3, 4, 1]).seqs[0]) == 4     # a's prefix survived
 
 
-def test_block_pool_free_queue_matches_one_ordered_queue():
+@pytest.mark.parametrize("num_blocks", [12, 400])
+def test_block_pool_free_queue_matches_one_ordered_queue(num_blocks: int):
     """The pool's two-part free queue (never-cached stack, idle cached LRU) takes, evicts and
     revives blocks exactly as one queue would: never-cached blocks at the front (a freed one
-    first), cached ones behind in the order they were freed."""
+    first), cached ones behind in the order they were freed; blocks never taken yet (made on
+    first take) lie in id order right after the freed never-cached ones."""
     import random
     from collections import OrderedDict
 
     rng = random.Random(7)
-    pool = BlockPool(12)
-    queue = OrderedDict.fromkeys(range(12))  # the reference: one ordered free queue
+    pool = BlockPool(num_blocks)
+    queue = OrderedDict.fromkeys(range(num_blocks))  # the reference: one ordered free queue
     hashes: dict[int, int] = {}  # the reference's block -> hash
     used: list[int] = []
+    used_ever: set[int] = set()
     for step in range(3000):
         op = rng.random()
         if op < 0.4 and queue:
@@ -374,6 +377,7 @@ def test_block_pool_free_queue_matches_one_ordered_queue():
                 want.append(b)
             assert pool.take_ids(n) == want
             used.extend(want)
+            used_ever.update(want)
         elif op < 0.5 and used:  # name a block's content, as prefix caching does to full blocks
             b = rng.choice(used)
             h = rng.randint(0, 30)
@@ -398,7 +402,30 @@ def test_block_pool_free_queue_matches_one_ordered_queue():
             pool.release_ids(gone)
         assert list(pool.free) == list(queue), step
         assert pool.num_free == len(queue)
+        assert len(pool.blocks) == max(used_ever, default=-1) + 1  # made on first take, not before
     assert pool.evictions > 0
+
+
+def test_a_huge_pool_makes_only_the_blocks_taken():
+    """A small model on a large GPU: millions of blocks, of which a run takes a few; the pool makes
+    a block when it is first taken (in id order, after the freed ones), and its checks walk only
+    those."""
+    bm = PagedBlockManager(5_000_000, block_size=4)
+    seqs = [group(10 + i, 1).seqs[0] for i in range(3)]  # 3 blocks each
+    for s in seqs:
+        prefill(bm, s)
+    assert [bm.block_table(s.seq_id) for s in seqs] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert len(bm.pool.blocks) == 9 and bm.num_free_blocks == 5_000_000 - 9
+    bm.check_invariants()
+    bm.free(seqs[1])
+    late = group(17, 1).seqs[0]  # 5 blocks: the 3 freed ones, then 2 never taken
+    prefill(bm, late)
+    assert sorted(bm.block_table(late.seq_id)[:3]) == [3, 4, 5] and bm.block_table(late.seq_id)[3:] == [9, 10]
+    assert len(bm.pool.blocks) == 11
+    bm.check_invariants()
+    bm.pool.blocks[4].ref_count += 1  # a miscount the check must see
+    with pytest.raises(AssertionError, match="block 4"):
+        bm.check_invariants()
 
 
 def test_idle_cached_hits_count_as_blocks_taken_from_the_free_queue():
