@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from policies.client_latency import ClientTerms, sent_known
+from policies.client_latency import ClientTerms, client_ttft_e2e, sent_pair
 from sim.cost_model import CostModel
 from sim.run import SimConfig, build_cost_model, run_simulation
 from sim.specs import get_hardware
@@ -319,21 +319,15 @@ def predicted_metrics(requests: pd.DataFrame | FinishedRequests, client: ClientT
     """`LATENCY_METRICS` of a simulated requests table (or its `FinishedRequests`), as a client would
     measure them: the client's TTFT add on TTFT and E2E, its per-token add on E2E, and its output lag
     (over `iterations`, the run's iteration table; needed when the lag is not zero) on the first and
-    last tokens. The same arithmetic, in the same order, as the client columns every run reports
-    (policies/client_latency.py `client_columns`), on the finished rows: the same figures bit for bit."""
+    last tokens, by the functions the client columns every run reports use (policies/client_latency.py
+    `sent_pair`, `client_ttft_e2e`), on the finished rows: the same figures bit for bit."""
     done = requests if isinstance(requests, FinishedRequests) else FinishedRequests.of(requests)
     if not len(done.arrival):
         return dict.fromkeys(LATENCY_METRICS + REQUEST_RUN_METRICS[:4], math.nan)
-    first, last = done.first_token, done.finish
-    if client.output_lag_steps > 0:
-        if iterations is None:
-            raise ValueError("an output lag needs the run's iteration table")
-        first = sent_known(first, iterations, client.output_lag_steps, done.replica)
-        last = sent_known(last, iterations, client.output_lag_steps, done.replica)
+    first, last = sent_pair(done.first_token, done.finish, iterations, client.output_lag_steps, done.replica)
     out = done.output_len
     with np.errstate(divide="ignore", invalid="ignore"):
-        ttft = first - done.arrival + client.ttft_s
-        e2e = last - done.arrival + client.ttft_s + client.per_output_token_s * np.maximum(out - 1, 0)
+        ttft, e2e = client_ttft_e2e(done.arrival, first, last, out, client)
         tpot = np.where(out > 1, (e2e - ttft) / (out - 1), np.nan)
     tpot = tpot[~np.isnan(tpot)]
     p_ttft, p_e2e = np.percentile(ttft, [10, 50, 90]), np.percentile(e2e, [90, 99])

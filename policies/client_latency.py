@@ -90,14 +90,30 @@ def client_timestamps(requests: pd.DataFrame, iterations: pd.DataFrame | None,
     """(first token, last token) per row of `requests` as sent to the client after the output lag
     (NaN where the server has none), each over its own replica's iterations (the table's replica
     column, when it has one)."""
-    first = requests.first_token_time.to_numpy(np.float64)
-    last = requests.finish_time.to_numpy(np.float64)
+    replica = requests.replica.to_numpy() if "replica" in requests.columns else None
+    return sent_pair(requests.first_token_time.to_numpy(np.float64), requests.finish_time.to_numpy(np.float64),
+                     iterations, lag_steps, replica)
+
+
+def sent_pair(first: np.ndarray, last: np.ndarray, iterations: pd.DataFrame | None, lag_steps: float,
+              replica: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(first, last) token times as sent after an output lag of `lag_steps` (`sent_known`); the
+    same arrays when there is no lag."""
     if lag_steps <= 0:
         return first, last
     if iterations is None:
         raise ValueError("an output lag needs the run's iteration table")
-    replica = requests.replica.to_numpy() if "replica" in requests.columns else None
     return sent_known(first, iterations, lag_steps, replica), sent_known(last, iterations, lag_steps, replica)
+
+
+def client_ttft_e2e(arrival: np.ndarray, first_sent: np.ndarray, last_sent: np.ndarray, output_len: np.ndarray,
+                    terms: ClientTerms) -> tuple[np.ndarray, np.ndarray]:
+    """The client's TTFT and E2E of requests from their tokens' send times: the fixed add on both,
+    the per-token add (after the first token) on E2E. The one place of this arithmetic, so that the
+    request table's client columns and analysis' metrics agree bit for bit."""
+    ttft = first_sent - arrival + terms.ttft_s
+    e2e = last_sent - arrival + terms.ttft_s + terms.per_output_token_s * np.maximum(output_len - 1, 0)
+    return ttft, e2e
 
 
 def sent_known(times: np.ndarray, iterations: pd.DataFrame, lag_steps: float,
@@ -123,9 +139,8 @@ def client_columns(requests: pd.DataFrame, first_sent: np.ndarray, last_sent: np
     # nothing that needs a finish: its last token never reached the client as a last token
     first_seen = done | (status == "aborted")
     with np.errstate(divide="ignore", invalid="ignore"):
-        ttft = np.where(first_seen, first_sent - arrival + terms.ttft_s, np.nan)
-        e2e = np.where(done, last_sent - arrival + terms.ttft_s + terms.per_output_token_s * np.maximum(out - 1, 0),
-                       np.nan)
+        ttft, e2e = client_ttft_e2e(arrival, first_sent, last_sent, out, terms)
+        ttft, e2e = np.where(first_seen, ttft, np.nan), np.where(done, e2e, np.nan)
         columns = {"client_ttft": ttft,
                    "client_tpot": np.where(done & (out > 1), (e2e - ttft) / (out - 1), np.nan),
                    "client_e2e_latency": e2e,
