@@ -44,16 +44,17 @@ CONFIGS: dict[str, list[str]] = {
 # main before the frontdoor and core23 merges: requests.csv gained requested_output_len, and vtc's summary
 # the fairness measured over competing clients; iterations are unchanged. Summaries recorded again after
 # b82ab74 (goodput and slo_attainment null when no SLO applies: none of these runs has one), the same on
-# main at 1eaeb15 and on frontdoor
+# main at 1eaeb15 and on frontdoor. chunked-prefix and cache-aware-4 (prefix caching, recompute preemption)
+# recorded again for issue 26: output blocks are hashed, so a readmitted sequence hits its own output blocks
 RECORDED: dict[str, tuple[str, str, str]] = {
     "vllm": ("dd2d7ddd61b6b483", "cadd20579c15c963", "981897696289f5ed"),
     "sjf": ("276431f7d650776b", "dcd708c546abe2de", "25ddbf3692908cb0"),
     "vtc": ("297921dfa104824c", "e638e02aeb2b646a", "dc0f6b8fe26f2617"),
     "swap": ("be6454ae7563f58e", "7fa052573ec16a21", "b389f7a610dc5d19"),
-    "chunked-prefix": ("84b3e890540d793a", "7a0625e821c94094", "9238d6286736e770"),
+    "chunked-prefix": ("696540f29592778c", "f8bb4458b0599bc6", "ec0f4f79b1c01fea"),
     "least-loaded-4": ("9074e4b250226b93", "17e0fd9eff5d17c9", "db0729fa6def29a1"),
     "least-loaded-16": ("7630081738de15c7", "68e506ff5c990eec", "9cbc2376056fba0b"),
-    "cache-aware-4": ("17fe9ebd010a2026", "0611d08b328fa6b8", "4571a9ea8ad03d97"),
+    "cache-aware-4": ("d33f6c1b00b1ebd9", "6884ebd2e6d0a89a", "3127cd3838e12944"),
     "n3": ("06c324ca121310b0", "01378f40c903ed3e", "6c6c2d8c97400633"),
     "beam3": ("187e6caab654d2da", "698a2daaec3eda11", "8e2c996383dfae96"),
 }

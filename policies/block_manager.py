@@ -243,6 +243,43 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _block_content(seq: Sequence, start: int, end: int) -> tuple[object, ...] | None:
+    """What names the tokens at positions [start, end) of `seq` (the full block's content, hashed
+    with its parent's hash), or None when the prompt part cannot be named.
+
+    Token ids, when the sequence keeps them, name the block, unless output positions hold
+    simulated tokens (-1): those, like every output of a sequence without ids, are named by who
+    generated them (`Sequence.output_origins`) after the prompt part (its ids, or the chained
+    prefix hash of the hash block holding the prompt's last token and that token's offset in it:
+    every prompt token). A prompt-only block of prefix hashes is named the same way at its own end."""
+    p = seq.prompt_len
+    ids = seq.token_ids
+    prompt_part: tuple[object, ...]
+    if ids is not None:
+        block = tuple(ids[start:end])
+        if end <= p or -1 not in block[max(p - start, 0):]:  # a prompt block, or real output ids
+            return block
+        prompt_part = block[:max(p - start, 0)]
+    elif start < p:
+        ph = seq.group.request.prefix_hashes
+        hbs = seq.group.request.hash_block_size
+        last = min(end, p)
+        # the chained hash of the hash block holding the block's last prompt token names every
+        # token up to there, so (it, end offset) names the prompt part even when block and
+        # hash-block boundaries do not line up
+        k = (last - 1) // hbs
+        if ph is None or k >= len(ph):
+            return None
+        prompt_part = ("h", ph[k], last - k * hbs)
+        if end <= p:
+            return prompt_part
+    else:
+        prompt_part = ()
+    # (prompt part, output runs): a pair whose second item is a tuple of runs, which no block of
+    # ids (ints) or prompt-only prefix-hash block equals
+    return (prompt_part, seq.output_origins(max(start, p), end))
+
+
 class PagedBlockManager:
     """Per-sequence block tables over a `BlockPool`, with fork, copy-on-write, swap and prefix caching.
 
@@ -319,7 +356,11 @@ class PagedBlockManager:
 
     # ---------------------------------------------------------------- prefix caching
     def _block_hash(self, seq: Sequence, i: int) -> int | None:
-        """Chained content hash of the sequence's full logical block i, or None when unknown."""
+        """Chained content hash of the sequence's full logical block i, or None when unknown (the
+        block is not full, or its prompt part has no content: no ids and no prefix hashes). Every
+        full block is named, output included, as vLLM V1 hashes every full block of a request:
+        simulated output tokens by `Sequence.output_origins`, so that only the sequence itself
+        (after a recompute) or a fork sharing the position finds them."""
         hashes = seq.block_hashes
         if i < len(hashes):
             return hashes[i]
@@ -329,22 +370,10 @@ class PagedBlockManager:
             end = (j + 1) * bs
             if end > seq.num_tokens:
                 return None
-            parent = hashes[j - 1] if j else 0
-            if seq.token_ids is not None:
-                content: tuple[object, ...] = tuple(seq.token_ids[j * bs:end])
-                if end > seq.prompt_len and -1 in content:  # simulated tokens have no content
-                    return None
-            else:
-                ph = seq.group.request.prefix_hashes
-                hbs = seq.group.request.hash_block_size
-                # the chained hash of the hash block holding the block's last token names every
-                # token up to there, so (it, end offset) names the block's content even when block
-                # and hash-block boundaries do not line up
-                k = (end - 1) // hbs
-                if ph is None or end > seq.prompt_len or k >= len(ph):
-                    return None
-                content = ("h", ph[k], end - k * hbs)
-            hashes.append(hash((parent, content)))
+            content = _block_content(seq, j * bs, end)
+            if content is None:
+                return None
+            hashes.append(hash((hashes[j - 1] if j else 0, content)))
         return hashes[i]
 
     def cached_prefix_blocks(self, request: Request) -> int:
@@ -532,6 +561,12 @@ class PagedBlockManager:
                 blocks[table[-1]].filled += k
             slots[s.seq_id] = c + k
 
+    def register_decoded(self, seq: Sequence, before: int) -> None:
+        """Name (prefix caching) the full blocks a sequence filled in decode steps applied in bulk,
+        since it had `before` tokens computed: as append_slots would have, one step at a time."""
+        bs = self.block_size
+        self._register_full_blocks(seq, before // bs, seq.num_computed // bs)
+
     def _register_full_blocks(self, seq: Sequence, start: int, stop: int) -> None:
         table = self.tables[seq.seq_id]
         for i in range(start, stop):
@@ -548,7 +583,8 @@ class PagedBlockManager:
             share(blocks[b])
         self.tables[child.seq_id] = list(table)
         self.slots[child.seq_id] = self.slots[parent.seq_id]
-        child.block_hashes = list(parent.block_hashes)
+        child.block_hashes = list(parent.block_hashes)  # the blocks before the fork point: shared content
+        child.fork_origins(parent)
 
     def free(self, seq: Sequence) -> None:
         """Drop everything the sequence holds: its device table (blocks whose count reaches zero

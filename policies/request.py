@@ -131,6 +131,7 @@ class Sequence:
         "finish_at",
         "group",
         "num_computed",
+        "origins",
         "output_len",
         "prompt_len",
         "seq_id",
@@ -150,6 +151,10 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.target_len = target_len      # outputs it will reach (trace length or max_tokens)
         self.block_hashes: list[int] = []  # chained content hashes of full blocks, filled lazily
+        # who generated the simulated output tokens (`output_origins`): (first position, seq id,
+        # restart epoch) per run of positions, in order; a fork appends the child's own run. None
+        # stands for the one run [(prompt_len, seq_id, 0)] (a million-request run keeps no list)
+        self.origins: list[tuple[int, int, int]] | None = None
         self.cum_logprob = 0.0
         # skip-ahead's running batch (policies/running_batch.py): the decode clock this
         # sequence's counters are exact at (-1: not a member, exact now) and the clock of its
@@ -191,6 +196,33 @@ class Sequence:
         or None when the sequence keeps none."""
         ids, k = self.token_ids, self.owed
         return ids if ids is None or not k else ids + [-1] * k
+
+    def output_origins(self, start: int, end: int) -> tuple[tuple[int, int, int], ...]:
+        """The content of simulated output positions [start, end) (start >= prompt_len): the runs of
+        `origins` they overlap, each clipped to start there. A simulated token carries no id, so it
+        is named by who generated it and where: only this sequence (after a recompute) or a fork
+        that inherited the position names it so, never another request. Invariant: `origins`
+        starts at prompt_len, its positions rise, and a run's origin is unique to its lineage
+        (None: the sequence's own single run)."""
+        runs = self.origins if self.origins is not None else [(self.prompt_len, self.seq_id, 0)]
+        out = []
+        for i, (first, seq_id, epoch) in enumerate(runs):
+            lo = max(first, start)
+            hi = min(runs[i + 1][0], end) if i + 1 < len(runs) else end
+            if lo < hi:  # a run that ends where it starts (a fork at its first token) names nothing
+                out.append((lo, seq_id, epoch))
+        return tuple(out)
+
+    def fork_origins(self, parent: Sequence) -> None:
+        """Inherit the parent's output origins up to this child's length (the fork point) and
+        name the child's own tokens from there by its seq id."""
+        runs = parent.origins if parent.origins is not None else [(parent.prompt_len, parent.seq_id, 0)]
+        self.origins = [*runs, (self.num_tokens, self.seq_id, 0)]
+
+    def restart_origins(self, epoch: int) -> None:
+        """After a restart from the prompt the outputs are sampled anew: a new epoch names them
+        (`epoch` must differ from every earlier one of this sequence)."""
+        self.origins = [(self.prompt_len, self.seq_id, epoch)]
 
     def append(self, token: int | None) -> None:
         self.output_len += 1

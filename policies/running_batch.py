@@ -14,6 +14,13 @@ them members (what a reader outside the scheduler is handed, at an iteration bou
 (a window opens them as stepping would), and the pool's token-state count is kept exact by the
 caller, so only the per-sequence fields are owed.
 
+Prefix caching: stepping names each full block as it fills (PagedBlockManager.append_slots); a
+member's blocks filled while it was owed are named when it is materialised, in one go. That is the
+same cache: what a member's decode fills is its own output, at positions its lineage never reached
+before (a recomputed sequence refills its earlier blocks stepped, as a prefill), so its hash is new
+(registering it cannot fail, then or later) and only the member itself could look it up, which it
+does only after leaving; and nothing reads a block's hash while the block is in use.
+
 Kept as the batch changes (never recomputed by walking it):
 - `size`, the members' context sum (`context()`: base + size * clock) and their seat demand;
 - the members by block residue: a member whose true count is c sits in bucket (c - clock) % bs,
@@ -87,6 +94,8 @@ class RunningBatch:
             if seq.token_ids is not None:
                 seq.token_ids.extend([-1] * k)
             seq.anchor = self.clock
+            if self.bm.enable_prefix_caching:  # the blocks filled meanwhile are named now (see module)
+                self.bm.register_decoded(seq, seq.num_computed - k)
 
     def leave(self, seq: Sequence) -> None:
         """Materialise a member and drop it (it finishes, is preempted or stepped again)."""

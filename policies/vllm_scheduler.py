@@ -282,6 +282,7 @@ class VllmScheduler(Scheduler):
             if first.token_ids is not None:
                 del first.token_ids[first.prompt_len:]
             del first.block_hashes[first.prompt_len // self.block_size:]
+            first.restart_origins(group.num_preemptions)  # resampled outputs: new content
             group.seqs = [first]
             group.finished_seqs = []
         group.status = SeqStatus.WAITING

@@ -440,13 +440,16 @@ def test_idle_cached_hits_count_as_blocks_taken_from_the_free_queue():
     assert bm.can_allocate(group(3, 1, ids=[1, 2, 5])) is AllocStatus.OK     # 1 hit + 1 new
 
 
-def test_simulated_tokens_are_never_cached_as_content():
+def test_simulated_tokens_are_cached_as_their_sequences_own_content():
+    """Issue 26: a block of simulated (-1) tokens is cached, named by the sequence that generated
+    them, so that no prompt whose ids spell the same -1s finds it."""
     bm = PagedBlockManager(8, block_size=2, enable_prefix_caching=True)
     s = group(2, ids=[1, 2]).seqs[0]
     prefill(bm, s)
     decode(bm, s, None)
-    decode(bm, s, None)                              # block 1 full of unknown (-1) tokens
-    assert len(bm.pool.cached) == 1
+    decode(bm, s, None)                              # block 1 full of simulated (-1) tokens
+    assert len(bm.pool.cached) == 2
+    assert bm.allocate(group(5, ids=[1, 2, -1, -1, 3]).seqs[0]) == 2   # the prompt block only
 
 
 # ============================================================================ buddy allocator
