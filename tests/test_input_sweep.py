@@ -1,0 +1,587 @@
+"""A seeded sweep of adversarial mutations over every kind of file a command reads, in-process
+through `pagesim.cli.main` (issues 23 and 26, "Bad input").
+
+Each input kind is a valid set of files plus the command line that reads them; each mutation edits
+one of its files (or replaces it by a directory, or makes it unreadable). The rule every case must
+keep: the command either refuses it with one stderr line that names the file (and the field or
+column the mutation touched, where it touched one), a non-zero exit and no traceback; or it runs
+and every input request is a row of its output. Mutations marked REJECT must be refused. Cases that
+failed before their fix say "was: <what happened>" beside their kind or mutation.
+
+tests/test_adversarial_inputs.py and tests/test_bad_input.py hold the hand-written cases; this
+module holds the generated ones.
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+import json
+import math
+import random
+import shutil
+import signal
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from pagesim.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+LLMSERVINGSIM = SHARED / "calibration" / "llmservingsim"
+PROFILES = LLMSERVINGSIM / "profiler" / "perf" / "RTX4090"
+BENCH = ROOT / "tests" / "data" / "vllm_bench_serve_result.json"
+SEED = 20261203  # every random mutation (binary garbage, the cut of a truncation) draws from it
+
+# ---------------------------------------------------------------- mutations
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """An edit of one file. `reject`: the command must refuse it (else it may also run). `field`:
+    the field or column the edit touched, which the error must then name."""
+
+    name: str
+    apply: Callable[[Path, random.Random], None]
+    reject: bool = True
+    field: str | None = None
+
+
+def _text(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def _set_bytes(data: bytes | Callable[[bytes, random.Random], bytes]) -> Callable[[Path, random.Random], None]:
+    def apply(path: Path, rng: random.Random) -> None:
+        path.write_bytes(data(path.read_bytes(), rng) if callable(data) else data)
+    return apply
+
+
+def _truncate(raw: bytes, rng: random.Random) -> bytes:
+    """Cut inside a record: after a seeded position in the middle third, and not at a line end."""
+    lo, hi = len(raw) // 3, 2 * len(raw) // 3
+    cut = rng.randrange(lo, max(hi, lo + 1))
+    while cut > 1 and raw[cut - 1:cut] in (b"\n", b"\r"):
+        cut -= 1
+    return raw[:cut]
+
+
+def _non_utf8(raw: bytes, rng: random.Random) -> bytes:
+    """A Latin-1 byte (0xe9, 'é') inside the last line, where a name or note would hold it."""
+    head, _, last = raw.rstrip(b"\n").rpartition(b"\n")
+    return head + b"\n" + last[: len(last) // 2] + b"\xe9" + last[len(last) // 2:] + b"\n"
+
+
+def _directory(path: Path, rng: random.Random) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def _unreadable(path: Path, rng: random.Random) -> None:
+    # a mark the `unreadable_files` fixture turns into a PermissionError on open (chmod does not stop root)
+    UNREADABLE.add(path.resolve())
+
+
+UNREADABLE: set[Path] = set()
+
+FILE_MUTATIONS = [
+    Mutation("empty", _set_bytes(b"")),
+    Mutation("truncated", _set_bytes(_truncate)),
+    Mutation("binary", _set_bytes(lambda raw, rng: rng.randbytes(512))),
+    Mutation("bom", _set_bytes(lambda raw, rng: b"\xef\xbb\xbf" + raw), reject=False),
+    Mutation("crlf", _set_bytes(lambda raw, rng: raw.replace(b"\r\n", b"\n").replace(b"\n", b"\r\n")), reject=False),
+    Mutation("non-utf8", _set_bytes(_non_utf8), reject=False),
+    Mutation("directory", _directory),
+    Mutation("unreadable", _unreadable),
+]
+
+
+# --- JSON files: values by field path
+
+def _json_edit(keys: tuple[str | int, ...], value: Any, delete: bool = False) -> Callable[[Path, random.Random], None]:
+    def apply(path: Path, rng: random.Random) -> None:
+        data = json.loads(_text(path))
+        obj = data
+        for k in keys[:-1]:
+            obj = obj[k]
+        if delete:
+            del obj[keys[-1]]
+        else:
+            obj[keys[-1]] = value
+        path.write_text(json.dumps(data))  # NaN and Infinity as Python writes them
+    return apply
+
+
+def _json_top(value: Any) -> Callable[[Path, random.Random], None]:
+    def apply(path: Path, rng: random.Random) -> None:
+        path.write_text(json.dumps(value))
+    return apply
+
+
+# What each kind of field must refuse. "number": > 0 or >= 0 (zero left to the field), "count": an
+# integer >= 1 (zero refused), "text": a non-empty string, "bool": true or false.
+WRONG = {
+    "string": "12", "list": [1], "object": {"a": 1}, "null": None, "nan": math.nan, "inf": math.inf,
+    "negative": -1, "zero": 0, "huge": 1e308, "int64": 2**63, "fraction": 0.5,
+}
+REFUSED_BY = {
+    "number": {"list", "object", "nan", "inf", "negative"},
+    "positive": {"list", "object", "nan", "inf", "negative", "zero"},
+    "count": {"list", "object", "nan", "inf", "negative", "zero", "fraction"},
+    "text": {"list", "object", "nan", "inf", "negative", "zero", "huge", "int64", "fraction"},
+}
+
+
+def json_field_mutations(fields: dict[tuple[str | int, ...], tuple[str, bool]]) -> list[Mutation]:
+    """Per field (path: (kind, required)): every WRONG value, its deletion, and the whole object as a
+    list / a string / null. `required`: a deletion (and a null) must be refused."""
+    out = [Mutation("top-list", _json_top([1, 2])), Mutation("top-string", _json_top("x")),
+           Mutation("top-null", _json_top(None)), Mutation("extra-field", _json_edit(("x_unknown_field",), 1),
+                                                           reject=False)]
+    for keys, (kind, required) in fields.items():
+        name = str(keys[-1])
+        for label, value in WRONG.items():
+            refused = label in REFUSED_BY[kind] or (label == "null" and required)
+            out.append(Mutation(f"{name}={label}", _json_edit(keys, value), reject=refused,
+                                field=name if refused else None))
+        out.append(Mutation(f"{name}-missing", _json_edit(keys, None, delete=True), reject=required,
+                            field=name if required else None))
+    return out
+
+
+# --- CSV files: cells by column
+
+def _csv_cell(column: str, value: str, row: int = 0) -> Callable[[Path, random.Random], None]:
+    def apply(path: Path, rng: random.Random) -> None:
+        lines = _text(path).splitlines()
+        header = lines[0].split(",")
+        cells = lines[1 + row].split(",")
+        cells[header.index(column)] = value
+        lines[1 + row] = ",".join(cells)
+        path.write_text("\n".join(lines) + "\n")
+    return apply
+
+
+def _csv_drop(column: str) -> Callable[[Path, random.Random], None]:
+    def apply(path: Path, rng: random.Random) -> None:
+        rows = [ln.split(",") for ln in _text(path).splitlines()]
+        i = rows[0].index(column)
+        path.write_text("".join(",".join(r[:i] + r[i + 1:]) + "\n" for r in rows))
+    return apply
+
+
+def _csv_extra_column(path: Path, rng: random.Random) -> None:
+    lines = _text(path).splitlines()
+    path.write_text("\n".join([lines[0] + ",x_unknown"] + [ln + ",1" for ln in lines[1:]]) + "\n")
+
+
+def _lines_edit(edit: Callable[[list[str], random.Random], list[str]], keep: int = 0) -> Callable[[Path, random.Random], None]:
+    """Reorder or repeat the data lines (the first `keep` lines, a header, stay)."""
+    def apply(path: Path, rng: random.Random) -> None:
+        lines = _text(path).splitlines()
+        path.write_text("\n".join(lines[:keep] + edit(lines[keep:], rng)) + "\n")
+    return apply
+
+
+def _shuffled(lines: list[str], rng: random.Random) -> list[str]:
+    out = lines[:]
+    while out == lines:  # a permutation that is not the identity
+        rng.shuffle(out)
+    return out
+
+
+CSV_WRONG = {"text": "abc", "empty": "", "nan": "nan", "inf": "inf", "negative": "-1", "zero": "0",
+             "huge": "1e308", "int64": str(2**63), "fraction": "0.5"}
+CSV_REFUSED_BY = {
+    "number": {"text", "empty", "nan", "inf", "negative"},
+    "positive": {"text", "empty", "nan", "inf", "negative", "zero"},
+    "count": {"text", "empty", "nan", "inf", "negative", "zero", "fraction", "int64"},
+}
+
+
+def csv_mutations(columns: dict[str, str], header: int = 1, order: bool = True) -> list[Mutation]:
+    """Per column: every CSV_WRONG cell and the column dropped (always refused: each is required);
+    an unknown column; a duplicated and (with `order`) a shuffled set of data lines."""
+    out = [Mutation("extra-column", _csv_extra_column, reject=False),
+           Mutation("duplicated-rows", _lines_edit(lambda ls, rng: ls + ls, keep=header), reject=False)]
+    if order:
+        out.append(Mutation("unsorted-rows", _lines_edit(_shuffled, keep=header), reject=False))
+    for column, kind in columns.items():
+        for label, value in CSV_WRONG.items():
+            refused = label in CSV_REFUSED_BY[kind]
+            out.append(Mutation(f"{column}={label}", _csv_cell(column, value), reject=refused,
+                                field=column if refused else None))
+        out.append(Mutation(f"{column}-missing", _csv_drop(column), field=column))
+    return out
+
+
+# ---------------------------------------------------------------- input kinds
+
+
+@dataclass
+class Case:
+    """The files of one input kind in a folder, the file a mutation edits and the command reading it.
+    `requests`: how many requests the command's output must hold when it runs (None: unchecked)."""
+
+    target: Path
+    argv: list[str]
+    out: Path
+    requests: Callable[[Path], int | None] = field(default=lambda target: None)
+
+
+def _out(tmp: Path) -> Path:
+    return tmp / "out"
+
+
+def _data_lines(path: Path, header: int = 1) -> int | None:
+    try:
+        return len([ln for ln in path.read_text(encoding="utf-8-sig").splitlines() if ln.strip()]) - header
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+SIMULATE = ["--quiet"]
+
+
+def trace_case(name: str, text: str, header: int = 1) -> Callable[[Path], Case]:
+    def make(tmp: Path) -> Case:
+        path = tmp / name
+        path.write_text(text)
+        return Case(path, ["simulate", "--trace", str(path), *SIMULATE, "--out", str(_out(tmp))], _out(tmp),
+                    lambda target: _data_lines(target, header))
+    return make
+
+
+PAGESIM_TRACE = "arrival,prompt_len,output_len\n0,5,3\n0.5,6,2\n1,7,4\n"
+MOONCAKE = "".join(json.dumps({"timestamp": 500 * i, "input_length": 5 + i, "output_length": 3, "hash_ids": [i]}) + "\n"
+                   for i in range(3))
+AZURE = ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0,10,5\n2023-11-16 18:15:47.0,11,4\n"
+         "2023-11-16 18:15:48.0,12,3\n")
+BURSTGPT = ("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n0,ChatGPT,10,5,15,Conversation log\n"
+            "1,ChatGPT,11,4,15,Conversation log\n2,GPT-4,12,3,15,API log\n")
+LENGTH_CSV = "num_prefill_tokens,num_decode_tokens\n10,5\n11,4\n12,3\n"
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "num_attention_heads": 8,
+         "num_key_value_heads": 4, "num_hidden_layers": 2, "intermediate_size": 1024, "vocab_size": 1000,
+         "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}
+
+
+def json_case(name: str, data: Any, argv: Callable[[Path, Path], list[str]]) -> Callable[[Path], Case]:
+    def make(tmp: Path) -> Case:
+        path = tmp / name
+        path.write_text(json.dumps(data, indent=1))
+        return Case(path, argv(path, _out(tmp)), _out(tmp))
+    return make
+
+
+def _simulate_with(flag: str, *extra: str) -> Callable[[Path, Path], list[str]]:
+    return lambda path, out: ["simulate", flag, str(path), *extra, "--num-requests", "3", "--rate", "1", *SIMULATE,
+                              "--out", str(out)]
+
+
+def _fidelity(path: Path, out: Path) -> list[str]:
+    return ["fidelity", "--measurements", str(path), "--max-duration", "2", "--out", str(out)]
+
+
+HARDWARE = json.loads((ROOT / "specs" / "hardware" / "a100-40gb.json").read_text())
+CALIBRATION = json.loads((ROOT / "sim" / "calibrations" / "vllm-v1-h100.json").read_text())
+PROFILE = json.loads((ROOT / "sim" / "profiles" / "smollm2-135m-cpu.json").read_text())
+BENCH_RESULT = json.loads(BENCH.read_text())
+
+
+def _measurements() -> dict[str, Any]:
+    """The vllm-h100 measurements.json cut to one experiment of one stage."""
+    data = json.loads((SHARED / "calibration" / "vllm-h100" / "measurements.json").read_text())
+    e = data["experiments"][0]
+    return {**data, "experiments": [{**e, "stages": e["stages"][:1]}]}
+
+
+def _sidecar(tmp: Path) -> Case:
+    """A `vllm bench serve` result with its settings in a sidecar file (the mutated one)."""
+    result = {k: v for k, v in BENCH_RESULT.items() if k not in ("tensor_parallel_size", "max_num_seqs")}
+    (tmp / "bench.json").write_text(json.dumps(result))
+    side = tmp / "bench.server.json"
+    side.write_text(json.dumps({"tensor_parallel_size": 1, "max_num_seqs": 64}))
+    return Case(side, _fidelity(tmp / "bench.json", _out(tmp)), _out(tmp))
+
+
+def _server_settings(tmp: Path) -> Case:
+    result = {k: v for k, v in BENCH_RESULT.items() if k not in ("tensor_parallel_size", "max_num_seqs")}
+    (tmp / "bench.json").write_text(json.dumps(result))
+    settings = tmp / "settings.json"
+    settings.write_text(json.dumps({"tensor_parallel_size": 1, "max_num_seqs": 64}))
+    return Case(settings, [*_fidelity(tmp / "bench.json", _out(tmp)), "--server-settings", str(settings)], _out(tmp))
+
+
+def _guidellm(tmp: Path) -> Case:
+    reqs = [{"request_start_time": 100.0 + i, "time_to_first_token_ms": 100, "request_latency": 1.0,
+             "prompt_tokens": 20, "output_tokens": 6} for i in range(3)]
+    report = {"metadata": {"guidellm_version": "0.8.1"},
+              "config": {"spec": {"backend": {"kind": "openai_http", "model": "smollm2-135m"}}},
+              "benchmarks": [{"type_": "generative_benchmark", "duration": 4.0,
+                              "config": {"strategy": {"type_": "concurrent", "streams": 2}},
+                              "requests": {"successful": reqs, "errored": [], "incomplete": []}}]}
+    path = tmp / "guidellm.json"
+    path.write_text(json.dumps(report))
+    return Case(path, _fidelity(path, _out(tmp)), _out(tmp))
+
+
+# --- a pagesim run folder, made once by simulate
+
+@pytest.fixture(scope="module")
+def pagesim_run(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("run") / "run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["simulate", "--num-requests", "3", "--rate", "1", "--quiet", "--out", str(folder)]) == 0
+    return folder
+
+
+def _pagesim_run_file(name: str) -> Callable[[Path, Path], Case]:
+    def make(tmp: Path, run: Path) -> Case:
+        folder = tmp / "run"
+        shutil.copytree(run, folder)
+        return Case(folder / name, _fidelity(folder, _out(tmp)), _out(tmp))
+    return make
+
+
+# --- a per-request run in the llmservingsim layout (tests/test_request_runs.py's, 3 requests)
+
+def _write_request_run(root: Path, n: int = 3) -> Path:
+    folder = root / "bench" / "GPU" / "model" / "vllm"
+    folder.mkdir(parents=True)
+    (root / "workloads").mkdir()
+    reqs, work = [], []
+    for i in range(n):
+        arrival = 0.2 * i
+        ids = list(range(16)) + [100 + i] * (4 + i)
+        work.append({"input_toks": len(ids), "output_toks": 4, "arrival_time_ns": int(arrival * 1e9),
+                     "input_tok_ids": ids})
+        t = 1000.0 + arrival
+        reqs.append({"request_id": f"bench-{i}", "input_toks": len(ids), "output_toks": 4,
+                     "arrival_time": 5e8 + arrival, "queued_ts": t + 0.001, "scheduled_ts": t + 0.002,
+                     "first_token_ts": t + 0.05, "last_token_ts": t + 0.08})
+    meta = {"model": "tiny-llama", "engine_kwargs": {"model": "tiny-llama", "tensor_parallel_size": 1,
+                                                     "max_num_seqs": 8, "max_num_batched_tokens": 64},
+            "dataset_path": "workloads/w.jsonl", "num_requests": n, "tick_seconds": 0.5}
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1))
+    (folder / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    (root / "workloads" / "w.jsonl").write_text("".join(json.dumps(w) + "\n" for w in work))
+    (folder / "timeseries.csv").write_text("t,prompt_throughput,gen_throughput,running,waiting,kv_cache_pct\n"
+                                           "0.5,0,0,1,0,0\n1.0,0,0,1,0,0\n1.5,0,0,0,0,0\n")
+    return folder
+
+
+def _request_run_file(rel: str) -> Callable[[Path], Case]:
+    def make(tmp: Path) -> Case:
+        folder = _write_request_run(tmp / "runs")
+        target = folder / rel if not rel.startswith("/") else tmp / "runs" / rel[1:]
+        return Case(target, _fidelity(folder, _out(tmp)), _out(tmp))
+    return make
+
+
+# --- kernel profiles (a few rows of each of the RTX 4090's CSVs), read by calibrate --operators
+
+def _kernel_profile_file(name: str) -> Callable[[Path], Case]:
+    def make(tmp: Path) -> Case:
+        src = PROFILES / "meta-llama" / "Llama-3.1-8B" / "bf16" / "tp1"
+        folder = tmp / "perf" / "meta-llama" / "Llama-3.1-8B" / "bf16" / "tp1"
+        folder.mkdir(parents=True)
+        for csv in ("dense.csv", "per_sequence.csv", "attention.csv"):
+            lines = (src / csv).read_text().splitlines()
+            (folder / csv).write_text("\n".join([lines[0], *lines[1::max(1, len(lines) // 40)]]) + "\n")
+        argv = ["calibrate", "--engine-from", "vllm-v1-h100", "--operators", str(tmp / "perf"), "--hardware",
+                "rtx-4090", "--models-dir", str(SHARED / "models"), "--out", str(tmp / "cal.json")]
+        return Case(folder / name, argv, tmp / "cal.json")
+    return make
+
+
+# --- plug-in policies and routers (`module:Class`)
+
+def _plugin(kind: str) -> Callable[[Path], Case]:
+    def make(tmp: Path) -> Case:
+        path = tmp / f"sweep_plugin_{kind}.py"
+        base = "QueuePolicy" if kind == "policy" else "RoundRobinRouter"
+        module = "policies.queue_policy" if kind == "policy" else "policies.router"
+        path.write_text(f"from {module} import {base}\n\n\nclass Mine({base}):\n    pass\n")
+        flag = ["--policy", f"{path.stem}:Mine"] if kind == "policy" else ["--router", f"{path.stem}:Mine",
+                                                                             "--replicas", "2"]
+        return Case(path, ["simulate", *flag, "--num-requests", "3", "--rate", "1", *SIMULATE, "--out",
+                           str(_out(tmp))], _out(tmp), lambda target: 3)
+    return make
+
+
+def _source_edit(text: str) -> Callable[[Path, random.Random], None]:
+    def apply(path: Path, rng: random.Random) -> None:
+        path.write_text(text)
+    return apply
+
+
+PLUGIN_MUTATIONS = [
+    Mutation("syntax-error", _source_edit("class Mine(:\n")),
+    Mutation("raises-on-import", _source_edit("raise RuntimeError('plug-in refuses to load')\n")),
+    Mutation("missing-class", _source_edit("X = 1\n"), field="Mine"),
+    Mutation("not-a-class", _source_edit("Mine = 3\n"), field="Mine"),
+    Mutation("unrelated-class", _source_edit("class Mine:\n    pass\n"), field="Mine"),
+    Mutation("init-needs-arguments", _source_edit("class Mine:\n    def __init__(self, a, b, c):\n        pass\n"),
+             field="Mine"),
+    Mutation("init-raises", _source_edit("class Mine:\n    def __init__(self, **kw):\n"
+                                         "        raise KeyError('boom')\n"), field="Mine"),
+]
+
+
+# ---------------------------------------------------------------- the sweep's table
+
+
+def kinds() -> dict[str, tuple[Callable[..., Case], list[Mutation]]]:
+    number, positive, count, text = "number", "positive", "count", "text"
+    return {
+        "trace-pagesim": (trace_case("t.csv", PAGESIM_TRACE),
+                          FILE_MUTATIONS + csv_mutations({"arrival": number, "prompt_len": count,
+                                                          "output_len": count})),
+        "trace-mooncake": (trace_case("t.jsonl", MOONCAKE, header=0),
+                           FILE_MUTATIONS + [Mutation("duplicated-lines", _lines_edit(lambda ls, rng: ls + ls),
+                                                      reject=False),
+                                             Mutation("unsorted-lines", _lines_edit(_shuffled), reject=False)]),
+        "trace-azure": (trace_case("azure.csv", AZURE),
+                        FILE_MUTATIONS + csv_mutations({"ContextTokens": count, "GeneratedTokens": count})),
+        "trace-burstgpt": (trace_case("BurstGPT_1.csv", BURSTGPT),
+                           FILE_MUTATIONS + csv_mutations({"Timestamp": number}, order=True)),
+        "trace-length-csv": (trace_case("lengths.csv", LENGTH_CSV),
+                             FILE_MUTATIONS + csv_mutations({"num_prefill_tokens": count, "num_decode_tokens": count},
+                                                            order=False)),
+        "model-config": (json_case("config.json", LLAMA, _simulate_with("--model")),
+                         FILE_MUTATIONS + json_field_mutations({("hidden_size",): (count, True),
+                                                                ("num_hidden_layers",): (count, True),
+                                                                ("vocab_size",): (count, True),
+                                                                ("max_position_embeddings",): (count, False)})),
+        "hardware": (json_case("gpu.json", HARDWARE, _simulate_with("--hardware")),
+                     FILE_MUTATIONS + json_field_mutations({("hbm_bandwidth_gb_s",): (positive, True),
+                                                            ("memory_mib",): (positive, True),
+                                                            ("interconnect_latency_us",): (number, False),
+                                                            ("name",): (text, True)})),
+        "calibration": (json_case("cal.json", CALIBRATION, _simulate_with("--calibration", "--model", "llama-3-8b",
+                                                                           "--hardware", "h100-sxm")),
+                        FILE_MUTATIONS + json_field_mutations({("params", "gemm_eff_max"): (positive, False),
+                                                               ("params", "iteration_overhead_s"): (number, False),
+                                                               ("params", "client_output_lag_steps"): (number, False),
+                                                               ("hardware",): (text, True)})),
+        "profile": (json_case("profile.json", PROFILE, _simulate_with("--profile", "--model", "smollm2-135m")),
+                    FILE_MUTATIONS + json_field_mutations({("block_size",): (count, True)})),
+        "measurements": (json_case("measurements.json", _measurements(), _fidelity),
+                         FILE_MUTATIONS + json_field_mutations({("experiments", 0, "tp"): (count, False),
+                                                                ("experiments", 0, "stages", 0, "rate"): (positive, True),
+                                                                ("experiments", 0, "model_id"): (text, True)})),
+        "vllm-bench": (json_case("bench.json", BENCH_RESULT, _fidelity),
+                       FILE_MUTATIONS + json_field_mutations({("request_rate",): (positive, True),
+                                                              ("num_prompts",): (count, True),
+                                                              ("mean_ttft_ms",): (number, True),
+                                                              ("total_output_tokens",): (number, True)})),
+        "bench-sidecar": (_sidecar, FILE_MUTATIONS + json_field_mutations({("tensor_parallel_size",): (count, False),
+                                                                            ("max_num_seqs",): (count, False)})),
+        "server-settings": (_server_settings,
+                            FILE_MUTATIONS + json_field_mutations({("tensor_parallel_size",): (count, False),
+                                                                   ("max_num_seqs",): (count, False)})),
+        "guidellm": (_guidellm, FILE_MUTATIONS),
+        "run-summary": (_pagesim_run_file("summary.json"), FILE_MUTATIONS),
+        "run-requests-csv": (_pagesim_run_file("requests.csv"), FILE_MUTATIONS),
+        "request-run-meta": (_request_run_file("meta.json"),
+                             FILE_MUTATIONS + json_field_mutations({("num_requests",): (count, False),
+                                                                    ("tick_seconds",): (positive, False),
+                                                                    ("dataset_path",): (text, True)})),
+        "request-run-requests": (_request_run_file("requests.jsonl"),
+                                 FILE_MUTATIONS + [Mutation("duplicated-lines", _lines_edit(lambda ls, rng: ls + ls)),
+                                                   Mutation("unsorted-lines", _lines_edit(_shuffled))]),
+        "request-run-timeseries": (_request_run_file("timeseries.csv"),
+                                   FILE_MUTATIONS + csv_mutations({"running": number, "waiting": number,
+                                                                   "kv_cache_pct": number}, order=False)),
+        "request-run-workload": (_request_run_file("/workloads/w.jsonl"),
+                                 FILE_MUTATIONS + [Mutation("duplicated-lines", _lines_edit(lambda ls, rng: ls + ls)),
+                                                   Mutation("unsorted-lines", _lines_edit(_shuffled))]),
+        "kernel-dense": (_kernel_profile_file("dense.csv"),
+                         FILE_MUTATIONS + csv_mutations({"tokens": count, "time_us": number}, order=False)),
+        "kernel-attention": (_kernel_profile_file("attention.csv"),
+                             FILE_MUTATIONS + csv_mutations({"kv_decode": number, "time_us": number}, order=False)),
+        "plugin-policy": (_plugin("policy"), PLUGIN_MUTATIONS),
+        "plugin-router": (_plugin("router"), PLUGIN_MUTATIONS),
+    }
+
+
+KINDS = kinds()
+CASES = [(kind, m) for kind, (_, mutations) in KINDS.items() for m in mutations]
+
+
+@pytest.fixture
+def unreadable_files(monkeypatch):
+    """Opening a path in UNREADABLE raises PermissionError, as chmod 000 would for a user other than root."""
+    real_open, real_io_open = builtins.open, io.open
+
+    def guarded(real):
+        def open_(file, *args, **kwargs):
+            if isinstance(file, (str, Path)) and Path(file).resolve() in UNREADABLE:
+                raise PermissionError(13, "Permission denied", str(file))
+            return real(file, *args, **kwargs)
+        return open_
+
+    monkeypatch.setattr(builtins, "open", guarded(real_open))
+    monkeypatch.setattr(io, "open", guarded(real_io_open))
+    yield
+    UNREADABLE.clear()
+
+
+class Hung(Exception):
+    """A case that ran past CASE_LIMIT_S: an input that makes a command loop or allocate without end."""
+
+
+CASE_LIMIT_S = 60  # each case takes well under a second; this only turns a hang into a failure
+
+
+@pytest.fixture
+def time_limit():
+    def expire(signum, frame):
+        raise Hung(f"over {CASE_LIMIT_S} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(CASE_LIMIT_S)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("kind, mutation", CASES, ids=[f"{k}-{m.name}" for k, m in CASES])
+def test_mutated_input_is_refused_in_one_line_or_runs_whole(tmp_path, capsys, monkeypatch, pagesim_run,
+                                                           unreadable_files, time_limit, kind, mutation):
+    make, _ = KINDS[kind]
+    case = make(tmp_path, pagesim_run) if kind.startswith("run-") else make(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # plug-in modules, imported afresh by each case
+    for name in ("sweep_plugin_policy", "sweep_plugin_router"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    mutation.apply(case.target, random.Random(f"{SEED}-{kind}-{mutation.name}"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            code = main(case.argv)
+        except SystemExit as exit_:  # argparse refusing a flag
+            code = exit_.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if code == 0:
+        assert not mutation.reject, f"accepted {mutation.name} of {case.target.name}"
+        expected = case.requests(case.target)
+        if expected is not None and (case.out / "requests.csv").is_file():
+            rows = pd.read_csv(case.out / "requests.csv")
+            assert len(rows) == expected, "an input request is missing from requests.csv"
+        return
+    lines = [ln for ln in err.splitlines() if ": error: " in ln or ln.startswith("error: ")]
+    assert len(lines) == 1, err
+    line = lines[0]
+    assert case.target.name in line or case.target.stem in line, f"the error does not name {case.target.name}: {line}"
+    if mutation.field is not None:
+        assert mutation.field in line, f"the error does not name {mutation.field}: {line}"
