@@ -39,15 +39,16 @@ _MISSING = object()
 class Fields:
     """One JSON object of a file; every error names the file and the field's path."""
 
-    def __init__(self, obj: Any, file: Path | str, path: str = "") -> None:
+    def __init__(self, obj: Any, file: Path | str, path: str = "", origins: dict[str, str] | None = None) -> None:
         self.file, self.path = str(file), path
+        self.origins = origins or {}  # top-level keys that came from elsewhere (a sidecar file): where from
         if not isinstance(obj, dict):
             raise self.error("", f"expected an object, got {type(obj).__name__}")
         self.obj = obj
 
     def error(self, key: str, why: str) -> ValueError:
         where = ".".join(p for p in (self.path, key) if p) or "(top level)"
-        return ValueError(f"{self.file}: {where}: {why}")
+        return ValueError(f"{self.origins.get(key, self.file)}: {where}: {why}")
 
     def has(self, key: str) -> bool:
         return self.obj.get(key) is not None
@@ -405,6 +406,8 @@ def read_csv_columns(path: Path, columns: Sequence[str], hint: str) -> pd.DataFr
         frame = pd.read_csv(path)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not a CSV file ({exc})") from None
+    except OSError as exc:  # a folder, unreadable
+        raise ValueError(f"{path}: cannot read: {exc}") from None
     missing = [c for c in columns if c not in frame]
     if missing:
         raise ValueError(f"{path}: missing columns {', '.join(missing)} ({hint})")

@@ -139,18 +139,29 @@ REFUSED_BY = {
 }
 
 
-def json_field_mutations(fields: dict[tuple[str | int, ...], tuple[str, bool]]) -> list[Mutation]:
-    """Per field (path: (kind, required)): every WRONG value, its deletion, and the whole object as a
-    list / a string / null. `required`: a deletion (and a null) must be refused."""
+def _spread(labels: list[str], fields: list[Any], seed: str) -> list[tuple[str, Any]]:
+    """Each label paired with one field: the fields in a seeded order, repeated as needed, so that
+    every field gets about as many labels and every label is tried once (the sweep stays seconds)."""
+    order = fields[:]
+    random.Random(f"{SEED}-{seed}").shuffle(order)
+    return [(label, order[i % len(order)]) for i, label in enumerate(labels)]
+
+
+def json_field_mutations(seed: str, fields: dict[tuple[str | int, ...], tuple[str, bool]]) -> list[Mutation]:
+    """Every WRONG value, each in one field (`_spread`; fields: path -> (kind, required)); each field
+    deleted; the whole object as a list / a string / null; an unknown extra field. `required`: a
+    deletion (and a null) must be refused."""
     out = [Mutation("top-list", _json_top([1, 2])), Mutation("top-string", _json_top("x")),
            Mutation("top-null", _json_top(None)), Mutation("extra-field", _json_edit(("x_unknown_field",), 1),
                                                            reject=False)]
+    for label, keys in _spread(list(WRONG), list(fields), seed):
+        kind, required = fields[keys]
+        name = str(keys[-1])
+        refused = label in REFUSED_BY[kind] or (label == "null" and required)
+        out.append(Mutation(f"{name}={label}", _json_edit(keys, WRONG[label]), reject=refused,
+                            field=name if refused else None))
     for keys, (kind, required) in fields.items():
         name = str(keys[-1])
-        for label, value in WRONG.items():
-            refused = label in REFUSED_BY[kind] or (label == "null" and required)
-            out.append(Mutation(f"{name}={label}", _json_edit(keys, value), reject=refused,
-                                field=name if refused else None))
         out.append(Mutation(f"{name}-missing", _json_edit(keys, None, delete=True), reject=required,
                             field=name if required else None))
     return out
@@ -206,18 +217,18 @@ CSV_REFUSED_BY = {
 }
 
 
-def csv_mutations(columns: dict[str, str], header: int = 1, order: bool = True) -> list[Mutation]:
-    """Per column: every CSV_WRONG cell and the column dropped (always refused: each is required);
-    an unknown column; a duplicated and (with `order`) a shuffled set of data lines."""
+def csv_mutations(seed: str, columns: dict[str, str], header: int = 1, order: bool = True) -> list[Mutation]:
+    """Every CSV_WRONG cell, each in one column (`_spread`); each column dropped (always refused:
+    each is required); an unknown column; a duplicated and (with `order`) a shuffled set of rows."""
     out = [Mutation("extra-column", _csv_extra_column, reject=False),
            Mutation("duplicated-rows", _lines_edit(lambda ls, rng: ls + ls, keep=header), reject=False)]
     if order:
         out.append(Mutation("unsorted-rows", _lines_edit(_shuffled, keep=header), reject=False))
-    for column, kind in columns.items():
-        for label, value in CSV_WRONG.items():
-            refused = label in CSV_REFUSED_BY[kind]
-            out.append(Mutation(f"{column}={label}", _csv_cell(column, value), reject=refused,
-                                field=column if refused else None))
+    for label, column in _spread(list(CSV_WRONG), list(columns), seed):
+        refused = label in CSV_REFUSED_BY[columns[column]]
+        out.append(Mutation(f"{column}={label}", _csv_cell(column, CSV_WRONG[label]), reject=refused,
+                            field=column if refused else None))
+    for column in columns:
         out.append(Mutation(f"{column}-missing", _csv_drop(column), field=column))
     return out
 
@@ -444,71 +455,71 @@ def kinds() -> dict[str, tuple[Callable[..., Case], list[Mutation]]]:
     number, positive, count, text = "number", "positive", "count", "text"
     return {
         "trace-pagesim": (trace_case("t.csv", PAGESIM_TRACE),
-                          FILE_MUTATIONS + csv_mutations({"arrival": number, "prompt_len": count,
+                          FILE_MUTATIONS + csv_mutations("trace-pagesim", {"arrival": number, "prompt_len": count,
                                                           "output_len": count})),
         "trace-mooncake": (trace_case("t.jsonl", MOONCAKE, header=0),
                            FILE_MUTATIONS + [Mutation("duplicated-lines", _lines_edit(lambda ls, rng: ls + ls),
                                                       reject=False),
                                              Mutation("unsorted-lines", _lines_edit(_shuffled), reject=False)]),
         "trace-azure": (trace_case("azure.csv", AZURE),
-                        FILE_MUTATIONS + csv_mutations({"ContextTokens": count, "GeneratedTokens": count})),
+                        FILE_MUTATIONS + csv_mutations("trace-azure", {"ContextTokens": count, "GeneratedTokens": count})),
         "trace-burstgpt": (trace_case("BurstGPT_1.csv", BURSTGPT),
-                           FILE_MUTATIONS + csv_mutations({"Timestamp": number}, order=True)),
+                           FILE_MUTATIONS + csv_mutations("trace-burstgpt", {"Timestamp": number}, order=True)),
         "trace-length-csv": (trace_case("lengths.csv", LENGTH_CSV),
-                             FILE_MUTATIONS + csv_mutations({"num_prefill_tokens": count, "num_decode_tokens": count},
+                             FILE_MUTATIONS + csv_mutations("trace-length-csv", {"num_prefill_tokens": count, "num_decode_tokens": count},
                                                             order=False)),
         "model-config": (json_case("config.json", LLAMA, _simulate_with("--model")),
-                         FILE_MUTATIONS + json_field_mutations({("hidden_size",): (count, True),
+                         FILE_MUTATIONS + json_field_mutations("model-config", {("hidden_size",): (count, True),
                                                                 ("num_hidden_layers",): (count, True),
                                                                 ("vocab_size",): (count, True),
                                                                 ("max_position_embeddings",): (count, False)})),
         "hardware": (json_case("gpu.json", HARDWARE, _simulate_with("--hardware")),
-                     FILE_MUTATIONS + json_field_mutations({("hbm_bandwidth_gb_s",): (positive, True),
+                     FILE_MUTATIONS + json_field_mutations("hardware", {("hbm_bandwidth_gb_s",): (positive, True),
                                                             ("memory_mib",): (positive, True),
                                                             ("interconnect_latency_us",): (number, False),
-                                                            ("name",): (text, True)})),
+                                                            ("name",): (text, False)})),
         "calibration": (json_case("cal.json", CALIBRATION, _simulate_with("--calibration", "--model", "llama-3-8b",
                                                                            "--hardware", "h100-sxm")),
-                        FILE_MUTATIONS + json_field_mutations({("params", "gemm_eff_max"): (positive, False),
+                        FILE_MUTATIONS + json_field_mutations("calibration", {("params", "gemm_eff_max"): (positive, False),
                                                                ("params", "iteration_overhead_s"): (number, False),
                                                                ("params", "client_output_lag_steps"): (number, False),
                                                                ("hardware",): (text, True)})),
         "profile": (json_case("profile.json", PROFILE, _simulate_with("--profile", "--model", "smollm2-135m")),
-                    FILE_MUTATIONS + json_field_mutations({("block_size",): (count, True)})),
+                    FILE_MUTATIONS + json_field_mutations("profile", {("block_size",): (count, True)})),
         "measurements": (json_case("measurements.json", _measurements(), _fidelity),
-                         FILE_MUTATIONS + json_field_mutations({("experiments", 0, "tp"): (count, False),
+                         FILE_MUTATIONS + json_field_mutations("measurements", {("experiments", 0, "tp"): (count, False),
                                                                 ("experiments", 0, "stages", 0, "rate"): (positive, True),
                                                                 ("experiments", 0, "model_id"): (text, True)})),
         "vllm-bench": (json_case("bench.json", BENCH_RESULT, _fidelity),
-                       FILE_MUTATIONS + json_field_mutations({("request_rate",): (positive, True),
+                       FILE_MUTATIONS + json_field_mutations("vllm-bench", {("request_rate",): (positive, True),
                                                               ("num_prompts",): (count, True),
                                                               ("mean_ttft_ms",): (number, True),
                                                               ("total_output_tokens",): (number, True)})),
-        "bench-sidecar": (_sidecar, FILE_MUTATIONS + json_field_mutations({("tensor_parallel_size",): (count, False),
+        "bench-sidecar": (_sidecar, FILE_MUTATIONS + json_field_mutations("bench-sidecar", {("tensor_parallel_size",): (count, False),
                                                                             ("max_num_seqs",): (count, False)})),
         "server-settings": (_server_settings,
-                            FILE_MUTATIONS + json_field_mutations({("tensor_parallel_size",): (count, False),
+                            FILE_MUTATIONS + json_field_mutations("server-settings", {("tensor_parallel_size",): (count, False),
                                                                    ("max_num_seqs",): (count, False)})),
         "guidellm": (_guidellm, FILE_MUTATIONS),
         "run-summary": (_pagesim_run_file("summary.json"), FILE_MUTATIONS),
         "run-requests-csv": (_pagesim_run_file("requests.csv"), FILE_MUTATIONS),
         "request-run-meta": (_request_run_file("meta.json"),
-                             FILE_MUTATIONS + json_field_mutations({("num_requests",): (count, False),
+                             FILE_MUTATIONS + json_field_mutations("request-run-meta", {("num_requests",): (count, False),
                                                                     ("tick_seconds",): (positive, False),
                                                                     ("dataset_path",): (text, True)})),
         "request-run-requests": (_request_run_file("requests.jsonl"),
                                  FILE_MUTATIONS + [Mutation("duplicated-lines", _lines_edit(lambda ls, rng: ls + ls)),
                                                    Mutation("unsorted-lines", _lines_edit(_shuffled))]),
         "request-run-timeseries": (_request_run_file("timeseries.csv"),
-                                   FILE_MUTATIONS + csv_mutations({"running": number, "waiting": number,
+                                   FILE_MUTATIONS + csv_mutations("request-run-timeseries", {"running": number, "waiting": number,
                                                                    "kv_cache_pct": number}, order=False)),
         "request-run-workload": (_request_run_file("/workloads/w.jsonl"),
                                  FILE_MUTATIONS + [Mutation("duplicated-lines", _lines_edit(lambda ls, rng: ls + ls)),
                                                    Mutation("unsorted-lines", _lines_edit(_shuffled))]),
         "kernel-dense": (_kernel_profile_file("dense.csv"),
-                         FILE_MUTATIONS + csv_mutations({"tokens": count, "time_us": number}, order=False)),
+                         FILE_MUTATIONS + csv_mutations("kernel-dense", {"tokens": count, "time_us": number}, order=False)),
         "kernel-attention": (_kernel_profile_file("attention.csv"),
-                             FILE_MUTATIONS + csv_mutations({"kv_decode": number, "time_us": number}, order=False)),
+                             FILE_MUTATIONS + csv_mutations("kernel-attention", {"kv_decode": number, "time_us": number}, order=False)),
         "plugin-policy": (_plugin("policy"), PLUGIN_MUTATIONS),
         "plugin-router": (_plugin("router"), PLUGIN_MUTATIONS),
     }
@@ -560,6 +571,8 @@ def test_mutated_input_is_refused_in_one_line_or_runs_whole(tmp_path, capsys, mo
                                                            unreadable_files, time_limit, kind, mutation):
     make, _ = KINDS[kind]
     case = make(tmp_path, pagesim_run) if kind.startswith("run-") else make(tmp_path)
+    # figures are drawn by their own tests; here they would take most of the sweep's time (2 s a run)
+    monkeypatch.setattr("analysis.report.Report.figure", lambda self, name, draw: None)
     monkeypatch.syspath_prepend(str(tmp_path))  # plug-in modules, imported afresh by each case
     for name in ("sweep_plugin_policy", "sweep_plugin_router"):
         monkeypatch.delitem(sys.modules, name, raising=False)
