@@ -160,7 +160,7 @@ def json_field_mutations(seed: str, fields: dict[tuple[str | int, ...], tuple[st
         refused = label in REFUSED_BY[kind] or (label == "null" and required)
         out.append(Mutation(f"{name}={label}", _json_edit(keys, WRONG[label]), reject=refused,
                             field=name if refused else None))
-    for keys, (kind, required) in fields.items():
+    for keys, (_, required) in fields.items():
         name = str(keys[-1])
         out.append(Mutation(f"{name}-missing", _json_edit(keys, None, delete=True), reject=required,
                             field=name if required else None))
