@@ -165,6 +165,8 @@ def attention_points(folder: ProfileFolder, model: ModelSpec) -> AttentionPoints
 def fit_attention(points: list[AttentionPoints], hw: HardwareSpec) -> dict[str, float]:
     """attn_mem_eff and prefill_attn_eff (with each regime's floor, reported) over every folder's rows."""
     out: dict[str, float] = {}
+    if not points:  # no folder has an attention.csv: the priors stay (was: numpy's "need at least one array")
+        return out
     for name, x_of, t_of, scale in (
             ("attn_mem_eff", lambda p: p.decode_ctx * p.kv_bytes_per_token, lambda p: p.decode_s, hw.mem_bandwidth),
             ("prefill_attn_eff", lambda p: p.prefill_pairs * p.flops_per_pair, lambda p: p.prefill_s, hw.peak_flops)):
@@ -188,7 +190,10 @@ def profile_inputs(directory: str | Path, models_dirs: Any = None) -> tuple[Oper
     """(GEMM and elementwise points, attention points, files used, folders skipped with why) of
     every profile folder under `directory` whose model's config can be found."""
     points, attention, files, skipped = [], [], [], {}
-    for folder in profile_folders(directory):
+    folders = profile_folders(directory)
+    if not folders:  # was: "no profile folder whose model can be read ()", naming no file it looked for
+        raise ValueError(f"{directory}: no kernel profiles: expected <org>/<model>/<variant>/tp<N>/dense.csv under it")
+    for folder in folders:
         try:
             model = get_model(resolve_model(folder.model_id, models_dirs))
         except ValueError:  # (the catalogue's message names absolute paths: not kept in a shipped file)

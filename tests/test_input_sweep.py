@@ -101,6 +101,10 @@ FILE_MUTATIONS = [
     Mutation("directory", _directory),
     Mutation("unreadable", _unreadable),
 ]
+# a file that is not there: refused when the command needs it, else the run goes on without it
+DELETED = Mutation("deleted", lambda path, rng: path.unlink())
+DELETED_OPTIONAL = Mutation("deleted", lambda path, rng: path.unlink(), reject=False)
+REQUIRED, OPTIONAL = FILE_MUTATIONS + [DELETED], FILE_MUTATIONS + [DELETED_OPTIONAL]
 
 
 # --- JSON files: values by field path
@@ -217,10 +221,12 @@ CSV_REFUSED_BY = {
 }
 
 
-def csv_mutations(seed: str, columns: dict[str, str], header: int = 1, order: bool = True) -> list[Mutation]:
+def csv_mutations(seed: str, columns: dict[str, str], header: int = 1, order: bool = True,
+                  exact: bool = False) -> list[Mutation]:
     """Every CSV_WRONG cell, each in one column (`_spread`); each column dropped (always refused:
-    each is required); an unknown column; a duplicated and (with `order`) a shuffled set of rows."""
-    out = [Mutation("extra-column", _csv_extra_column, reject=False),
+    each is required); an unknown column (refused by a file of `exact` columns, a kernel profile's,
+    issue 26); a duplicated and (with `order`) a shuffled set of rows."""
+    out = [Mutation("extra-column", _csv_extra_column, reject=exact, field="x_unknown" if exact else None),
            Mutation("duplicated-rows", _lines_edit(lambda ls, rng: ls + ls, keep=header), reject=False)]
     if order:
         out.append(Mutation("unsorted-rows", _lines_edit(_shuffled, keep=header), reject=False))
@@ -455,73 +461,75 @@ def kinds() -> dict[str, tuple[Callable[..., Case], list[Mutation]]]:
     number, positive, count, text = "number", "positive", "count", "text"
     return {
         "trace-pagesim": (trace_case("t.csv", PAGESIM_TRACE),
-                          FILE_MUTATIONS + csv_mutations("trace-pagesim", {"arrival": number, "prompt_len": count,
+                          REQUIRED + csv_mutations("trace-pagesim", {"arrival": number, "prompt_len": count,
                                                           "output_len": count})),
         "trace-mooncake": (trace_case("t.jsonl", MOONCAKE, header=0),
-                           FILE_MUTATIONS + [Mutation("duplicated-lines", _lines_edit(lambda ls, rng: ls + ls),
+                           REQUIRED + [Mutation("duplicated-lines", _lines_edit(lambda ls, rng: ls + ls),
                                                       reject=False),
                                              Mutation("unsorted-lines", _lines_edit(_shuffled), reject=False)]),
         "trace-azure": (trace_case("azure.csv", AZURE),
-                        FILE_MUTATIONS + csv_mutations("trace-azure", {"ContextTokens": count, "GeneratedTokens": count})),
+                        REQUIRED + csv_mutations("trace-azure", {"ContextTokens": count, "GeneratedTokens": count})),
         "trace-burstgpt": (trace_case("BurstGPT_1.csv", BURSTGPT),
-                           FILE_MUTATIONS + csv_mutations("trace-burstgpt", {"Timestamp": number}, order=True)),
+                           REQUIRED + csv_mutations("trace-burstgpt", {"Timestamp": number}, order=True)),
         "trace-length-csv": (trace_case("lengths.csv", LENGTH_CSV),
-                             FILE_MUTATIONS + csv_mutations("trace-length-csv", {"num_prefill_tokens": count, "num_decode_tokens": count},
+                             REQUIRED + csv_mutations("trace-length-csv", {"num_prefill_tokens": count, "num_decode_tokens": count},
                                                             order=False)),
         "model-config": (json_case("config.json", LLAMA, _simulate_with("--model")),
-                         FILE_MUTATIONS + json_field_mutations("model-config", {("hidden_size",): (count, True),
+                         REQUIRED + json_field_mutations("model-config", {("hidden_size",): (count, True),
                                                                 ("num_hidden_layers",): (count, True),
                                                                 ("vocab_size",): (count, True),
                                                                 ("max_position_embeddings",): (count, False)})),
         "hardware": (json_case("gpu.json", HARDWARE, _simulate_with("--hardware")),
-                     FILE_MUTATIONS + json_field_mutations("hardware", {("hbm_bandwidth_gb_s",): (positive, True),
+                     REQUIRED + json_field_mutations("hardware", {("hbm_bandwidth_gb_s",): (positive, True),
                                                             ("memory_mib",): (positive, True),
                                                             ("interconnect_latency_us",): (number, False),
                                                             ("name",): (text, False)})),
         "calibration": (json_case("cal.json", CALIBRATION, _simulate_with("--calibration", "--model", "llama-3-8b",
                                                                            "--hardware", "h100-sxm")),
-                        FILE_MUTATIONS + json_field_mutations("calibration", {("params", "gemm_eff_max"): (positive, False),
+                        REQUIRED + json_field_mutations("calibration", {("params", "gemm_eff_max"): (positive, False),
                                                                ("params", "iteration_overhead_s"): (number, False),
                                                                ("params", "client_output_lag_steps"): (number, False),
                                                                ("hardware",): (text, True)})),
         "profile": (json_case("profile.json", PROFILE, _simulate_with("--profile", "--model", "smollm2-135m")),
-                    FILE_MUTATIONS + json_field_mutations("profile", {("block_size",): (count, True)})),
+                    REQUIRED + json_field_mutations("profile", {("block_size",): (count, True)})),
         "measurements": (json_case("measurements.json", _measurements(), _fidelity),
-                         FILE_MUTATIONS + json_field_mutations("measurements", {("experiments", 0, "tp"): (count, False),
+                         REQUIRED + json_field_mutations("measurements", {("experiments", 0, "tp"): (count, False),
                                                                 ("experiments", 0, "stages", 0, "rate"): (positive, True),
                                                                 ("experiments", 0, "model_id"): (text, True)})),
         "vllm-bench": (json_case("bench.json", BENCH_RESULT, _fidelity),
-                       FILE_MUTATIONS + json_field_mutations("vllm-bench", {("request_rate",): (positive, True),
+                       REQUIRED + json_field_mutations("vllm-bench", {("request_rate",): (positive, True),
                                                               ("num_prompts",): (count, True),
                                                               ("mean_ttft_ms",): (number, True),
                                                               ("total_output_tokens",): (number, True)})),
-        "bench-sidecar": (_sidecar, FILE_MUTATIONS + json_field_mutations("bench-sidecar", {("tensor_parallel_size",): (count, False),
+        "bench-sidecar": (_sidecar, OPTIONAL + json_field_mutations("bench-sidecar", {("tensor_parallel_size",): (count, False),
                                                                             ("max_num_seqs",): (count, False)})),
         "server-settings": (_server_settings,
-                            FILE_MUTATIONS + json_field_mutations("server-settings", {("tensor_parallel_size",): (count, False),
+                            REQUIRED + json_field_mutations("server-settings", {("tensor_parallel_size",): (count, False),
                                                                    ("max_num_seqs",): (count, False)})),
-        "guidellm": (_guidellm, FILE_MUTATIONS),
-        "run-summary": (_pagesim_run_file("summary.json"), FILE_MUTATIONS),
-        "run-requests-csv": (_pagesim_run_file("requests.csv"), FILE_MUTATIONS),
+        "guidellm": (_guidellm, REQUIRED),
+        "run-summary": (_pagesim_run_file("summary.json"), REQUIRED),
+        "run-requests-csv": (_pagesim_run_file("requests.csv"), REQUIRED),
         "request-run-meta": (_request_run_file("meta.json"),
-                             FILE_MUTATIONS + json_field_mutations("request-run-meta", {("num_requests",): (count, False),
+                             REQUIRED + json_field_mutations("request-run-meta", {("num_requests",): (count, False),
                                                                     ("tick_seconds",): (positive, False),
                                                                     ("dataset_path",): (text, True)})),
         "request-run-requests": (_request_run_file("requests.jsonl"),
-                                 FILE_MUTATIONS + [Mutation("duplicated-lines", _lines_edit(lambda ls, rng: ls + ls)),
+                                 REQUIRED + [Mutation("duplicated-lines", _lines_edit(lambda ls, rng: ls + ls)),
                                                    Mutation("unsorted-lines", _lines_edit(_shuffled))]),
         "request-run-timeseries": (_request_run_file("timeseries.csv"),
-                                   FILE_MUTATIONS + csv_mutations("request-run-timeseries", {"running": number, "waiting": number,
+                                   OPTIONAL + csv_mutations("request-run-timeseries", {"running": number, "waiting": number,
                                                                    "kv_cache_pct": number}, order=False)),
         "request-run-workload": (_request_run_file("/workloads/w.jsonl"),
-                                 FILE_MUTATIONS + [Mutation("duplicated-lines", _lines_edit(lambda ls, rng: ls + ls)),
+                                 REQUIRED + [Mutation("duplicated-lines", _lines_edit(lambda ls, rng: ls + ls)),
                                                    Mutation("unsorted-lines", _lines_edit(_shuffled))]),
         "kernel-dense": (_kernel_profile_file("dense.csv"),
-                         FILE_MUTATIONS + csv_mutations("kernel-dense", {"tokens": count, "time_us": number}, order=False)),
+                         REQUIRED + csv_mutations("kernel-dense", {"tokens": count, "time_us": number}, order=False,
+                                                                        exact=True)),
         "kernel-attention": (_kernel_profile_file("attention.csv"),
-                             FILE_MUTATIONS + csv_mutations("kernel-attention", {"kv_decode": number, "time_us": number}, order=False)),
-        "plugin-policy": (_plugin("policy"), PLUGIN_MUTATIONS),
-        "plugin-router": (_plugin("router"), PLUGIN_MUTATIONS),
+                             OPTIONAL + csv_mutations("kernel-attention", {"kv_decode": number, "time_us": number},
+                                                                              order=False, exact=True)),
+        "plugin-policy": (_plugin("policy"), PLUGIN_MUTATIONS + [DELETED]),
+        "plugin-router": (_plugin("router"), PLUGIN_MUTATIONS + [DELETED]),
     }
 
 
@@ -598,3 +606,18 @@ def test_mutated_input_is_refused_in_one_line_or_runs_whole(tmp_path, capsys, mo
     assert case.target.name in line or case.target.stem in line, f"the error does not name {case.target.name}: {line}"
     if mutation.field is not None:
         assert mutation.field in line, f"the error does not name {mutation.field}: {line}"
+
+
+# ---------------------------------------------------------------- issue 26's named cases beyond the sweep
+
+
+def test_a_calibration_on_another_gpu_is_one_warning_naming_both(tmp_path, capsys):
+    # (issue 26: "a calibration used on another GPU or engine version": the engine version's warning is
+    # tests/test_request_runs.py's; a clock that cannot be aligned and a workload that disagrees with
+    # requests.jsonl are cases there too, a broken plug-in contract under --debug tests/test_contract_check.py's,
+    # a missing or stale compiled extension tests/test_compiled.py's)
+    assert main(["simulate", "--calibration", "vllm-v1-h100", "--model", "llama-3-8b", "--hardware", "a100-80gb",
+                 "--num-requests", "3", "--rate", "1", "--quiet", "--out", str(tmp_path / "o")]) == 0
+    warned = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
+    assert warned == ["pagesim simulate: warning: calibration vllm-v1-h100 was fitted on h100-sxm, but is used on "
+                      "a100-80gb: its efficiencies and overheads may not hold there"]
