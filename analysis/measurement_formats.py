@@ -129,7 +129,7 @@ def _number(text: str) -> Any:
 def json_objects(path: Path) -> list[Any]:
     """The JSON values in the file: one, or several written one after another (--append-result)."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8-sig")  # past a byte-order mark (was: "Expecting value")
     except (OSError, UnicodeDecodeError) as exc:  # binary or unreadable: name the file
         raise ValueError(f"{path}: cannot read: {exc}") from None
     decoder, pos, out = json.JSONDecoder(), 0, []
