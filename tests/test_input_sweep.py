@@ -227,10 +227,11 @@ CSV_REFUSED_BY = {
 
 
 def csv_mutations(seed: str, columns: dict[str, str], header: int = 1, order: bool = True,
-                  exact: bool = False) -> list[Mutation]:
-    """Every CSV_WRONG cell, each in one column (`_spread`); each column dropped (always refused:
-    each is required); an unknown column (refused by a file of `exact` columns, a kernel profile's,
-    issue 26); a duplicated and (with `order`) a shuffled set of rows."""
+                  exact: bool = False, droppable: tuple[str, ...] = ()) -> list[Mutation]:
+    """Every CSV_WRONG cell, each in one column (`_spread`); each column dropped (refused unless
+    `droppable`: without it the file is another valid format); an unknown column (refused by a file
+    of `exact` columns, a kernel profile's, issue 26); a duplicated and (with `order`) a shuffled
+    set of rows."""
     out = [Mutation("extra-column", _csv_extra_column, reject=exact, field="x_unknown" if exact else None),
            Mutation("duplicated-rows", _lines_edit(lambda ls, rng: ls + ls, keep=header), reject=False)]
     if order:
@@ -240,7 +241,8 @@ def csv_mutations(seed: str, columns: dict[str, str], header: int = 1, order: bo
         out.append(Mutation(f"{column}={label}", _csv_cell(column, CSV_WRONG[label]), reject=refused,
                             field=column if refused else None))
     for column in columns:
-        out.append(Mutation(f"{column}-missing", _csv_drop(column), field=column))
+        kept = column not in droppable
+        out.append(Mutation(f"{column}-missing", _csv_drop(column), reject=kept, field=column if kept else None))
     return out
 
 
@@ -289,6 +291,7 @@ AZURE = ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0,10,5\n2
 BURSTGPT = ("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n0,ChatGPT,10,5,15,Conversation log\n"
             "1,ChatGPT,11,4,15,Conversation log\n2,GPT-4,12,3,15,API log\n")
 LENGTH_CSV = "num_prefill_tokens,num_decode_tokens\n10,5\n11,4\n12,3\n"
+SPLITWISE = "arrived_at,num_prefill_tokens,num_decode_tokens\n0,10,5\n0.5,11,4\n1,12,3\n"
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "num_attention_heads": 8,
          "num_key_value_heads": 4, "num_hidden_layers": 2, "intermediate_size": 1024, "vocab_size": 1000,
@@ -462,78 +465,70 @@ PLUGIN_MUTATIONS = [
 # ---------------------------------------------------------------- the sweep's table
 
 
+def _lines(reorder_runs: bool) -> list[Mutation]:
+    """JSON-lines order: repeated and shuffled lines (`reorder_runs`: a trace sorts them and runs;
+    a measured run's lines must stay in arrival order and be refused otherwise)."""
+    return [Mutation("duplicated-lines", _lines_edit(lambda ls, rng: ls + ls), reject=not reorder_runs),
+            Mutation("unsorted-lines", _lines_edit(_shuffled), reject=not reorder_runs)]
+
+
 def kinds() -> dict[str, tuple[Callable[..., Case], list[Mutation]]]:
-    number, positive, count, text = "number", "positive", "count", "text"
+    """Each input kind: (its files and command, its mutations). Field kinds: REFUSED_BY's keys."""
+    num, pos, cnt, txt = "number", "positive", "count", "text"
+    req, opt = True, False
+    sim_cal = _simulate_with("--calibration", "--model", "llama-3-8b", "--hardware", "h100-sxm")
+    sim_profile = _simulate_with("--profile", "--model", "smollm2-135m", "--num-gpu-blocks", "64")
+    stage = ("experiments", 0, "stages", 0)
     return {
-        "trace-pagesim": (trace_case("t.csv", PAGESIM_TRACE),
-                          REQUIRED + csv_mutations("trace-pagesim", {"arrival": number, "prompt_len": count,
-                                                          "output_len": count})),
-        "trace-mooncake": (trace_case("t.jsonl", MOONCAKE, header=0),
-                           REQUIRED + [Mutation("duplicated-lines", _lines_edit(lambda ls, rng: ls + ls),
-                                                      reject=False),
-                                             Mutation("unsorted-lines", _lines_edit(_shuffled), reject=False)]),
-        "trace-azure": (trace_case("azure.csv", AZURE),
-                        REQUIRED + csv_mutations("trace-azure", {"ContextTokens": count, "GeneratedTokens": count})),
-        "trace-burstgpt": (trace_case("BurstGPT_1.csv", BURSTGPT),
-                           REQUIRED + csv_mutations("trace-burstgpt", {"Timestamp": number}, order=True)),
-        "trace-length-csv": (trace_case("lengths.csv", LENGTH_CSV, extra=("--rate", "1")),
-                             REQUIRED + csv_mutations("trace-length-csv", {"num_prefill_tokens": count, "num_decode_tokens": count},
-                                                            order=False)),
-        "model-config": (json_case("config.json", LLAMA, _simulate_with("--model")),
-                         REQUIRED + json_field_mutations("model-config", {("hidden_size",): (count, True),
-                                                                ("num_hidden_layers",): (count, True),
-                                                                ("vocab_size",): (count, True),
-                                                                ("max_position_embeddings",): (count, False)})),
-        "hardware": (json_case("gpu.json", HARDWARE, _simulate_with("--hardware")),
-                     REQUIRED + json_field_mutations("hardware", {("hbm_bandwidth_gb_s",): (positive, True),
-                                                            ("memory_mib",): (positive, True),
-                                                            ("interconnect_latency_us",): (number, False),
-                                                            ("name",): (text, False)})),
-        "calibration": (json_case("cal.json", CALIBRATION, _simulate_with("--calibration", "--model", "llama-3-8b",
-                                                                           "--hardware", "h100-sxm")),
-                        REQUIRED + json_field_mutations("calibration", {("params", "gemm_eff_max"): (positive, False),
-                                                               ("params", "iteration_overhead_s"): (number, False),
-                                                               ("params", "client_output_lag_steps"): (number, False),
-                                                               ("hardware",): (text, True)})),
-        "profile": (json_case("profile.json", PROFILE, _simulate_with("--profile", "--model", "smollm2-135m",
-                                                                            "--num-gpu-blocks", "64")),
-                    REQUIRED + json_field_mutations("profile", {("block_size",): (count, True)})),
-        "measurements": (json_case("measurements.json", _measurements(), _fidelity),
-                         REQUIRED + json_field_mutations("measurements", {("experiments", 0, "tp"): (count, False),
-                                                                ("experiments", 0, "stages", 0, "rate"): (positive, True),
-                                                                ("experiments", 0, "model_id"): (text, True)})),
-        "vllm-bench": (json_case("bench.json", BENCH_RESULT, _fidelity),
-                       REQUIRED + json_field_mutations("vllm-bench", {("request_rate",): (positive, True),
-                                                              ("num_prompts",): (count, True),
-                                                              ("mean_ttft_ms",): (number, True),
-                                                              ("total_output_tokens",): (number, True)})),
-        "bench-sidecar": (_sidecar, OPTIONAL + json_field_mutations("bench-sidecar", {("tensor_parallel_size",): (count, False),
-                                                                            ("max_num_seqs",): (count, False)})),
-        "server-settings": (_server_settings,
-                            REQUIRED + json_field_mutations("server-settings", {("tensor_parallel_size",): (count, False),
-                                                                   ("max_num_seqs",): (count, False)})),
+        "trace-pagesim": (trace_case("t.csv", PAGESIM_TRACE), REQUIRED + csv_mutations(
+            "trace-pagesim", {"arrival": num, "prompt_len": cnt, "output_len": cnt})),
+        "trace-mooncake": (trace_case("t.jsonl", MOONCAKE, header=0), REQUIRED + _lines(reorder_runs=True)),
+        "trace-azure": (trace_case("azure.csv", AZURE), REQUIRED + csv_mutations(
+            "trace-azure", {"ContextTokens": cnt, "GeneratedTokens": cnt})),
+        "trace-burstgpt": (trace_case("BurstGPT_1.csv", BURSTGPT), REQUIRED + csv_mutations(
+            "trace-burstgpt", {"Timestamp": num})),
+        "trace-splitwise": (trace_case("splitwise.csv", SPLITWISE), REQUIRED + csv_mutations(
+            "trace-splitwise", {"arrived_at": num, "num_prefill_tokens": cnt, "num_decode_tokens": cnt},
+            droppable=("arrived_at",))),  # a length-only trace without it, which asks for --rate
+        "trace-length-csv": (trace_case("lengths.csv", LENGTH_CSV, extra=("--rate", "1")), REQUIRED + csv_mutations(
+            "trace-length-csv", {"num_prefill_tokens": cnt, "num_decode_tokens": cnt}, order=False)),
+        "model-config": (json_case("config.json", LLAMA, _simulate_with("--model")), REQUIRED + json_field_mutations(
+            "model-config", {("hidden_size",): (cnt, req), ("num_hidden_layers",): (cnt, req),
+                             ("vocab_size",): (cnt, req), ("max_position_embeddings",): (cnt, opt)})),
+        "hardware": (json_case("gpu.json", HARDWARE, _simulate_with("--hardware")), REQUIRED + json_field_mutations(
+            "hardware", {("hbm_bandwidth_gb_s",): (pos, req), ("memory_mib",): (pos, req),
+                         ("interconnect_latency_us",): (num, opt), ("name",): (txt, opt)})),
+        "calibration": (json_case("cal.json", CALIBRATION, sim_cal), REQUIRED + json_field_mutations(
+            "calibration", {("params", "gemm_eff_max"): (pos, opt), ("params", "iteration_overhead_s"): (num, opt),
+                            ("params", "client_output_lag_steps"): (num, opt), ("hardware",): (txt, req)})),
+        "profile": (json_case("profile.json", PROFILE, sim_profile), REQUIRED + json_field_mutations(
+            "profile", {("block_size",): (cnt, req)})),
+        "measurements": (json_case("measurements.json", _measurements(), _fidelity), REQUIRED + json_field_mutations(
+            "measurements", {("experiments", 0, "tp"): (cnt, opt), (*stage, "rate"): (pos, req),
+                             (*stage, "duration_s"): (pos, req), ("experiments", 0, "model_id"): (txt, req)})),
+        "vllm-bench": (json_case("bench.json", BENCH_RESULT, _fidelity), REQUIRED + json_field_mutations(
+            "vllm-bench", {("request_rate",): (pos, req), ("num_prompts",): (cnt, req),
+                           ("mean_ttft_ms",): (num, req), ("total_output_tokens",): (num, req)})),
+        "bench-sidecar": (_sidecar, OPTIONAL + json_field_mutations(
+            "bench-sidecar", {("tensor_parallel_size",): (cnt, opt), ("max_num_seqs",): (cnt, opt)})),
+        "server-settings": (_server_settings, REQUIRED + json_field_mutations(
+            "server-settings", {("tensor_parallel_size",): (cnt, opt), ("max_num_seqs",): (cnt, opt)})),
         "guidellm": (_guidellm, REQUIRED),
         "run-summary": (_pagesim_run_file("summary.json"), REQUIRED),
         "run-requests-csv": (_pagesim_run_file("requests.csv"), REQUIRED),
-        "request-run-meta": (_request_run_file("meta.json"),
-                             REQUIRED + json_field_mutations("request-run-meta", {("num_requests",): (count, False),
-                                                                    ("tick_seconds",): (positive, False),
-                                                                    ("dataset_path",): (text, True)})),
-        "request-run-requests": (_request_run_file("requests.jsonl"),
-                                 REQUIRED + [Mutation("duplicated-lines", _lines_edit(lambda ls, rng: ls + ls)),
-                                                   Mutation("unsorted-lines", _lines_edit(_shuffled))]),
-        "request-run-timeseries": (_request_run_file("timeseries.csv"),
-                                   OPTIONAL + csv_mutations("request-run-timeseries", {"running": number, "waiting": number,
-                                                                   "kv_cache_pct": number}, order=False)),
-        "request-run-workload": (_request_run_file("/workloads/w.jsonl"),
-                                 REQUIRED + [Mutation("duplicated-lines", _lines_edit(lambda ls, rng: ls + ls)),
-                                                   Mutation("unsorted-lines", _lines_edit(_shuffled))]),
-        "kernel-dense": (_kernel_profile_file("dense.csv"),
-                         REQUIRED + csv_mutations("kernel-dense", {"tokens": count, "time_us": number}, order=False,
-                                                                        exact=True)),
-        "kernel-attention": (_kernel_profile_file("attention.csv"),
-                             OPTIONAL + csv_mutations("kernel-attention", {"kv_decode": number, "time_us": number},
-                                                                              order=False, exact=True)),
+        "request-run-meta": (_request_run_file("meta.json"), REQUIRED + json_field_mutations(
+            "request-run-meta", {("num_requests",): (cnt, opt), ("tick_seconds",): (pos, opt),
+                                 ("dataset_path",): (txt, req)})),
+        "request-run-requests": (_request_run_file("requests.jsonl"), REQUIRED + _lines(reorder_runs=False)),
+        "request-run-timeseries": (_request_run_file("timeseries.csv"), OPTIONAL + csv_mutations(
+            "request-run-timeseries", {"running": num, "waiting": num, "kv_cache_pct": num}, order=False)),
+        "request-run-workload": (_request_run_file("/workloads/w.jsonl"), REQUIRED + _lines(reorder_runs=False)),
+        "kernel-dense": (_kernel_profile_file("dense.csv"), REQUIRED + csv_mutations(
+            "kernel-dense", {"tokens": cnt, "time_us": num}, order=False, exact=True)),
+        "kernel-per-sequence": (_kernel_profile_file("per_sequence.csv"), OPTIONAL + csv_mutations(
+            "kernel-per-sequence", {"sequences": cnt, "time_us": num}, order=False, exact=True)),
+        "kernel-attention": (_kernel_profile_file("attention.csv"), OPTIONAL + csv_mutations(
+            "kernel-attention", {"kv_decode": num, "time_us": num}, order=False, exact=True)),
         "plugin-policy": (_plugin("policy"), PLUGIN_MUTATIONS + [DELETED]),
         "plugin-router": (_plugin("router"), PLUGIN_MUTATIONS + [DELETED]),
     }
