@@ -88,11 +88,7 @@ def _directory(path: Path, rng: random.Random) -> None:
 
 
 def _unreadable(path: Path, rng: random.Random) -> None:
-    # a mark the `unreadable_files` fixture turns into a PermissionError on open (chmod does not stop root)
-    UNREADABLE.add(path.resolve())
-
-
-UNREADABLE: set[Path] = set()
+    """Nothing here: the test makes opening the file a PermissionError (chmod does not stop root)."""
 
 FILE_MUTATIONS = [
     Mutation("empty", _set_bytes(b"")),
@@ -545,22 +541,19 @@ def parser():
     return pagesim.cli.build_parser()
 
 
-@pytest.fixture
-def unreadable_files(monkeypatch):
-    """Opening a path in UNREADABLE raises PermissionError, as chmod 000 would for a user other than root."""
-    real_open, real_io_open = builtins.open, io.open
+def make_unreadable(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening `path` raises PermissionError, as chmod 000 would for a user other than root."""
+    refused = path.resolve()
 
     def guarded(real):
         def open_(file, *args, **kwargs):
-            if isinstance(file, (str, Path)) and Path(file).resolve() in UNREADABLE:
+            if isinstance(file, (str, Path)) and Path(file).resolve() == refused:
                 raise PermissionError(13, "Permission denied", str(file))
             return real(file, *args, **kwargs)
         return open_
 
-    monkeypatch.setattr(builtins, "open", guarded(real_open))
-    monkeypatch.setattr(io, "open", guarded(real_io_open))
-    yield
-    UNREADABLE.clear()
+    monkeypatch.setattr(builtins, "open", guarded(builtins.open))
+    monkeypatch.setattr(io, "open", guarded(io.open))
 
 
 class Hung(Exception):
@@ -584,7 +577,7 @@ def time_limit():
 
 @pytest.mark.parametrize("kind, mutation", CASES, ids=[f"{k}-{m.name}" for k, m in CASES])
 def test_mutated_input_is_refused_in_one_line_or_runs_whole(tmp_path, capsys, monkeypatch, pagesim_run, parser,
-                                                           unreadable_files, time_limit, kind, mutation):
+                                                           time_limit, kind, mutation):
     make, _ = KINDS[kind]
     case = make(tmp_path, pagesim_run) if kind.startswith("run-") else make(tmp_path)
     # figures are drawn by their own tests; here they would take most of the sweep's time (2 s a run)
@@ -594,6 +587,8 @@ def test_mutated_input_is_refused_in_one_line_or_runs_whole(tmp_path, capsys, mo
     for name in ("sweep_plugin_policy", "sweep_plugin_router"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     mutation.apply(case.target, random.Random(f"{SEED}-{kind}-{mutation.name}"))
+    if mutation.apply is _unreadable:
+        make_unreadable(case.target, monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
