@@ -387,7 +387,9 @@ def pagesim_run(folder: Path, models_dirs: Sequence[str | Path] | None) -> Exper
                   failures=len(frame) - len(done), requests=trace)
     gpu_blocks = s.int("num_gpu_blocks", None, minimum=1) or cfg.int("num_gpu_blocks", None, minimum=1)
     return Experiment(
-        name=folder.name, model_id=model_id, model=model, tp=cfg.int("tp", 1, minimum=1), stages=(stage,),
+        # tp checked against the model's heads, as the other formats' (was: 1e308 passed, and fidelity
+        # ended "no experiment can be simulated" naming no file)
+        name=folder.name, model_id=model_id, model=model, tp=tp_field(cfg, "tp", model), stages=(stage,),
         workload_name=trace.name, max_num_batched_tokens=cfg.int("max_num_batched_tokens", None, minimum=1),
         max_num_seqs=cfg.int("max_num_seqs", None, minimum=1), block_size=cfg.int("block_size", 16, minimum=1),
         prefix_caching=cfg.bool("prefix_caching", False), chunked_prefill=cfg.bool("chunked_prefill", False),
@@ -415,13 +417,23 @@ def read_csv_columns(path: Path, columns: Sequence[str], hint: str) -> pd.DataFr
 
 
 def _requests_frame(path: Path) -> pd.DataFrame:
+    """requests.csv sorted by arrival; arrival a time in [0, 2**32 s], lengths integers >= 1 within
+    int64, or ValueError naming the file, row and column (was: numpy's "could not convert string to
+    float: 'abc'", or the Trace's "prompt_len[0] = -1", naming no file)."""
     frame = read_csv_columns(path, _RUN_COLUMNS, "a pagesim requests table has them")
-    frame = frame.sort_values("arrival", kind="stable", ignore_index=True)
     for c in ("arrival", "prompt_len", "output_len"):
-        if frame[c].isna().any() or not np.isfinite(frame[c].to_numpy(np.float64)).all():
-            row = int(np.flatnonzero(frame[c].isna().to_numpy() | ~np.isfinite(frame[c].to_numpy(np.float64)))[0])
-            raise ValueError(f"{path}: row {row + 2}: {c}: missing or not a number")
-    return frame
+        values = pd.to_numeric(frame[c], errors="coerce").to_numpy(np.float64)
+        bad = ~np.isfinite(values)
+        if c == "arrival":
+            bad |= (values < 0) | (values > MAX_ARRIVAL)
+        else:
+            bad |= (values < 1) | (values >= 2.0**63) | (values != np.floor(values))
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            want = "a time in [0, 2**32] s" if c == "arrival" else "an integer >= 1"
+            raise ValueError(f"{path}: row {row + 2}: {c}: expected {want}, got {frame[c][row]!r}")
+        frame[c] = values if c == "arrival" else values.astype(np.int64)
+    return frame.sort_values("arrival", kind="stable", ignore_index=True)
 
 
 def _frame_latency(x: pd.Series) -> Latency:

@@ -511,8 +511,11 @@ def kinds() -> dict[str, tuple[Callable[..., Case], list[Mutation]]]:
         "server-settings": (_server_settings, REQUIRED + json_field_mutations(
             "server-settings", {("tensor_parallel_size",): (cnt, opt), ("max_num_seqs",): (cnt, opt)})),
         "guidellm": (_guidellm, REQUIRED),
-        "run-summary": (_pagesim_run_file("summary.json"), REQUIRED),
-        "run-requests-csv": (_pagesim_run_file("requests.csv"), REQUIRED),
+        "run-summary": (_pagesim_run_file("summary.json"), REQUIRED + json_field_mutations(
+            "run-summary", {("config", "model"): (txt, req), ("config", "tp"): (cnt, opt),
+                            ("config", "block_size"): (cnt, opt)})),
+        "run-requests-csv": (_pagesim_run_file("requests.csv"), REQUIRED + csv_mutations(
+            "run-requests-csv", {"arrival": num, "prompt_len": cnt, "output_len": cnt})),
         "request-run-meta": (_request_run_file("meta.json"), REQUIRED + json_field_mutations(
             "request-run-meta", {("num_requests",): (cnt, opt), ("tick_seconds",): (pos, opt),
                                  ("dataset_path",): (txt, req)})),
