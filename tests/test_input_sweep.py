@@ -34,6 +34,7 @@ import pytest
 
 import pagesim.cli
 from pagesim.cli import main
+from traces import resolve_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -295,6 +296,17 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}
 
 
+def _parquet_trace(tmp: Path) -> Case:
+    path = resolve_trace("multi-client", num_requests=3, rate=1.0, seed=3).save(tmp / "t.parquet")
+    return Case(Path(path), ["simulate", "--trace", str(path), *SIMULATE, "--out", str(_out(tmp))], _out(tmp),
+                lambda target: 3)
+
+
+# a binary file: the byte-level mutations only (a BOM or CRLF would be garbage in it, refused as such);
+# pyarrow opens files in C++, past the test's PermissionError, and root reads a chmod 000 file
+BINARY = [m for m in REQUIRED if m.name not in ("bom", "crlf", "non-utf8", "unreadable")]
+
+
 def json_case(name: str, data: Any, argv: Callable[[Path, Path], list[str]]) -> Callable[[Path], Case]:
     def make(tmp: Path) -> Case:
         path = tmp / name
@@ -479,6 +491,7 @@ def kinds() -> dict[str, tuple[Callable[..., Case], list[Mutation]]]:
     return {
         "trace-pagesim": (trace_case("t.csv", PAGESIM_TRACE), REQUIRED + csv_mutations(
             "trace-pagesim", {"arrival": num, "prompt_len": cnt, "output_len": cnt})),
+        "trace-parquet": (_parquet_trace, BINARY),
         "trace-mooncake": (trace_case("t.jsonl", MOONCAKE, header=0), REQUIRED + _lines(reorder_runs=True)),
         "trace-azure": (trace_case("azure.csv", AZURE), REQUIRED + csv_mutations(
             "trace-azure", {"ContextTokens": cnt, "GeneratedTokens": cnt})),
