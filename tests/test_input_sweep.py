@@ -5,8 +5,9 @@ Each input kind is a valid set of files plus the command line that reads them; e
 one of its files (or replaces it by a directory, or makes it unreadable). The rule every case must
 keep: the command either refuses it with one stderr line that names the file (and the field or
 column the mutation touched, where it touched one), a non-zero exit and no traceback; or it runs
-and every input request is a row of its output. Mutations marked REJECT must be refused. Cases that
-failed before their fix say "was: <what happened>" beside their kind or mutation.
+and every input request is a row of its output. Mutations with `reject` must be refused, with
+`runs` must run. The cases that failed before their fix are listed, "was: <what happened>", above
+`kinds()`.
 
 tests/test_adversarial_inputs.py and tests/test_bad_input.py hold the hand-written cases; this
 module holds the generated ones.
@@ -479,6 +480,28 @@ def _lines(reorder_runs: bool) -> list[Mutation]:
     a measured run's lines must stay in arrival order and be refused otherwise)."""
     return [Mutation("duplicated-lines", _lines_edit(lambda ls, rng: ls + ls), reject=not reorder_runs),
             Mutation("unsorted-lines", _lines_edit(_shuffled), reject=not reorder_runs)]
+
+
+# Cases that failed before their fix (by case id; * for any of its values):
+# - calibration-client_output_lag_steps=huge / =int64: was: hung (a loop over 1e308 output-lag steps)
+# - calibration-*=string / =list / =object: was: "12" read as 12, a list's TypeError naming no field
+# - measurements-rate=int64 / =huge: was: hung building 10**21 requests / an OverflowError traceback
+# - vllm-bench-mean_ttft_ms=huge: was: an OverflowError traceback from the fidelity figure's axis
+# - hardware-memory_mib=huge / =int64: was: an OverflowError traceback (int(inf), a C long)
+# - model-config-*=int64: was: accepted, then "does not fit" naming no file
+# - profile-block_size=*: was: a ZeroDivisionError traceback for 0, else an error naming fit.coef
+# - plugin-*-syntax-error / -raises-on-import: was: the module's traceback
+# - trace-*-<column>-missing: was: "cannot detect trace format", naming no missing column
+# - bench-sidecar-directory, request-run-timeseries-directory, kernel-attention-directory: was: skipped
+#   as absent (the attention one then numpy's "need at least one array to concatenate")
+# - bench-sidecar-* / server-settings-* = negative / zero / int64: was: blamed on the result file
+# - request-run-meta-directory / -deleted: was: read as a pagesim run, "summary.json: missing"
+# - kernel-dense-tokens=zero / =fraction / =int64: was: fitted as given; =huge: scipy's message, no file
+# - kernel-dense-deleted: was: "no rtx_*_mlp.csv operator profiles" (Vidur's layout only)
+# - kernel-attention-deleted: was: numpy's "need at least one array to concatenate"
+# - <every JSON kind>-bom: was: refused ("Unexpected UTF-8 BOM", or "Expecting value")
+# - run-requests-csv-<column>=text / negative / zero / fraction / huge / int64: was: numpy's or the
+#   Trace's message naming no file; run-summary-tp=huge: was: "no experiment can be simulated"
 
 
 def kinds() -> dict[str, tuple[Callable[..., Case], list[Mutation]]]:
