@@ -46,6 +46,13 @@ def check_settings(obj: Any, where: Path | str) -> dict[str, Any]:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not ok:
             raise ValueError(f"{where}: {key}: expected {want.__name__}, got {value!r}")
+        # was: a 0 or -1 here was reported later against the result file, as if it had said so
+        if want is int and not 1 <= value < 2**63:
+            raise ValueError(f"{where}: {key}: expected an integer >= 1, got {value!r}")
+        if want is float and not (math.isfinite(value) and 0 < value <= 1):
+            raise ValueError(f"{where}: {key}: expected a fraction in (0, 1], got {value!r}")
+        if want is str and not value.strip():
+            raise ValueError(f"{where}: {key}: expected a hardware spec's name, got {value!r}")
     return obj
 
 

@@ -51,7 +51,7 @@ def load_guidellm(path: str | Path, models_dirs: Sequence[str | Path] | None = N
 def _report(path: str | Path) -> Fields:
     path = Path(path)
     try:
-        obj = json.loads(path.read_text())
+        obj = json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     if not is_guidellm(obj):

@@ -36,6 +36,9 @@ from sim.specs import HardwareSpec, ModelSpec, get_model
 _DTYPE_BYTES = 2
 _COLUMNS = {"dense.csv": ("layer", "tokens", "time_us"), "per_sequence.csv": ("layer", "sequences", "time_us"),
             "attention.csv": ("prefill_chunk", "kv_prefill", "n_decode", "kv_decode", "time_us")}
+# the columns that count (tokens, sequences, context lengths): integers, exact in float64 (<= 2**53);
+# dense and per-sequence rows profile at least one token or sequence
+_COUNTS = {"tokens": 1, "sequences": 1, "prefill_chunk": 0, "kv_prefill": 0, "n_decode": 0, "kv_decode": 0}
 _USED = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "layernorm", "rotary_emb", "act_fn"}
 _NOT_PRICED = {"embedding", "final_layernorm", "qk_norm"}  # known, priced elsewhere or not at all
 
@@ -87,9 +90,13 @@ def read_csv(path: Path) -> pd.DataFrame:
     for c in want[1:] if want[0] == "layer" else want:
         values = pd.to_numeric(df[c], errors="coerce").to_numpy(np.float64)
         bad = ~np.isfinite(values) | (values < 0)
+        expected = "a number >= 0"
+        if c in _COUNTS:  # was: 0, 0.5 or 2**63 tokens fitted as they were; 1e308 ended the fit unnamed
+            bad |= (values != np.floor(values)) | (values < _COUNTS[c]) | (values > 2.0**53)
+            expected = f"an integer >= {_COUNTS[c]}"
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"{path}: line {row + 2}: {c}: expected a number >= 0, got {df[c][row]!r}")
+            raise ValueError(f"{path}: line {row + 2}: {c}: expected {expected}, got {df[c][row]!r}")
     return df
 
 
@@ -115,7 +122,7 @@ def dense_points(folder: ProfileFolder, model: ModelSpec) -> OperatorPoints:
         raise ValueError(f"{dense_path}: layer: unknown {unknown} (known: {', '.join(sorted(_USED | _NOT_PRICED))})")
     rows = dense[dense.layer.isin(_USED)].rename(columns={"tokens": "m"})
     per_seq = folder.path / "per_sequence.csv"
-    if per_seq.is_file():
+    if per_seq.exists():
         ps = read_csv(per_seq)
         rows = pd.concat([rows, ps[ps.layer == "lm_head"].rename(columns={"sequences": "m"})], ignore_index=True)
     spec = np.array([ops[name] for name in rows.layer], dtype=object)
@@ -141,7 +148,7 @@ class AttentionPoints:
 
 def attention_points(folder: ProfileFolder, model: ModelSpec) -> AttentionPoints | None:
     path = folder.path / "attention.csv"
-    if not path.is_file():
+    if not path.exists():  # (a folder of that name is refused by read_csv, not skipped)
         return None
     a = read_csv(path)
     layers = model.num_layers
@@ -158,6 +165,8 @@ def attention_points(folder: ProfileFolder, model: ModelSpec) -> AttentionPoints
 def fit_attention(points: list[AttentionPoints], hw: HardwareSpec) -> dict[str, float]:
     """attn_mem_eff and prefill_attn_eff (with each regime's floor, reported) over every folder's rows."""
     out: dict[str, float] = {}
+    if not points:  # no folder has an attention.csv: the priors stay (was: numpy's "need at least one array")
+        return out
     for name, x_of, t_of, scale in (
             ("attn_mem_eff", lambda p: p.decode_ctx * p.kv_bytes_per_token, lambda p: p.decode_s, hw.mem_bandwidth),
             ("prefill_attn_eff", lambda p: p.prefill_pairs * p.flops_per_pair, lambda p: p.prefill_s, hw.peak_flops)):
@@ -181,7 +190,10 @@ def profile_inputs(directory: str | Path, models_dirs: Any = None) -> tuple[Oper
     """(GEMM and elementwise points, attention points, files used, folders skipped with why) of
     every profile folder under `directory` whose model's config can be found."""
     points, attention, files, skipped = [], [], [], {}
-    for folder in profile_folders(directory):
+    folders = profile_folders(directory)
+    if not folders:  # was: "no profile folder whose model can be read ()", naming no file it looked for
+        raise ValueError(f"{directory}: no kernel profiles: expected <org>/<model>/<variant>/tp<N>/dense.csv under it")
+    for folder in folders:
         try:
             model = get_model(resolve_model(folder.model_id, models_dirs))
         except ValueError:  # (the catalogue's message names absolute paths: not kept in a shipped file)
@@ -203,7 +215,10 @@ def fit_profiles(directory: str | Path, hw: HardwareSpec, models_dirs: Any = Non
     (analysis/operator_fit.py) and the attention efficiencies. No all-reduce is profiled there: the
     all-reduce terms stay the priors (or the end-to-end fit's)."""
     pts, attention, files, skipped = profile_inputs(directory, models_dirs)
-    report = {**fit_gemm(pts, hw), **fit_elementwise(pts, hw), **fit_attention(attention, hw)}
+    try:
+        report = {**fit_gemm(pts, hw), **fit_elementwise(pts, hw), **fit_attention(attention, hw)}
+    except ValueError as exc:  # times the curves cannot take (1e308 us): was scipy's message, naming no file
+        raise ValueError(f"{directory}: the kernel times do not fit: {exc}") from None
     # the attention floors are reported, not parameters (module docstring)
     params = {k: v for k, v in report.items() if not k.endswith(("_error", "_points", "_eff_floor_s"))}
     report["files"] = files

@@ -56,8 +56,12 @@ def load_file(path: Path, models_dirs: Sequence[str | Path] | None = None,
             return load_guidellm(path, models_dirs)
     if all(isinstance(o, dict) and "request_rate" in o for o in objects):
         many = len(objects) > 1
-        sidecar = read_settings(sidecar_path(path)) if sidecar_path(path).is_file() else {}
-        return [vllm_bench(Fields(with_server_settings(o, sidecar, server), path, f"[{i}]" if many else ""),
+        # a sidecar that exists but cannot be read is refused (was: a folder of that name was skipped)
+        sidecar = read_settings(sidecar_path(path)) if sidecar_path(path).exists() else {}
+        # a setting's error names where it came from (was: the result file, for a sidecar's value)
+        origins = {**{k: str(sidecar_path(path)) for k in sidecar},
+                   **{k: "the server settings given (--server-settings, --tp, ...)" for k in server or {}}}
+        return [vllm_bench(Fields(with_server_settings(o, sidecar, server), path, f"[{i}]" if many else "", origins),
                            f"{path.stem}" + (f"#{i}" if many else ""), models_dirs) for i, o in enumerate(objects)]
     raise ValueError(f"{path}: not a measurements file: expected an object with \"experiments\" (vllm-h100 "
                      "measurements.json), a `vllm bench serve` result (with \"request_rate\"), a guidellm result, "

@@ -28,9 +28,10 @@ import pandas as pd
 
 from analysis.bench_settings import check_settings, e2e_from_requests
 from analysis.measurements import LOAD_TYPES, Experiment, Latency, SharedPrefix, Stage
+from policies.limits import REQUEST_BYTES, check_fits
 from specs import get_hardware, load_model, resolve_model_name
 from traces import SYNTHETIC, load_trace, make_synthetic
-from traces.trace import Trace
+from traces.trace import MAX_ARRIVAL, Trace
 
 _MISSING = object()
 
@@ -38,15 +39,16 @@ _MISSING = object()
 class Fields:
     """One JSON object of a file; every error names the file and the field's path."""
 
-    def __init__(self, obj: Any, file: Path | str, path: str = "") -> None:
+    def __init__(self, obj: Any, file: Path | str, path: str = "", origins: dict[str, str] | None = None) -> None:
         self.file, self.path = str(file), path
+        self.origins = origins or {}  # top-level keys that came from elsewhere (a sidecar file): where from
         if not isinstance(obj, dict):
             raise self.error("", f"expected an object, got {type(obj).__name__}")
         self.obj = obj
 
     def error(self, key: str, why: str) -> ValueError:
         where = ".".join(p for p in (self.path, key) if p) or "(top level)"
-        return ValueError(f"{self.file}: {where}: {why}")
+        return ValueError(f"{self.origins.get(key, self.file)}: {where}: {why}")
 
     def has(self, key: str) -> bool:
         return self.obj.get(key) is not None
@@ -70,6 +72,17 @@ class Fields:
         if not ok or v < minimum or (strict and v == minimum):
             raise self.error(key, f"expected a number {'>' if strict else '>='} {minimum:g}, got {v!r}")
         return float(v)
+
+    def seconds(self, key: str, default: Any = _MISSING, unit_s: float = 1.0, strict: bool = False) -> Any:
+        """A time (a latency, a duration) in units of `unit_s` seconds, as given: finite, >= 0 (> 0
+        when strict) and within MAX_ARRIVAL (2**32 s), beyond which float64 no longer resolves a
+        millisecond (1e308 ms broke the figures' axes: was an OverflowError traceback)."""
+        v = self.num(key, default, strict=strict)
+        if v is default and default is not _MISSING:
+            return v
+        if v * unit_s > MAX_ARRIVAL:
+            raise self.error(key, f"{v:g} is beyond 2**32 s (about 136 years)")
+        return v
 
     def int(self, key: str, default: Any = _MISSING, minimum: int = 0) -> Any:
         v = self.num(key, default, minimum)
@@ -116,7 +129,7 @@ def _number(text: str) -> Any:
 def json_objects(path: Path) -> list[Any]:
     """The JSON values in the file: one, or several written one after another (--append-result)."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8-sig")  # past a byte-order mark (was: "Expecting value")
     except (OSError, UnicodeDecodeError) as exc:  # binary or unreadable: name the file
         raise ValueError(f"{path}: cannot read: {exc}") from None
     decoder, pos, out = json.JSONDecoder(), 0, []
@@ -218,16 +231,25 @@ def _vllm_h100_stage(s: Fields, load: str, output_len: int) -> Stage:
     prompt = s.sub("prompt_len") if s.has("prompt_len") else None
     thr = s.sub("throughput") if s.has("throughput") else None
     return Stage(
-        index=s.int("index", 0), rate=s.num("rate", minimum=0, strict=True),
-        duration_s=s.num("duration_s", minimum=0, strict=True), load_type=load,
+        index=s.int("index", 0), rate=_stage_rate(s), duration_s=s.seconds("duration_s", strict=True), load_type=load,
         ttft=_latency(ttft), e2e=_latency(e2e), output_len=output_len,
         prompt_len_mean=prompt.num("mean", minimum=1) if prompt else None,
         throughput_rps=thr.num("requests_per_sec") if thr else None,
         successes=s.int("successes", 0), failures=s.int("failures", 0))
 
 
+def _stage_rate(s: Fields) -> float:
+    """The stage's rate, whose requests over duration_s the simulator must be able to hold (was: a
+    rate of 2**63 req/s built 10**21 requests until the memory ran out)."""
+    rate = s.num("rate", minimum=0, strict=True)
+    n = rate * s.seconds("duration_s", strict=True)
+    check_fits(f"{s.file}: {s._join('rate')}: {rate:g} req/s over {s.num('duration_s'):g} s is {n:.3g} requests",
+               [(int(min(n, 2.0**63)), REQUEST_BYTES)])
+    return rate
+
+
 def _latency(f: Fields, scale: float = 1.0) -> Latency:
-    return Latency(f.num("mean") * scale, _opt(f.num("p90", None)), _opt(f.num("p99", None)))
+    return Latency(f.seconds("mean") * scale, _opt(f.seconds("p90", None)), _opt(f.seconds("p99", None)))
 
 
 def _opt(v: float | None, scale: float = 1.0) -> float | None:
@@ -253,8 +275,8 @@ def vllm_bench(f: Fields, name: str, models_dirs: Sequence[str | Path] | None) -
     total_out = f.num(_first(f, "total_output_tokens", "total_output"))
     stage = Stage(
         index=0, rate=rate, duration_s=n / rate, load_type=load, burstiness=cv,
-        ttft=Latency(f.num("mean_ttft_ms") / 1e3, _opt(f.num("p90_ttft_ms", None), 1e-3),
-                     _opt(f.num("p99_ttft_ms", None), 1e-3)),
+        ttft=Latency(f.seconds("mean_ttft_ms", unit_s=1e-3) / 1e3, _opt(f.seconds("p90_ttft_ms", None, 1e-3), 1e-3),
+                     _opt(f.seconds("p99_ttft_ms", None, 1e-3), 1e-3)),
         e2e=_bench_e2e(f),
         output_len=total_out / completed,
         prompt_len_mean=f.num(_first(f, "total_input_tokens", "total_input")) / completed,
@@ -277,8 +299,8 @@ def _bench_e2e(f: Fields) -> Latency:
     if f.has("mean_e2el_ms") or not (f.has("ttfts") and f.has("itls")):
         if not f.has("mean_e2el_ms"):
             raise f.error("mean_e2el_ms", "missing, and no per-request ttfts and itls to derive it from")
-        return Latency(f.num("mean_e2el_ms") / 1e3, _opt(f.num("p90_e2el_ms", None), 1e-3),
-                       _opt(f.num("p99_e2el_ms", None), 1e-3))
+        return Latency(f.seconds("mean_e2el_ms", unit_s=1e-3) / 1e3, _opt(f.seconds("p90_e2el_ms", None, 1e-3), 1e-3),
+                       _opt(f.seconds("p99_e2el_ms", None, 1e-3), 1e-3))
     where = f"{f.file}" + (f": {f.path}" if f.path else "")
     mean, p90, p99 = e2e_from_requests(f.raw("ttfts"), f.raw("itls"), where)
     return Latency(mean / 1e3, p90 / 1e3, p99 / 1e3)
@@ -365,7 +387,9 @@ def pagesim_run(folder: Path, models_dirs: Sequence[str | Path] | None) -> Exper
                   failures=len(frame) - len(done), requests=trace)
     gpu_blocks = s.int("num_gpu_blocks", None, minimum=1) or cfg.int("num_gpu_blocks", None, minimum=1)
     return Experiment(
-        name=folder.name, model_id=model_id, model=model, tp=cfg.int("tp", 1, minimum=1), stages=(stage,),
+        # tp checked against the model's heads, as the other formats' (was: 1e308 passed, and fidelity
+        # ended "no experiment can be simulated" naming no file)
+        name=folder.name, model_id=model_id, model=model, tp=tp_field(cfg, "tp", model), stages=(stage,),
         workload_name=trace.name, max_num_batched_tokens=cfg.int("max_num_batched_tokens", None, minimum=1),
         max_num_seqs=cfg.int("max_num_seqs", None, minimum=1), block_size=cfg.int("block_size", 16, minimum=1),
         prefix_caching=cfg.bool("prefix_caching", False), chunked_prefill=cfg.bool("chunked_prefill", False),
@@ -384,6 +408,8 @@ def read_csv_columns(path: Path, columns: Sequence[str], hint: str) -> pd.DataFr
         frame = pd.read_csv(path)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not a CSV file ({exc})") from None
+    except OSError as exc:  # a folder, unreadable
+        raise ValueError(f"{path}: cannot read: {exc}") from None
     missing = [c for c in columns if c not in frame]
     if missing:
         raise ValueError(f"{path}: missing columns {', '.join(missing)} ({hint})")
@@ -391,13 +417,23 @@ def read_csv_columns(path: Path, columns: Sequence[str], hint: str) -> pd.DataFr
 
 
 def _requests_frame(path: Path) -> pd.DataFrame:
+    """requests.csv sorted by arrival; arrival a time in [0, 2**32 s], lengths integers >= 1 within
+    int64, or ValueError naming the file, row and column (was: numpy's "could not convert string to
+    float: 'abc'", or the Trace's "prompt_len[0] = -1", naming no file)."""
     frame = read_csv_columns(path, _RUN_COLUMNS, "a pagesim requests table has them")
-    frame = frame.sort_values("arrival", kind="stable", ignore_index=True)
     for c in ("arrival", "prompt_len", "output_len"):
-        if frame[c].isna().any() or not np.isfinite(frame[c].to_numpy(np.float64)).all():
-            row = int(np.flatnonzero(frame[c].isna().to_numpy() | ~np.isfinite(frame[c].to_numpy(np.float64)))[0])
-            raise ValueError(f"{path}: row {row + 2}: {c}: missing or not a number")
-    return frame
+        values = pd.to_numeric(frame[c], errors="coerce").to_numpy(np.float64)
+        bad = ~np.isfinite(values)
+        if c == "arrival":
+            bad |= (values < 0) | (values > MAX_ARRIVAL)
+        else:
+            bad |= (values < 1) | (values >= 2.0**63) | (values != np.floor(values))
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            want = "a time in [0, 2**32] s" if c == "arrival" else "an integer >= 1"
+            raise ValueError(f"{path}: row {row + 2}: {c}: expected {want}, got {frame[c][row]!r}")
+        frame[c] = values if c == "arrival" else values.astype(np.int64)
+    return frame.sort_values("arrival", kind="stable", ignore_index=True)
 
 
 def _frame_latency(x: pd.Series) -> Latency:

@@ -168,7 +168,9 @@ def fit_operators(directory: str | Path, hw: HardwareSpec, gpu: str = "h100") ->
     directory = Path(directory)
     mlp = sorted(directory.glob(f"{gpu}_*_mlp.csv"))
     if not mlp:
-        raise FileNotFoundError(f"{directory}: no {gpu}_*_mlp.csv operator profiles")
+        # --operators takes either kind: say both (was: only Vidur's, for a kernel tree missing its dense.csv)
+        raise FileNotFoundError(f"{directory}: no {gpu}_*_mlp.csv operator profiles (Vidur's) and no "
+                                "<org>/<model>/<variant>/tp<N>/dense.csv kernel profiles")
     pts = concat_points([read_operator_csv(p) for p in mlp])
     report = {**fit_gemm(pts, hw), **fit_elementwise(pts, hw)}
     ar = directory / f"{gpu}_dgx_all_reduce.csv"

@@ -90,8 +90,11 @@ class MeasuredRun:
 
 
 def is_request_run(path: Path) -> bool:
+    """A folder (or a file in one) with meta.json or requests.jsonl: a per-request run, whose loader
+    then names whichever of its files is missing or unreadable (was: a meta.json that was a folder
+    sent the run to the pagesim-run reader, which asked for a summary.json)."""
     folder = path if path.is_dir() else path.parent
-    return (folder / "meta.json").is_file() and (folder / "requests.jsonl").is_file()
+    return (folder / "meta.json").exists() or (folder / "requests.jsonl").exists()
 
 
 def load_request_run(path: Path, models_dirs: Sequence[str | Path] | None = None,
@@ -99,6 +102,10 @@ def load_request_run(path: Path, models_dirs: Sequence[str | Path] | None = None
     """The run as an Experiment of one stage replaying its requests; the stage carries the
     MeasuredRun. Malformed input raises ValueError naming the file, line and field."""
     folder = path if path.is_dir() else path.parent
+    for name in ("meta.json", "requests.jsonl"):
+        if not (folder / name).exists():
+            raise ValueError(f"{folder / name}: missing (a per-request run folder holds meta.json, requests.jsonl "
+                             "and timeseries.csv)")
     meta_path = folder / "meta.json"
     meta = Fields(json_objects(meta_path)[0], meta_path)
     engine = meta.sub("engine_kwargs")
@@ -246,7 +253,7 @@ def _start_offset(meta: Any, first_arrival: float) -> float:
 
 def _read_timeseries(path: Path, offset: float) -> pd.DataFrame | None:
     """timeseries.csv with t moved to count from the first arrival and kv_usage as a fraction."""
-    if not path.is_file():
+    if not path.exists():  # a run without gauges (a folder of that name is refused, not skipped)
         return None
     frame = read_csv_columns(path, _TIMESERIES_COLUMNS, f"known: {', '.join(_TIMESERIES_COLUMNS)}")
     for c in _TIMESERIES_COLUMNS:

@@ -62,6 +62,8 @@ def lagged_times(times: np.ndarray, iterations: pd.DataFrame, lag_steps: float) 
         nxt = at + 1
         live &= nxt < len(end)
         live[live] &= joined[at[live]]
+        if not live.any():  # every token sent: a lag beyond the busy period (1e308 steps) ends here
+            break
         share = 1.0 if m < whole else frac
         idx = np.where(live, nxt, 0)
         sent = np.where(live, sent + share * (end[idx] - sent), sent)

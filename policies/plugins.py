@@ -23,6 +23,11 @@ def load_plugin(name: str, group: str, kind: str, known: Iterable[str]) -> Any:
             target: Any = importlib.import_module(module)
         except ImportError as e:
             raise ValueError(f"{kind} {name!r}: cannot import module {module!r} ({e})") from None
+        except SyntaxError as e:  # was: a traceback from inside importlib
+            raise ValueError(f"{kind} {name!r}: module {module!r} does not parse: {e.filename}: line {e.lineno}: "
+                             f"{e.msg}") from None
+        except Exception as e:  # the module's own code failed as it ran (was: that exception's traceback)
+            raise ValueError(f"{kind} {name!r}: importing module {module!r} raised {type(e).__name__}: {e}") from None
         for part in attr.split("."):
             if not hasattr(target, part):
                 raise ValueError(f"{kind} {name!r}: module {module!r} has no attribute {attr!r}")

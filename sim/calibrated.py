@@ -98,6 +98,9 @@ class CalibrationParams:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"{where}: unknown parameters {sorted(unknown)}; known: {', '.join(sorted(known))}")
+        for k, v in d.items():  # float() took "12" as 12 and said nothing of which field a list was in
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{where}: {k}: expected a finite number >= 0, got {v!r}")
         return CalibrationParams(**{k: float(v) for k, v in d.items()})
 
 
@@ -322,6 +325,8 @@ def load_calibration(name: str | Path) -> Calibration:
     d = read_checked(path, "calibration", CALIBRATION_FORMAT, CALIBRATION_VERSION, ("hardware", "params"))
     if not isinstance(d["params"], dict):
         raise ValueError(f"{path}: field 'params' must be an object")
+    if not isinstance(d["hardware"], str):
+        raise ValueError(f"{path}: field 'hardware' must be a hardware spec's name, got {d['hardware']!r}")
     try:
         params = CalibrationParams.from_dict(d["params"], where=f"{path}: params")
         get_hardware(str(d["hardware"]))

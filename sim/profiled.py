@@ -266,6 +266,9 @@ def load_profile(name: str | Path) -> dict[str, Any]:
     """Read and check a profile file; errors name the file and the field."""
     path = resolve_profile(name)
     p = read_checked(path, "profile", PROFILE_FORMAT, PROFILE_VERSION, ("block_size", "fit", "measurements", "model"))
+    bs = p["block_size"]
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:  # was: ZeroDivisionError for 0, "fit.coef" else
+        raise ValueError(f"{path}: block_size: expected an integer >= 1, got {bs!r}")
     if not isinstance(p["fit"], dict) or not isinstance(p["fit"].get("coef"), dict):
         raise ValueError(f"{path}: field 'fit.coef' must be an object of coefficients")
     try:

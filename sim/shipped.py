@@ -28,7 +28,7 @@ def read_checked(path: Path, kind: str, fmt: str, version: int, fields: tuple[st
     """A pagesim data file's JSON object, checked for its format tag, its version and its required
     top-level fields; each error names the file and what is wrong (`kind`: what the file is)."""
     try:
-        d = json.loads(path.read_text())
+        d = json.loads(path.read_text(encoding="utf-8-sig"))  # past a byte-order mark (was: refused)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not JSON ({exc})") from exc
     except (OSError, UnicodeDecodeError) as exc:  # a folder, unreadable, binary: name the file

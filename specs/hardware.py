@@ -91,6 +91,8 @@ def read_hardware(path: str | Path) -> tuple[HardwareSpec, list[str]]:
         values[attr] = v * unit
     if not isinstance(data.get("source"), str) or not data["source"].strip():
         raise ValueError(f"{path}: source: missing (say which datasheet the figures come from)")
+    if values["memory_bytes"] >= 2**63:  # was: OverflowError from int(inf), or one from numpy later
+        raise ValueError(f"{path}: memory_mib: {data['memory_mib']!r} MiB is beyond 2**63 bytes")
     values["memory_bytes"] = int(values["memory_bytes"])
     spec = HardwareSpec(name=str(data.get("name") or path.stem), source=data["source"], **values)
     aliases = data.get("aliases", [])

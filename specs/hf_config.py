@@ -45,6 +45,8 @@ class _Reader:
             return default
         if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
             raise self.fail(key, f"must be an int >= {minimum}, got {v!r}")
+        if v >= 2**63:  # was: passed, and the shapes' arithmetic overflowed int64 or named no file
+            raise self.fail(key, f"{v} is beyond int64")
         return v
 
     def float(self, key: str, default: float) -> float:

@@ -540,6 +540,23 @@ def _format_from_columns(columns: list[str]) -> str | None:
     return None
 
 
+# each CSV format's required columns, for naming what a header that matches none of them lacks
+_REQUIRED_COLUMNS = {"azure": ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
+                     "burstgpt": ("Timestamp", "Request tokens", "Response tokens"),
+                     "pagesim": ("prompt_len", "output_len"),
+                     "length-csv": ("num_prefill_tokens", "num_decode_tokens")}
+
+
+def _closest_format(columns: list[str]) -> str:
+    """What the CSV format sharing most columns with `columns` lacks ("" when none shares any):
+    a header missing one column named it only among all formats (was: "cannot detect")."""
+    have = set(columns)
+    fmt, need = max(_REQUIRED_COLUMNS.items(), key=lambda kv: len(have & set(kv[1])))
+    if not have & set(need):
+        return ""
+    return f"; as a {fmt} trace it lacks column(s) {[c for c in need if c not in have]}"
+
+
 def _jsonl_keys(path: Path) -> list[str]:
     with path.open("r", encoding="utf-8-sig", errors="replace") as handle:
         for lineno, line in enumerate(handle, start=1):
@@ -570,7 +587,7 @@ def detect_format(path: str | Path) -> str:
     fmt = _format_from_columns(columns)
     if fmt is None:
         raise TraceFormatError(
-            f"{path}: cannot detect trace format from columns {columns}; "
+            f"{path}: cannot detect trace format from columns {columns}{_closest_format(columns)}; "
             f"pass a format, one of: {', '.join(KNOWN_FORMATS)}"
         )
     return fmt
