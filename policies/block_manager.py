@@ -245,13 +245,15 @@ def _cdiv(a: int, b: int) -> int:
 
 def _block_content(seq: Sequence, start: int, end: int) -> tuple[object, ...] | None:
     """What names the tokens at positions [start, end) of `seq` (the full block's content, hashed
-    with its parent's hash), or None when the prompt part cannot be named.
+    with its parent's hash), or None when the prompt part cannot be named (prefix hashes that
+    stop short of it).
 
     Token ids, when the sequence keeps them, name the block, unless output positions hold
     simulated tokens (-1): those, like every output of a sequence without ids, are named by who
     generated them (`Sequence.output_origins`) after the prompt part (its ids, or the chained
     prefix hash of the hash block holding the prompt's last token and that token's offset in it:
-    every prompt token). A prompt-only block of prefix hashes is named the same way at its own end."""
+    every prompt token; a prompt with neither, by its request: it shares nothing). A prompt-only
+    block is named by its prompt part alone."""
     p = seq.prompt_len
     ids = seq.token_ids
     prompt_part: tuple[object, ...]
@@ -261,16 +263,23 @@ def _block_content(seq: Sequence, start: int, end: int) -> tuple[object, ...] | 
             return block
         prompt_part = block[:max(p - start, 0)]
     elif start < p:
-        ph = seq.group.request.prefix_hashes
-        hbs = seq.group.request.hash_block_size
+        request = seq.group.request
+        ph = request.prefix_hashes
+        hbs = request.hash_block_size
         last = min(end, p)
-        # the chained hash of the hash block holding the block's last prompt token names every
-        # token up to there, so (it, end offset) names the prompt part even when block and
-        # hash-block boundaries do not line up
-        k = (last - 1) // hbs
-        if ph is None or k >= len(ph):
-            return None
-        prompt_part = ("h", ph[k], last - k * hbs)
+        if ph is None:
+            # a prompt known by its length only shares nothing (as a benchmark's random prompt):
+            # private to its request, so that only the request itself, readmitted after a
+            # recompute, finds its blocks, as vLLM finds a random prompt's
+            prompt_part = ("r", request.request_id, last)
+        else:
+            # the chained hash of the hash block holding the block's last prompt token names
+            # every token up to there, so (it, end offset) names the prompt part even when block
+            # and hash-block boundaries do not line up
+            k = (last - 1) // hbs
+            if k >= len(ph):
+                return None
+            prompt_part = ("h", ph[k], last - k * hbs)
         if end <= p:
             return prompt_part
     else:

@@ -157,29 +157,20 @@ def _check(cfg: Any) -> tuple[int, int]:
     return num_prefill, num_decode
 
 
-def _content_names(r: Request) -> tuple[tuple[int, ...] | None, int]:
-    """Prefix hashes naming the prompt's content: the trace's own, else private to the request (its
-    prompt shares nothing, but the decode replica must find the KV it was sent)."""
-    if r.prefix_hashes is not None or r.prompt_token_ids is not None:
-        return r.prefix_hashes, r.hash_block_size
-    return tuple(hash(("prompt", r.request_id, j)) for j in range(-(-r.prompt_len // 16))), 16
-
-
 def _prefill_half(r: Request) -> Request:
-    hashes, hbs = _content_names(r)
-    # the request's own fields (priority, client, SLO class, a reject reason) carry over
-    return dataclasses.replace(r, sampling=SamplingParams(max_tokens=1, ignore_eos=True), output_len=1,
-                               prefix_hashes=hashes, hash_block_size=hbs)
+    # the request's own fields (priority, client, SLO class, a reject reason, its prompt's content:
+    # a prompt known by its length only is named by its request id, which the decode half keeps, so
+    # the decode replica finds the KV it was sent) carry over
+    return dataclasses.replace(r, sampling=SamplingParams(max_tokens=1, ignore_eos=True), output_len=1)
 
 
 def _decode_half(r: Request, first: SequenceGroup, now: float) -> Request:
     """The rest of the request: its prompt and first token, the remaining output."""
-    hashes, hbs = _content_names(r)
     # the first token's content is unknown here: a placeholder no other request's can equal
     ids = None if r.prompt_token_ids is None else list(r.prompt_token_ids) + [-2 - r.request_id]
     rest = r.max_output - 1
     return Request(r.request_id, now, r.prompt_len + 1, SamplingParams(max_tokens=rest, ignore_eos=True), rest,
-                   ids, hashes, hbs, r.priority)
+                   ids, r.prefix_hashes, r.hash_block_size, r.priority)
 
 
 def _join(prefill: list[Replica], decode: list[Replica], transfers: dict[int, dict]) -> pd.DataFrame:

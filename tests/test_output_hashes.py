@@ -165,3 +165,19 @@ def test_simulate_and_emulated_engine_schedule_the_same_iterations():
     for col in ("prefix_hit_tokens", "num_preemptions", "first_token_time", "finish_time"):
         np.testing.assert_allclose(req[col].to_numpy(float), s[col].to_numpy(float), rtol=1e-9, atol=1e-9)
     assert req.num_preemptions.sum() > 0
+
+
+def test_a_lengths_only_prompt_is_private_to_its_request():
+    """A prompt known by its length only (no ids, no prefix hashes) is named by its request: readmitted
+    after a recompute it finds its own prompt and output blocks, as vLLM finds a random prompt's; a
+    second lengths-only request of the same length finds nothing of the first's."""
+    bm = PagedBlockManager(32, block_size=BS, enable_prefix_caching=True)
+    seq = group(8, 20, rid=7).seqs[0]
+    prefill(bm, seq)
+    for _ in range(10):
+        decode(bm, seq)
+    assert _preempt_and_readmit(bm, seq) == 4 * BS  # (8 + 10 + 1 - 1) // 4 full blocks, as with content
+    other = group(8, 20, rid=8).seqs[0]
+    assert bm.allocate(other) == 0
+    assert bm.prefix_hits == 4
+    bm.check_invariants()
