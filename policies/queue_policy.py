@@ -10,8 +10,9 @@ policy only answers questions. Its contract is about its decisions and when they
   admitted this step), or a rejection reason (str).
 - `victim(running)`: the running group to preempt when blocks run out; default the last in key order.
 - hooks: `on_queued` (a group joins the queue, before its key is read), `on_admitted`, `on_served`
-  (tokens computed for a group: after each step, or once for several iterations at a time),
-  `on_finished`. A hook only records; overriding one changes nothing else.
+  (tokens computed for a group: after each step, or once for several iterations at a time; a
+  batch's decodes come through `on_decoded`, which calls it per group unless a policy takes them
+  at once), `on_finished`. A hook only records; overriding one changes nothing else.
 - What any of these reads of a group's sequences is exact at the call through
   `Sequence.exact_output_len`, `exact_num_computed`, `exact_num_tokens`, `exact_token_ids` and
   `SequenceGroup.output_len`; the stored fields (`output_len`, `num_computed`, ...) are the
