@@ -10,8 +10,9 @@ policy only answers questions. Its contract is about its decisions and when they
   admitted this step), or a rejection reason (str).
 - `victim(running)`: the running group to preempt when blocks run out; default the last in key order.
 - hooks: `on_queued` (a group joins the queue, before its key is read), `on_admitted`, `on_served`
-  (tokens computed for a group: after each step, or once for several iterations at a time),
-  `on_finished`. A hook only records; overriding one changes nothing else.
+  (tokens computed for a group: after each step, or once for several iterations at a time; a
+  batch's decodes come through `on_decoded`, which calls it per group unless a policy takes them
+  at once), `on_finished`. A hook only records; overriding one changes nothing else.
 - What any of these reads of a group's sequences is exact at the call through
   `Sequence.exact_output_len`, `exact_num_computed`, `exact_num_tokens`, `exact_token_ids` and
   `SequenceGroup.output_len`; the stored fields (`output_len`, `num_computed`, ...) are the
@@ -49,6 +50,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from operator import attrgetter
 from typing import Any, ClassVar
 
 import numpy as np
@@ -102,7 +104,8 @@ class QueuePolicy:
         if "reads" in cls.__dict__:
             check_reads(cls.__name__, cls.__dict__["reads"])
         if "tracks_service" not in cls.__dict__:  # calling the base no-op would change nothing
-            cls.tracks_service = cls.on_served is not QueuePolicy.on_served
+            cls.tracks_service = (cls.on_served is not QueuePolicy.on_served
+                                  or cls.on_decoded is not QueuePolicy.on_decoded)
 
     def key(self, group: SequenceGroup) -> tuple:
         return (group.request.arrival, group.group_id)
@@ -139,6 +142,14 @@ class QueuePolicy:
 
     def on_served(self, group: SequenceGroup, prefill_tokens: int, decode_tokens: int) -> None:
         """Tokens computed for the group: after a step, or summed over several iterations."""
+
+    def on_decoded(self, groups: Sequence[SequenceGroup], decode_tokens: int) -> None:
+        """Each of `groups` (the running batch, in its order) decoded `decode_tokens` tokens: the
+        same as `on_served(g, 0, decode_tokens)` for each, in order, which is what this does. A
+        policy may take them at once instead (VtcPolicy), with the same result."""
+        served = self.on_served
+        for g in groups:
+            served(g, 0, decode_tokens)
 
     def on_finished(self, group: SequenceGroup) -> None:
         """A group finished (its true output length is now known)."""
@@ -291,6 +302,9 @@ class SrptPolicy(ShortestFirstPolicy):
         super().__init__(predictor, error, aging, seed, remaining=True)
 
 
+_CLIENT = attrgetter("request.client")
+
+
 class VtcPolicy(QueuePolicy):
     """Fair sharing across clients by Virtual Token Counter (Sheng et al., OSDI 2024): each client's
     counter grows by `input_weight` per prompt token (charged when a request is admitted) and
@@ -338,6 +352,18 @@ class VtcPolicy(QueuePolicy):
 
     def on_served(self, group: SequenceGroup, prefill_tokens: int, decode_tokens: int) -> None:
         self.tokens.setdefault(group.request.client, [0, 0])[1] += decode_tokens
+
+    def on_decoded(self, groups: Sequence[SequenceGroup], decode_tokens: int) -> None:
+        # the batch's groups counted by client in C, one integer add per client (integer sums: the
+        # same counters as one on_served per group, in any order); a window's batch is ~30
+        # groups of a few clients, told at every window and decode step
+        if type(self).on_served is not VtcPolicy.on_served:  # a subclass's own on_served sees each group
+            super().on_decoded(groups, decode_tokens)
+            return
+        tokens = self.tokens
+        clients = list(map(_CLIENT, groups))
+        for client in set(clients):  # a few clients: each counted by list.count, in C
+            tokens.setdefault(client, [0, 0])[1] += clients.count(client) * decode_tokens
 
     def on_finished(self, group: SequenceGroup) -> None:
         c = group.request.client

@@ -59,8 +59,8 @@ class ReplicaCounts:
 
     @property
     def outstanding(self) -> int:
-        s = self._scheduler  # Scheduler.outstanding inlined: read for every replica at every arrival
-        return len(s.waiting) + len(s.running) + len(s.swapped) + s.departing
+        s = self._scheduler  # the scheduler's kept count (Scheduler.loads): read at every arrival
+        return s.loads[s.load_slot]
 
     def __getattr__(self, name: str) -> Any:  # only for names the view does not have
         if name.startswith("_"):  # a slot not set yet (copying): no message that reads one
@@ -118,13 +118,36 @@ def reads_counts(router: Router) -> bool:
     return router.reads == COUNTS
 
 
+class ReplicaViews(list):
+    """The views a router is handed (a list of them), with `loads`: every replica's outstanding
+    count in one list, kept by the schedulers (Scheduler.share_load), so that a router reading
+    all the counts at every arrival reads one list. Invariant: loads[i] == self[i].outstanding."""
+
+    __slots__ = ("loads",)
+
+    def __init__(self, views: list[Any], loads: list[int]) -> None:
+        super().__init__(views)
+        self.loads = loads
+
+
 def replica_views(router: Router, replicas: Sequence[Scheduler]) -> list[Any]:
-    """What `router.route` is handed for these replicas: its declared view of each."""
+    """What `router.route` is handed for these replicas: its declared view of each (a
+    ReplicaViews, whose `loads` the schedulers keep from now on, unless it reads the schedulers)."""
     if router.reads == SCHEDULER:
         return list(replicas)
     view = ReplicaCounts if router.reads == COUNTS else ReplicaCache
     label = type(router).__name__
-    return [view(r, label) for r in replicas]
+    loads = [0] * len(replicas)
+    for i, r in enumerate(replicas):
+        r.share_load(loads, i)
+    return ReplicaViews([view(r, label) for r in replicas], loads)
+
+
+def replica_loads(replicas: Sequence[Any]) -> list[int]:
+    """Every replica's outstanding count, in order: the kept list when `replicas` are the views
+    the simulator hands a router (ReplicaViews), else each one's `outstanding`."""
+    loads = getattr(replicas, "loads", None)
+    return loads if loads is not None else [outstanding(r) for r in replicas]
 
 
 class RoundRobinRouter(Router):
@@ -164,14 +187,15 @@ class LeastLoadedRouter(Router):
         self._last = -1
 
     def route(self, request: Request, replicas: Sequence[Any]) -> int:
-        # _pick over every replica, in one pass: this runs at every arrival, over every replica
-        n = len(replicas)
-        first = (self._last + 1) % n
-        best, least = first, -1
-        for i in (*range(first, n), *range(first)):  # tie order: from the one after the last pick
-            load = replicas[i].outstanding
-            if load < least or least < 0:
-                best, least = i, load
+        # _pick over every replica, from one list of counts: this runs at every arrival
+        loads = replica_loads(replicas)
+        least = min(loads)
+        # tie order: the first least loaded from the one after the last pick, wrapping round
+        first = (self._last + 1) % len(loads)
+        try:
+            best = loads.index(least, first)
+        except ValueError:  # none from `first` on: the first one before it
+            best = loads.index(least)
         self._last = best
         return best
 

@@ -76,7 +76,12 @@ class Scheduler(ABC):
         # groups a skip-ahead window has already finished whose last iteration the simulated
         # clock has not reached (written by the replica step that owns this scheduler): still
         # outstanding to a router reading meanwhile; routers read it only inside `outstanding`
-        self.departing = 0
+        self._departing = 0
+        # `outstanding`, kept as groups arrive, end and depart: loads[load_slot] (its own list,
+        # unless a router's views share one list among replicas: share_load). Invariant (checked
+        # by check_invariants): loads[load_slot] == waiting + running + swapped + departing
+        self.loads: list[int] = [0]
+        self.load_slot = 0
         self.policy = policy if policy is not None else QueuePolicy()
         p = type(self.policy)
         check_reads(p.__name__, self.policy.reads)  # an instance may set its own
@@ -95,7 +100,22 @@ class Scheduler(ABC):
     def outstanding(self) -> int:
         """Requests sent here and not yet completed at the caller's clock: waiting, running,
         swapped, and those a skip-ahead window finished ahead of the clock (`departing`)."""
-        return len(self.waiting) + len(self.running) + len(self.swapped) + self.departing
+        return len(self.waiting) + len(self.running) + len(self.swapped) + self._departing
+
+    @property
+    def departing(self) -> int:
+        return self._departing
+
+    @departing.setter
+    def departing(self, n: int) -> None:
+        self.loads[self.load_slot] += n - self._departing
+        self._departing = n
+
+    def share_load(self, loads: list[int], slot: int) -> None:
+        """Keep this replica's outstanding count in `loads[slot]` from now on (a router reads all
+        replicas' counts from one list at every arrival instead of asking each replica)."""
+        loads[slot] = self.outstanding
+        self.loads, self.load_slot = loads, slot
 
     def head_candidates(self) -> list[SequenceGroup]:
         """The waiting groups that could be considered first while the running batch only decodes
@@ -112,6 +132,7 @@ class Scheduler(ABC):
         for s in group.seqs:
             self.seqs[s.seq_id] = s
         self.num_added += 1
+        self.loads[self.load_slot] += 1  # and less one if rejected now (_reject)
         reason = self.refusal_on_arrival(request)
         if reason is not None:
             self._reject(group, reason, None, request.arrival)
@@ -216,6 +237,7 @@ class Scheduler(ABC):
             s.status = SeqStatus.FINISHED
             self.seqs.pop(s.seq_id, None)
         self.done.append(group)
+        self.loads[self.load_slot] -= 1
         if plan is not None:  # it was queued (not refused on arrival): the policy saw it arrive
             plan.rejected.append((group.group_id, reason))
             self.policy.on_finished(group)
@@ -226,6 +248,7 @@ class Scheduler(ABC):
         group.finish_time = now
         self.running.remove(group)
         self.done.append(group)
+        self.loads[self.load_slot] -= 1
         self.policy.on_finished(group)
 
     def abort(self, group_id: int, now: float, reason: str = "aborted") -> SequenceGroup | None:
@@ -254,6 +277,7 @@ class Scheduler(ABC):
         group.status = SeqStatus.FINISHED
         group.finish_time = now
         self.done.append(group)
+        self.loads[self.load_slot] -= 1
         self.policy.on_finished(group)
         return group
 
@@ -415,6 +439,8 @@ class Scheduler(ABC):
         ids = [g.group_id for q in (self.waiting, self.running, self.swapped, self.done) for g in q]
         assert len(ids) == len(set(ids)) == self.num_added, \
             f"{self.num_added} requests added but {len(set(ids))} accounted for ({len(ids)} entries)"
+        assert self.loads[self.load_slot] == self.outstanding, \
+            f"kept outstanding count {self.loads[self.load_slot]} != {self.outstanding} (waiting + running + swapped + departing)"
         for g in self.done:
             assert g.status == SeqStatus.FINISHED, f"group {g.group_id} done but not finished"
             if g.rejected is None:

@@ -559,9 +559,7 @@ class VllmScheduler(Scheduler):
         result = execute(step, comp)
         end = now + result.duration
         if batch_groups is not None:  # in plan order: the batch, then the admitted
-            served = self.policy.on_served
-            for g in batch_groups:
-                served(g, 0, 1)
+            self.policy.on_decoded(batch_groups, 1)
             self._account_service(step.seqs[len(finishing):])
         batch.clock += 1
         finished = self._apply_outcomes(step, result, end)
@@ -617,9 +615,7 @@ class VllmScheduler(Scheduler):
         bm.open_decode_blocks([s.seq_id for j in range(k) for s in buckets[-(clock + j) % bs]])
         bm.add_token_states(k * b)
         if self.policy.tracks_service:  # before the clock moves: a group reads as stepping's first call
-            served = self.policy.on_served
-            for g in self.running:
-                served(g, 0, k)
+            self.policy.on_decoded(self.running, k)
         batch.clock += k
         # per step, in plain ints (windows are mostly a few steps, where numpy's per-call cost
         # dominates): blocks taken by the end of each step, token states, slots in allocated blocks
@@ -676,8 +672,7 @@ class VllmScheduler(Scheduler):
         survivors = batch.size
         bm.add_token_states(survivors)
         if self.policy.tracks_service:
-            for g in running:
-                self.policy.on_served(g, 0, 1)
+            self.policy.on_decoded(running, 1)
         batch.clock += 1
         comp = StepComposition(num_decode_seqs=survivors, decode_context_tokens=batch.context(),
                                swap_out_blocks=len(preempt_plan.swap_out), block_size=bs)
