@@ -35,6 +35,7 @@ import pytest
 
 import pagesim.cli
 from pagesim.cli import main
+from tests.test_request_runs import write_run
 from traces import resolve_trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -387,36 +388,12 @@ def _pagesim_run_file(name: str) -> Callable[[Path, Path], Case]:
     return make
 
 
-# --- a per-request run in the llmservingsim layout (tests/test_request_runs.py's, 3 requests)
-
-def _write_request_run(root: Path, n: int = 3) -> Path:
-    folder = root / "bench" / "GPU" / "model" / "vllm"
-    folder.mkdir(parents=True)
-    (root / "workloads").mkdir()
-    reqs, work = [], []
-    for i in range(n):
-        arrival = 0.2 * i
-        ids = list(range(16)) + [100 + i] * (4 + i)
-        work.append({"input_toks": len(ids), "output_toks": 4, "arrival_time_ns": int(arrival * 1e9),
-                     "input_tok_ids": ids})
-        t = 1000.0 + arrival
-        reqs.append({"request_id": f"bench-{i}", "input_toks": len(ids), "output_toks": 4,
-                     "arrival_time": 5e8 + arrival, "queued_ts": t + 0.001, "scheduled_ts": t + 0.002,
-                     "first_token_ts": t + 0.05, "last_token_ts": t + 0.08})
-    meta = {"model": "tiny-llama", "engine_kwargs": {"model": "tiny-llama", "tensor_parallel_size": 1,
-                                                     "max_num_seqs": 8, "max_num_batched_tokens": 64},
-            "dataset_path": "workloads/w.jsonl", "num_requests": n, "tick_seconds": 0.5}
-    (folder / "meta.json").write_text(json.dumps(meta, indent=1))
-    (folder / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reqs))
-    (root / "workloads" / "w.jsonl").write_text("".join(json.dumps(w) + "\n" for w in work))
-    (folder / "timeseries.csv").write_text("t,prompt_throughput,gen_throughput,running,waiting,kv_cache_pct\n"
-                                           "0.5,0,0,1,0,0\n1.0,0,0,1,0,0\n1.5,0,0,0,0,0\n")
-    return folder
+# --- a per-request run in the llmservingsim layout (tests/test_request_runs.py's write_run, 3 requests)
 
 
 def _request_run_file(rel: str) -> Callable[[Path], Case]:
     def make(tmp: Path) -> Case:
-        folder = _write_request_run(tmp / "runs")
+        folder = write_run(tmp / "runs", n=3)
         target = folder / rel if not rel.startswith("/") else tmp / "runs" / rel[1:]
         return Case(target, _fidelity(folder, _out(tmp)), _out(tmp))
     return make
