@@ -230,22 +230,22 @@ def _vllm_h100_stage(s: Fields, load: str, output_len: int) -> Stage:
     ttft, e2e = s.sub("ttft_s"), s.sub("e2e_s")
     prompt = s.sub("prompt_len") if s.has("prompt_len") else None
     thr = s.sub("throughput") if s.has("throughput") else None
+    rate, duration = s.num("rate", minimum=0, strict=True), s.seconds("duration_s", strict=True)
+    _check_stage_size(s, rate, duration)
     return Stage(
-        index=s.int("index", 0), rate=_stage_rate(s), duration_s=s.seconds("duration_s", strict=True), load_type=load,
+        index=s.int("index", 0), rate=rate, duration_s=duration, load_type=load,
         ttft=_latency(ttft), e2e=_latency(e2e), output_len=output_len,
         prompt_len_mean=prompt.num("mean", minimum=1) if prompt else None,
         throughput_rps=thr.num("requests_per_sec") if thr else None,
         successes=s.int("successes", 0), failures=s.int("failures", 0))
 
 
-def _stage_rate(s: Fields) -> float:
-    """The stage's rate, whose requests over duration_s the simulator must be able to hold (was: a
+def _check_stage_size(s: Fields, rate: float, duration_s: float) -> None:
+    """Refuse a stage whose requests (rate over duration_s) the simulator could not hold (was: a
     rate of 2**63 req/s built 10**21 requests until the memory ran out)."""
-    rate = s.num("rate", minimum=0, strict=True)
-    n = rate * s.seconds("duration_s", strict=True)
-    check_fits(f"{s.file}: {s._join('rate')}: {rate:g} req/s over {s.num('duration_s'):g} s is {n:.3g} requests",
+    n = rate * duration_s
+    check_fits(f"{s.file}: {s._join('rate')}: {rate:g} req/s over {duration_s:g} s is {n:.3g} requests",
                [(int(min(n, 2.0**63)), REQUEST_BYTES)])
-    return rate
 
 
 def _latency(f: Fields, scale: float = 1.0) -> Latency:

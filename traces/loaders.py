@@ -525,26 +525,22 @@ def _csv_header(path: Path) -> list[str]:
     return []
 
 
-def _format_from_columns(columns: list[str]) -> str | None:
-    cols = set(columns)
-    if {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} <= cols:
-        return "azure"
-    if {"Timestamp", "Request tokens", "Response tokens"} <= cols:
-        return "burstgpt"
-    if {"prompt_len", "output_len"} <= cols:
-        return "pagesim"
-    if all(cols & set(aliases) for aliases in (SPLITWISE_TIME, SPLITWISE_PROMPT, SPLITWISE_OUTPUT)):
-        return "splitwise"
-    if {"num_prefill_tokens", "num_decode_tokens"} <= cols:
-        return "length-csv"
-    return None
-
-
-# each CSV format's required columns, for naming what a header that matches none of them lacks
+# each CSV format's required columns (splitwise's are alternatives: SPLITWISE_*), read by detection
+# and by the error naming what a header that matches none of them lacks
 _REQUIRED_COLUMNS = {"azure": ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
                      "burstgpt": ("Timestamp", "Request tokens", "Response tokens"),
                      "pagesim": ("prompt_len", "output_len"),
                      "length-csv": ("num_prefill_tokens", "num_decode_tokens")}
+
+
+def _format_from_columns(columns: list[str]) -> str | None:
+    cols = set(columns)
+    for fmt in ("azure", "burstgpt", "pagesim"):
+        if set(_REQUIRED_COLUMNS[fmt]) <= cols:
+            return fmt
+    if all(cols & set(aliases) for aliases in (SPLITWISE_TIME, SPLITWISE_PROMPT, SPLITWISE_OUTPUT)):
+        return "splitwise"
+    return "length-csv" if set(_REQUIRED_COLUMNS["length-csv"]) <= cols else None
 
 
 def _closest_format(columns: list[str]) -> str:
