@@ -122,15 +122,15 @@ class IterationLog:
     def _expand(self) -> dict[str, np.ndarray]:
         """The staging block's rows as float64 / int64 columns."""
         n = self.rows - self._base
-        cols = {c: np.zeros(n, dtype=self.dtype(c)) for c in ITERATION_COLUMNS}
+        cols: dict[str, np.ndarray] = {c: np.zeros(n, dtype=self.dtype(c)) for c in ITERATION_COLUMNS}
         if self._singles:
             at = np.array(self._single_at)
             for c, values in zip(ITERATION_COLUMNS, zip(*self._singles)):
                 cols[c][at] = values
         for pos, columns in self._dense:
             k = len(columns["start"])
-            for c, values in columns.items():
-                cols[c][pos:pos + k] = values
+            for c, given in columns.items():
+                cols[c][pos:pos + k] = given
         if self._windows:
             self._expand_windows(cols)
         return cols
