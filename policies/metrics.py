@@ -11,7 +11,7 @@ import pandas as pd
 
 from policies.client_latency import has_client_latencies
 from policies.memory import MemoryBreakdown
-from policies.plan import StepComposition
+from policies.plan import RepeatResult, StepComposition
 from policies.request import SequenceGroup
 
 ITERATION_COLUMNS = (
@@ -22,107 +22,187 @@ ITERATION_COLUMNS = (
 )
 _FLOAT_COLUMNS = ("start", "duration")
 _NARROW = (np.int8, np.int16, np.int32)  # IterationLog: tried in order when a block is sealed
+_WINDOW_FIELDS = 14  # IterationLog.add_window: numbers in a window's record
 
 
 class IterationLog:
-    """Per-iteration records, one column per field. Recent rows sit in a staging block (one array
-    per column, the layout the frame wants); single rows take their row number at once and wait as
-    tuples until a batch of them is written, so millions of rows stay cheap. A full staging block
-    is sealed: each integer column is stored in the narrowest integer type that holds its values
-    exactly (most counts fit in one or two bytes), floats as they are, so a million-request log
-    holds ~40 bytes a row instead of 168. Reading widens every column back to float64 / int64, so
-    the frame is the same whatever the storage. Columns missing from `add_many` stay 0."""
+    """Per-iteration records, one column per field; the frame equals the rows written, in the order
+    written (`add`: one row; `add_window`: a paged window's rows; `add_many`: rows given as
+    columns), whatever the storage.
 
-    _BATCH = 1024  # single rows written at a time
+    Writing appends to flat Python lists and nothing more: a single row as its numbers, a window as
+    one record of a few integers (its RepeatResult's paged form, its waiting count and prefix
+    hits), its start and ends and durations and the blocks each of its iterations opened
+    `extend`ed onto flat lists, and the rare irregular column (waiting counts that change with
+    arrivals) as an override. When a staging block reaches `capacity` rows (or is read) its rows
+    are expanded at once with numpy (every window's columns by np.repeat and cumsum over all its
+    records) and sealed: each integer column stored in the narrowest integer type that holds its
+    values exactly (most counts fit in one or two bytes), floats as they are, so a million-request
+    log holds ~40 bytes a row instead of 168. Reading widens every column back to float64 / int64.
+    Columns missing from `add_many` stay 0."""
 
     def __init__(self, capacity: int = 16384) -> None:
-        self._capacity = capacity  # rows in a staging block
-        self._cols = self._staging(capacity)
+        self._capacity = capacity  # rows in a staging block (a window may overfill it)
         self._sealed: dict[str, list[np.ndarray]] = {c: [] for c in ITERATION_COLUMNS}
-        self._base = 0                         # rows sealed so far (the staging block's first row)
-        self._pending: list[tuple] = []        # single rows not yet written
-        self._pending_at: list[int] = []       # and their row numbers within the staging block
+        self._base = 0  # rows sealed so far (the staging block's first row)
         self.rows = 0
+        # flat lists of numbers (numpy reads a flat list of ints at about twice the speed of tuples)
+        self._single_times: list[float] = []   # add's rows: start and duration of each
+        self._single_ints: list[int] = []      # and its other columns, in ITERATION_COLUMNS order
+        self._single_at: list[int] = []        # and their row numbers within the staging block
+        self._windows: list[int] = []          # add_window's records, _WINDOW_FIELDS numbers each
+        self._times: list[float] = []          # per window: its start, then its k ends
+        self._durations: list[float] = []      # per window row
+        self._opened: list[int] = []           # per window row: blocks opened by its iteration
+        self._waiting: list[tuple[int, list[int]]] = []  # (first row, waiting per row) overrides
+        self._dense: list[tuple[int, dict]] = []  # add_many's (first row, columns)
 
     @classmethod
     def dtype(cls, c: str) -> type:
         return np.float64 if c in _FLOAT_COLUMNS else np.int64
 
-    def _staging(self, n: int) -> dict[str, np.ndarray]:
-        return {c: np.zeros(n, dtype=self.dtype(c)) for c in ITERATION_COLUMNS}
-
     def add(self, start: float, duration: float, c: StepComposition, num_preempted: int,
             waiting: int, running: int, mem: MemoryBreakdown, prefix_hits: int) -> None:
-        at = self._reserve(1)  # first: reserving may seal the block, writing the rows pending so far
-        self._pending.append((start, duration, c.num_prefill_seqs + c.num_decode_seqs, c.prefill_tokens,
-                              c.num_decode_seqs, c.decode_context_tokens + c.prefill_context_tokens,
-                              num_preempted, c.swap_in_blocks, c.swap_out_blocks, waiting, running,
-                              mem.token_states, mem.reserved, mem.internal_frag, mem.external_frag, mem.free,
-                              prefix_hits, c.num_prefill_seqs, c.prefill_attn_pairs, c.prefill_context_tokens,
-                              c.copy_blocks))
-        self._pending_at.append(at)
-        if len(self._pending) >= self._BATCH:
-            self._flush()
-
-    def _reserve(self, n: int) -> int:
-        """Room for n more rows in the staging block (sealing it first when they do not fit);
-        returns the first one's position within the block. Pending rows are always written
-        before a block is sealed, so their positions stay valid."""
-        if self.rows - self._base + n > len(self._cols["start"]):
+        """One row: an iteration of composition `c`."""
+        times = self._single_times
+        times.append(start)
+        times.append(duration)
+        self._single_ints.extend((c.num_prefill_seqs + c.num_decode_seqs, c.prefill_tokens,
+                                  c.num_decode_seqs, c.decode_context_tokens + c.prefill_context_tokens,
+                                  num_preempted, c.swap_in_blocks, c.swap_out_blocks, waiting, running,
+                                  mem.token_states, mem.reserved, mem.internal_frag, mem.external_frag, mem.free,
+                                  prefix_hits, c.num_prefill_seqs, c.prefill_attn_pairs, c.prefill_context_tokens,
+                                  c.copy_blocks))
+        self._single_at.append(self.rows - self._base)
+        self.rows += 1
+        if self.rows - self._base >= self._capacity:
             self._seal()
-            if n > len(self._cols["start"]):  # one window longer than a block
-                self._cols = self._staging(n)
+
+    def add_window(self, start: float, ends: list[float], durations: list[float], steps: int,
+                   res: RepeatResult, waiting: int | list[int], prefix_hits: int) -> None:
+        """`steps` rows: the plain decodes of a window begun at `start` whose memory `res` gives in
+        its paged form (RepeatResult), iteration i ending at ends[i] after durations[i] (both may
+        run longer: the rest is not logged here); `waiting`: the queue's length, or one per row;
+        `prefix_hits`: the scheduler's count, the same in every row. Row i is: start (`start`, then
+        ends[i - 1]), duration, num_seqs = decode_tokens = res.num_seqs, context_tokens
+        res.context_tokens + (i + 1) * num_seqs, the memory columns of RepeatResult, waiting,
+        prefix_hits, and 0 elsewhere."""
+        assert res.opened is not None, "add_window takes a RepeatResult's paged form"
         pos = self.rows - self._base
-        self.rows += n
-        return pos
+        self._windows.extend((pos, steps, res.num_seqs, res.context_tokens,
+                              waiting if isinstance(waiting, int) else 0, prefix_hits,
+                              res.states0, res.allocated0, res.free0, res.block_size,
+                              res.last_running, res.last_states, res.last_internal, res.last_free))
+        times = self._times
+        times.append(start)
+        if len(durations) == steps:
+            times.extend(ends)
+            self._durations.extend(durations)
+        else:  # a preempting iteration after them, logged on its own
+            times.extend(ends[:steps])
+            self._durations.extend(durations[:steps])
+        self._opened.extend(res.opened)
+        if not isinstance(waiting, int):
+            self._waiting.append((pos, waiting))
+        self.rows += steps
+        if self.rows - self._base >= self._capacity:
+            self._seal()
+
+    def add_many(self, columns: dict[str, np.ndarray | list]) -> None:
+        """Rows given as columns (each of the same length, or one value for all), for windows not
+        in the paged form."""
+        self._dense.append((self.rows - self._base, columns))
+        self.rows += len(columns["start"])
+        if self.rows - self._base >= self._capacity:
+            self._seal()
 
     def _seal(self) -> None:
-        """Store the staging block's rows compactly and start an empty block."""
-        self._flush()
-        k = self.rows - self._base
-        if k:
-            for c, col in self._cols.items():
-                self._sealed[c].append(self._compact(col[:k]))
-            self._cols = self._staging(self._capacity)
+        """Expand the staging block's rows, store them compactly, and start an empty block."""
+        if self.rows > self._base:
+            for c, col in self._expand().items():
+                self._sealed[c].append(self._compact(col))
+            self._single_times, self._single_ints, self._single_at = [], [], []
+            self._windows, self._dense = [], []
+            self._times, self._durations, self._opened, self._waiting = [], [], [], []
         self._base = self.rows
+
+    def _expand(self) -> dict[str, np.ndarray]:
+        """The staging block's rows as float64 / int64 columns."""
+        n = self.rows - self._base
+        cols: dict[str, np.ndarray] = {c: np.zeros(n, dtype=self.dtype(c)) for c in ITERATION_COLUMNS}
+        if self._single_at:
+            at = np.array(self._single_at)
+            times = np.array(self._single_times, dtype=np.float64).reshape(-1, 2)
+            ints = np.array(self._single_ints, dtype=np.int64).reshape(len(at), -1)
+            cols["start"][at], cols["duration"][at] = times[:, 0], times[:, 1]
+            for i, c in enumerate(ITERATION_COLUMNS[2:]):
+                cols[c][at] = ints[:, i]
+        for pos, columns in self._dense:
+            k = len(columns["start"])
+            for c, given in columns.items():
+                cols[c][pos:pos + k] = given
+        if self._windows:
+            self._expand_windows(cols)
+        return cols
+
+    def _expand_windows(self, cols: dict[str, np.ndarray]) -> None:
+        """Write the block's window records into `cols`, all records at once (see add_window)."""
+        w = np.array(self._windows, dtype=np.int64).reshape(-1, _WINDOW_FIELDS)
+        pos, k, b, context0, waiting, hits, states0, allocated0, free0, bs = w[:, :10].T
+        num = len(w)
+        first = np.cumsum(k) - k              # each record's first row among the window rows
+        rec = np.repeat(np.arange(num), k)    # the record of each window row
+        j = np.arange(len(rec)) - first[rec] + 1  # its iteration within the window, from 1
+        at = pos[rec] + j - 1                 # its row within the block
+        last = first + k - 1
+        times = np.array(self._times, dtype=np.float64)  # record r's start sits at first[r] + r
+        starts = times[first[rec] + rec + j - 1]
+        taken = np.cumsum(np.array(self._opened, dtype=np.int64))
+        taken -= np.concatenate(([0], taken))[first][rec]  # blocks taken by the end of each iteration
+        b_rows = b[rec]
+        grown = b_rows * j
+        states = states0[rec] + grown
+        slots = taken * bs[rec]
+        internal = allocated0[rec] + slots - states
+        free = free0[rec] - slots
+        running = b_rows.copy()
+        running[last], states[last], internal[last], free[last] = w[:, 10], w[:, 11], w[:, 12], w[:, 13]
+        cols["start"][at] = starts
+        cols["duration"][at] = self._durations
+        cols["num_seqs"][at] = b_rows
+        cols["decode_tokens"][at] = b_rows
+        cols["context_tokens"][at] = context0[rec] + grown
+        cols["running"][at] = running
+        cols["kv_token_states"][at] = states
+        cols["kv_internal_frag"][at] = internal
+        cols["kv_free"][at] = free
+        cols["waiting"][at] = waiting[rec]
+        cols["prefix_hits"][at] = hits[rec]
+        for p, values in self._waiting:
+            cols["waiting"][p:p + len(values)] = values
 
     @classmethod
     def _compact(cls, col: np.ndarray) -> np.ndarray:
-        """A copy of `col` in the narrowest type that holds every value exactly."""
-        if col.dtype.kind == "i":
+        """`col` in the narrowest type that holds every value exactly (a copy when narrowed)."""
+        if col.dtype.kind == "i" and len(col):
             lo, hi = int(col.min()), int(col.max())
             for t in _NARROW:
                 info = np.iinfo(t)
                 if info.min <= lo and hi <= info.max:
                     return col.astype(t)
-        return col.copy()
-
-    def _flush(self) -> None:
-        if self._pending:
-            at = np.array(self._pending_at)
-            for c, values in zip(ITERATION_COLUMNS, zip(*self._pending)):
-                self._cols[c][at] = values
-            self._pending, self._pending_at = [], []
-
-    def add_many(self, columns: dict[str, np.ndarray]) -> None:
-        k = len(columns["start"])
-        pos = self._reserve(k)
-        cols = self._cols
-        for c, values in columns.items():
-            cols[c][pos:pos + k] = values
+        return col
 
     def parts(self, c: str) -> list[np.ndarray]:
-        """Column `c` in pieces, oldest first (sealed ones may be narrower than the column's type;
-        the last views the staging block)."""
-        self._flush()
-        return [*self._sealed[c], self._cols[c][:self.rows - self._base]]
+        """Column `c` in pieces, oldest first (each may be narrower than the column's type). Seals
+        the staging block: reading expands what was written."""
+        self._seal()
+        return list(self._sealed[c]) or [np.zeros(0, dtype=self.dtype(c))]  # an empty log: one empty piece
 
     def pop_parts(self, c: str) -> list[np.ndarray]:
         """`parts(c)`, handed over: the log drops column `c` (and takes no more rows), so that a
         spent log's table is built a column at a time without the whole log beside it."""
-        pieces = self.parts(c)
-        del self._sealed[c], self._cols[c]
-        return pieces
+        self._seal()
+        return self._sealed.pop(c) or [np.zeros(0, dtype=self.dtype(c))]
 
     def column(self, c: str) -> np.ndarray:
         """Column `c` in full, as float64 / int64 (a copy, not a view of the log)."""

@@ -44,7 +44,7 @@ from typing import Protocol
 import numpy as np
 
 from policies.metrics import IterationLog
-from policies.plan import DecodeStepPlan, RepeatPlan, StepComposition, StepPlan, StepResult
+from policies.plan import DecodeStepPlan, RepeatPlan, RepeatResult, StepComposition, StepPlan, StepResult
 from policies.request import Request, SequenceGroup
 from policies.request import Sequence as Seq
 from policies.scheduler import Scheduler
@@ -104,25 +104,32 @@ class Window:
     """Iterations applied at once from `start`: ends[i] = ends[i - 1] + durations[i] (from
     `start`), the clock must land on exactly ends[-1]; the last one is the preempting iteration
     when `exhaustion`. Empty when that iteration preempted the whole batch (no time passes).
-    `rows` and `exhaustion_row`: its log rows, written when it completes (the waiting column
-    then counts the requests routed to the replica meanwhile)."""
+    Its log rows, written when it completes (the waiting column then counts the requests routed
+    to the replica meanwhile): the first `steps` iterations are the plain decodes `repeat` says
+    (with `waiting`, the queue's length or one per iteration, and `prefix_hits`), then
+    `exhaustion_row`, one row (IterationLog.add's arguments)."""
 
     start: float
     ends: list[float]
     durations: list[float]
     exhaustion: bool
-    rows: dict | None = None
+    steps: int = 0
+    repeat: RepeatResult | None = None
+    waiting: int | list[int] = 0
+    prefix_hits: int = 0
     exhaustion_row: list | None = None
 
-    def __init__(self, start: float, ends: list[float], durations: list[float], exhaustion: bool,
-                 rows: dict | None = None, exhaustion_row: list | None = None) -> None:
+    def __init__(self, start: float, ends: list[float], durations: list[float], exhaustion: bool) -> None:
         # written out, not generated: one per window in the compiled kernel (see policies/plan.py)
         self.start = start
         self.ends = ends
         self.durations = durations
         self.exhaustion = exhaustion
-        self.rows = rows
-        self.exhaustion_row = exhaustion_row
+        self.steps = 0
+        self.repeat = None
+        self.waiting = 0
+        self.prefix_hits = 0
+        self.exhaustion_row = None
 
 
 class ReplicaStep:
@@ -227,21 +234,9 @@ class ReplicaStep:
         res = sched.apply_repeat(plan, end, executor.price)
         window = Window(now, ends, durations, res.exhaustion is not None)
         if k:
-            b = plan.num_seqs
-            context0 = plan.context_tokens
-            cols = {
-                "start": [now, *ends[:-1]], "duration": durations,
-                "num_seqs": b, "decode_tokens": b,
-                "context_tokens": list(range(context0 + b, context0 + b * (k + 1), b)),  # b >= 1
-                "waiting": waiting, "running": res.running, "kv_token_states": res.token_states,
-                "kv_internal_frag": res.internal_frag, "kv_free": res.free,
-            }
-            prefix_hits = sched.prefix_hits
-            if prefix_hits:  # columns left out of add_many stay 0
-                cols["prefix_hits"] = prefix_hits
-            if not (_zero(res.reserved) and _zero(res.external_frag)):  # columns left out of add_many stay 0
-                cols["kv_reserved"], cols["kv_external_frag"] = res.reserved, res.external_frag
-            window.rows = cols
+            window.steps, window.repeat, window.waiting, window.prefix_hits = k, res, waiting, sched.prefix_hits
+            if res.opened is None:  # the per-step form: its batch is the plan's
+                res.num_seqs, res.context_tokens = plan.num_seqs, plan.context_tokens
             self._recent_duration = durations[-1]
         if res.exhaustion is not None:
             duration = res.exhaustion_duration
@@ -249,8 +244,8 @@ class ReplicaStep:
             waiting_x = len(sched.waiting) + (queued((end_x,))[0] if queued is not None else 0)
             window.exhaustion_row = [end, duration, res.exhaustion, res.num_preempted, waiting_x,
                                      len(sched.running), sched.memory(), sched.prefix_hits]
-            # new lists: the rows above hold the plain decodes' own
-            window.ends, window.durations = [*ends, end_x], [*durations, duration]
+            ends.append(end_x)  # the log takes the plain decodes' rows from the first `steps`
+            durations.append(duration)
         sched.departing = len(sched.done) - done0  # all at the window's last end
         return window
 
@@ -285,15 +280,16 @@ class ReplicaStep:
         waiting queue meanwhile and that the `queued` given to begin_window did not count (a
         routed replica's); each counts in the rows of iterations ending at or after it."""
         self.scheduler.departing = 0
-        rows, x_row = window.rows, window.exhaustion_row
-        if rows is not None:
+        res, x_row = window.repeat, window.exhaustion_row
+        if res is not None:
+            k, waiting = window.steps, window.waiting
             if joined:
-                base = rows["waiting"]
-                ends = window.ends[:len(rows["start"])]
-                if isinstance(base, int):
-                    base = [base] * len(ends)
-                rows["waiting"] = [w + bisect_right(joined, e) for w, e in zip(base, ends)]
-            self.log.add_many(rows)
+                base = [waiting] * k if isinstance(waiting, int) else waiting
+                waiting = [w + bisect_right(joined, e) for w, e in zip(base, window.ends)]
+            if res.opened is not None:
+                self.log.add_window(window.start, window.ends, window.durations, k, res, waiting, window.prefix_hits)
+            else:
+                self.log.add_many(_window_columns(window, res, waiting))
         if x_row is not None:
             if joined:
                 x_row[4] += bisect_right(joined, window.ends[-1])
@@ -301,6 +297,27 @@ class ReplicaStep:
         self.windows += 1
         self.skipped += len(window.ends)
         self.exhaustions += window.exhaustion
+
+
+def _window_columns(window: Window, res: RepeatResult, waiting: int | list[int]) -> dict:
+    """A window's plain decodes as log columns (IterationLog.add_many), from a RepeatResult's
+    per-step form."""
+    k, start = window.steps, window.start
+    ends, durations = window.ends[:k], window.durations[:k]
+    plan_b = res.num_seqs
+    assert res.running is not None and res.token_states is not None and res.internal_frag is not None
+    assert res.free is not None
+    cols: dict = {
+        "start": [start, *ends[:-1]], "duration": durations, "waiting": waiting, "running": res.running,
+        "kv_token_states": res.token_states, "kv_internal_frag": res.internal_frag, "kv_free": res.free,
+        "num_seqs": plan_b, "decode_tokens": plan_b,
+        "context_tokens": [res.context_tokens + plan_b * (j + 1) for j in range(k)],
+    }
+    if window.prefix_hits:  # columns left out of add_many stay 0
+        cols["prefix_hits"] = window.prefix_hits
+    if not (_zero(res.reserved) and _zero(res.external_frag)):
+        cols["kv_reserved"], cols["kv_external_frag"] = res.reserved, res.external_frag
+    return cols
 
 
 def _zero(column: np.ndarray | list[int] | int) -> bool:

@@ -12,7 +12,6 @@ nothing new is admitted while any group is swapped out).
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import accumulate
 from typing import NamedTuple
 
 from mypy_extensions import mypyc_attr
@@ -587,7 +586,7 @@ class VllmScheduler(Scheduler):
         if k:
             result = self._repeat(plan, end)
         else:
-            result = RepeatResult([], [], [], [])
+            result = RepeatResult([], [], [], [])  # no rows: only the preempting iteration
         if plan.exhausts:
             comp, preempted = self._exhaustion_step()
             if comp.num_decode_seqs:  # else the batch was preempted whole: no iteration, no time
@@ -609,7 +608,7 @@ class VllmScheduler(Scheduler):
         pool = bm.pool
         states0 = pool.used_filled
         used0 = bm.num_gpu_blocks - pool.num_free
-        allocated0, free0 = used0 * bs, pool.num_free * bs
+        free0 = pool.num_free * bs
         # blocks taken in iteration order (any order within one: which block a sequence gets is
         # not observable, only how many are taken and when)
         bm.open_decode_blocks([s.seq_id for j in range(k) for s in buckets[-(clock + j) % bs]])
@@ -617,18 +616,17 @@ class VllmScheduler(Scheduler):
         if self.policy.tracks_service:  # before the clock moves: a group reads as stepping's first call
             self.policy.on_decoded(self.running, k)
         batch.clock += k
-        # per step, in plain ints (windows are mostly a few steps, where numpy's per-call cost
-        # dominates): blocks taken by the end of each step, token states, slots in allocated blocks
-        taken = list(accumulate([counts[-(clock + j) % bs] for j in range(k)]))
-        states = [states0 + j * b for j in range(1, k + 1)]
-        result = RepeatResult([b] * k, states, [allocated0 + t * bs - s for t, s in zip(taken, states)],
-                              [free0 - t * bs for t in taken], 0, 0)
-        if self._finish_plain(now):  # the last step's memory after its finishes (bm.memory(), from the pool)
-            states_k = pool.used_filled
-            result.token_states[-1] = states_k
-            result.internal_frag[-1] = (bm.num_gpu_blocks - pool.num_free) * bs - states_k
-            result.free[-1] = pool.num_free * bs
-            result.running[-1] = len(self.running)
+        # the log's record of the window (RepeatResult's paged form): blocks opened by each step
+        result = RepeatResult.paged([counts[-(clock + j) % bs] for j in range(k)], b, plan.context_tokens,
+                                    states0, used0 * bs, free0, bs)
+        self._finish_plain(now)
+        # the last step's memory after its finishes (bm.memory(), from the pool); without any,
+        # what the opened blocks give
+        states_k = pool.used_filled
+        result.last_states = states_k
+        result.last_internal = (bm.num_gpu_blocks - pool.num_free) * bs - states_k
+        result.last_free = pool.num_free * bs
+        result.last_running = len(self.running)
         return result
 
     def _finish_plain(self, now: float) -> bool:

@@ -1,16 +1,22 @@
-"""The iteration log's compact storage: whatever the mix of single rows and windows, block
-boundaries and value ranges, its frame equals the rows written, as float64 / int64 columns."""
+"""The iteration log's compact storage: whatever the mix of single rows, window records (paged
+RepeatResults, with their overrides) and column windows, block boundaries and value ranges, its
+frame equals the rows written, as float64 / int64 columns, each row built here one by one."""
+
+from itertools import accumulate
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from policies.memory import MemoryBreakdown
 from policies.metrics import ITERATION_COLUMNS, IterationLog
-from policies.plan import StepComposition
+from policies.plan import RepeatResult, StepComposition
+
+_BIG = [3, 200, 40_000, 3_000_000_000]  # int8 .. beyond int32
 
 
 def _single(rng: np.random.Generator, start: float) -> tuple[tuple, dict[str, float | int]]:
-    big = int(rng.choice([3, 200, 40_000, 3_000_000_000]))  # int8 .. beyond int32
+    big = int(rng.choice(_BIG))
     c = StepComposition(num_prefill_seqs=1, prefill_tokens=big, prefill_attn_pairs=big * 7, num_decode_seqs=5,
                         decode_context_tokens=int(rng.integers(0, 1000)), swap_out_blocks=int(rng.integers(0, 3)))
     mem = MemoryBreakdown(token_states=big, reserved=0, internal_frag=-big, external_frag=0, free=9)
@@ -22,36 +28,133 @@ def _single(rng: np.random.Generator, start: float) -> tuple[tuple, dict[str, fl
     return (start, 0.5, c, 1, 2, 6, mem, 3), row
 
 
-def test_frame_equals_rows_written_across_blocks() -> None:
-    rng = np.random.default_rng(0)
-    log, rows, t = IterationLog(capacity=7), [], 0.0
-    for _ in range(60):
-        if rng.random() < 0.5:
+def _paged(rng: np.random.Generator, k: int) -> RepeatResult:
+    """A random paged RepeatResult of k iterations, its last iteration's figures set apart (a
+    finish) or as the opened blocks give them."""
+    scale = int(rng.choice(_BIG))
+    b, bs = int(rng.integers(1, 40)), int(rng.choice([1, 16, 32]))
+    res = RepeatResult.paged([int(x) for x in rng.integers(0, b + 1, k)], b, int(rng.integers(0, scale)),
+                             int(rng.integers(0, scale)), int(rng.integers(0, scale)) * bs,
+                             int(rng.integers(0, scale)) * bs, bs)
+    res.last_running, res.last_states, res.last_internal, res.last_free = (
+        int(x) for x in rng.integers(-scale, scale, 4))
+    return res
+
+
+def _paged_rows(start: float, ends: list[float], durations: list[float], k: int, res: RepeatResult,
+                waiting: int | list[int], prefix_hits: int) -> list[dict[str, float | int]]:
+    """add_window's rows, one at a time, as its docstring and RepeatResult's state them."""
+    assert res.opened is not None
+    rows, taken = [], 0
+    for i in range(k):
+        j = i + 1
+        taken += res.opened[i]
+        states = res.states0 + j * res.num_seqs
+        row = dict.fromkeys(ITERATION_COLUMNS, 0)
+        row.update(start=start if i == 0 else ends[i - 1], duration=durations[i], num_seqs=res.num_seqs,
+                   decode_tokens=res.num_seqs, context_tokens=res.context_tokens + j * res.num_seqs,
+                   waiting=waiting if isinstance(waiting, int) else waiting[i], prefix_hits=prefix_hits,
+                   running=res.num_seqs, kv_token_states=states,
+                   kv_internal_frag=res.allocated0 + taken * res.block_size - states,
+                   kv_free=res.free0 - taken * res.block_size)
+        if j == k:
+            row.update(running=res.last_running, kv_token_states=res.last_states,
+                       kv_internal_frag=res.last_internal, kv_free=res.last_free)
+        rows.append(row)
+    return rows
+
+
+def _frame(rows: list[dict]) -> pd.DataFrame:
+    want = pd.DataFrame(rows, columns=list(ITERATION_COLUMNS)).astype(
+        {c: "float64" if c in ("start", "duration") else "int64" for c in ITERATION_COLUMNS})
+    want.insert(0, "iteration", np.arange(len(rows)))
+    return want
+
+
+def _write_random(log: IterationLog, rng: np.random.Generator, n: int) -> list[dict]:
+    """n random writes of each kind to `log`; returns the rows written, built one by one."""
+    rows: list[dict] = []
+    t = float(rng.random())
+    for _ in range(n):
+        kind = rng.random()
+        if kind < 0.35:
             args, row = _single(rng, t)
             log.add(*args)
             rows.append(row)
             t += 0.5
-        else:  # a window, sometimes longer than a staging block; two columns left out (stay 0)
+        elif kind < 0.85:  # a paged window, sometimes longer than a staging block, maybe with a preempting tail
+            k = int(rng.integers(1, 12))
+            durations = [float(x) for x in rng.random(k + int(rng.integers(0, 2)))]
+            ends = list(accumulate(durations, initial=t))[1:]
+            res = _paged(rng, k)
+            w0 = int(rng.integers(0, 300))
+            waiting: int | list[int] = w0 if rng.random() < 0.6 else [w0 + int(x) for x in
+                                                                       np.sort(rng.integers(0, 70_000, k))]
+            hits = int(rng.choice([0, 7, 100_000]))
+            log.add_window(t, ends, durations, k, res, waiting, hits)
+            rows += _paged_rows(t, ends, durations, k, res, waiting, hits)
+            t = ends[k - 1]
+        else:  # columns, two left out (they stay 0), one given as one value for all
             k = int(rng.integers(1, 12))
             cols = {"start": t + 0.25 * np.arange(k), "duration": np.full(k, 0.25),
-                    "num_seqs": rng.integers(0, 2**40, k), "decode_tokens": rng.integers(-5, 5, k)}
-            rows += [dict(dict.fromkeys(ITERATION_COLUMNS, 0), **{c: v[i] for c, v in cols.items()}) for i in range(k)]
+                    "num_seqs": rng.integers(0, 2**40, k), "decode_tokens": rng.integers(-5, 5, k), "running": 4}
+            rows += [dict(dict.fromkeys(ITERATION_COLUMNS, 0), running=4,
+                          **{c: v[i] for c, v in cols.items() if c != "running"}) for i in range(k)]
             log.add_many(cols)
             t += 0.25 * k
-    want = pd.DataFrame(rows, columns=list(ITERATION_COLUMNS)).astype(
-        {c: "float64" if c in ("start", "duration") else "int64" for c in ITERATION_COLUMNS})
-    want.insert(0, "iteration", np.arange(len(rows)))
-    got = log.frame()
+    return rows
+
+
+@pytest.mark.parametrize("seed,capacity", [(0, 7), (1, 1), (2, 50), (3, 16384)])
+def test_frame_equals_rows_written_across_blocks(seed: int, capacity: int) -> None:
+    rng = np.random.default_rng(seed)
+    log = IterationLog(capacity=capacity)
+    rows = _write_random(log, rng, 80)
     assert log.rows == len(rows)
-    pd.testing.assert_frame_equal(got, want)
+    pd.testing.assert_frame_equal(log.frame(), _frame(rows), check_exact=True)
+
+
+def test_reading_midway_then_writing_on() -> None:
+    """A read seals the staging block; rows written after it follow in order."""
+    rng = np.random.default_rng(4)
+    log = IterationLog(capacity=30)
+    rows = _write_random(log, rng, 25)
+    pd.testing.assert_frame_equal(log.frame(), _frame(rows), check_exact=True)
+    rows += _write_random(log, rng, 25)
+    pd.testing.assert_frame_equal(log.frame(), _frame(rows), check_exact=True)
+
+
+def test_window_rows_from_a_paged_result() -> None:
+    """One window by hand: the cumulative blocks and the last iteration's own figures."""
+    log = IterationLog()
+    res = RepeatResult.paged([1, 0, 2], num_seqs=2, context_tokens=10, states0=100, allocated0=160, free0=64,
+                             block_size=16)
+    res.last_running, res.last_states, res.last_internal, res.last_free = 1, 90, 22, 80
+    log.add_window(5.0, [5.5, 6.0, 6.5, 7.0], [0.5, 0.5, 0.5, 0.5], 3, res, [4, 4, 6], 9)
+    f = log.frame()
+    assert f.start.tolist() == [5.0, 5.5, 6.0] and f.duration.tolist() == [0.5] * 3
+    assert f.context_tokens.tolist() == [12, 14, 16] and f.num_seqs.tolist() == [2, 2, 2]
+    assert f.kv_token_states.tolist() == [102, 104, 90]
+    assert f.kv_internal_frag.tolist() == [160 + 16 - 102, 160 + 16 - 104, 22]
+    assert f.kv_free.tolist() == [48, 48, 80] and f.running.tolist() == [2, 2, 1]
+    assert f.waiting.tolist() == [4, 4, 6] and f.prefix_hits.tolist() == [9, 9, 9]
+    assert f.kv_reserved.tolist() == [0, 0, 0]
 
 
 def test_sealed_blocks_are_narrow_and_reading_widens() -> None:
     log = IterationLog(capacity=4)
-    for first in (0, 3):  # the second window does not fit beside the first: the first is sealed
+    for first in (0, 3):  # the second window fills the first block past its capacity: it is sealed
         log.add_many({"start": np.arange(first, first + 3.0), "duration": np.ones(3),
                       "waiting": np.arange(first, first + 3) * 1000})
-    parts = log.parts("waiting")
-    assert [p.dtype for p in parts] == [np.dtype(np.int16), np.dtype(np.int64)]  # sealed 0..2000; staging
+    log.add_many({"start": np.arange(6, 9.0), "duration": np.ones(3), "waiting": np.arange(6, 9) * 1000})
+    parts = log.parts("waiting")  # reading seals the rest
+    assert [p.dtype for p in parts] == [np.dtype(np.int16), np.dtype(np.int16)]  # 0..5000; 6000..8000
+    assert [len(p) for p in parts] == [6, 3]
     assert log.parts("kv_free")[0].dtype == np.int8  # an all-zero column costs a byte a row
-    assert log.column("waiting").dtype == np.int64 and log.column("waiting").tolist() == list(range(0, 6000, 1000))
+    assert log.column("waiting").dtype == np.int64 and log.column("waiting").tolist() == list(range(0, 9000, 1000))
+
+
+def test_an_empty_log_reads_as_empty_columns() -> None:
+    log = IterationLog()
+    assert len(log.frame()) == 0 and log.column("start").dtype == np.float64
+    assert np.concatenate(log.pop_parts("waiting")).dtype == np.int64
