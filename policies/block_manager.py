@@ -139,13 +139,16 @@ class BlockPool:
         block.ref_count += 1
 
     def release(self, block: Block) -> None:
-        self.release_ids((block.block_id,))
+        self.release_ids([block.block_id])
 
-    def release_ids(self, block_ids: Iterable[int]) -> None:
-        """`release()` each block, in order: one loop for a whole table freed at once."""
+    def release_ids(self, block_ids: list[int], backwards: bool = False) -> None:
+        """`release()` each block, in order (last first when `backwards`): one loop for a whole
+        table freed at once (a list walked by index: compiled, no iterator object per table)."""
         blocks, fresh, idle = self.blocks, self._fresh, self._idle
         freed_states = freed = 0
-        for block_id in block_ids:
+        n = len(block_ids)
+        for i in range(n):
+            block_id = block_ids[n - 1 - i if backwards else i]
             block = blocks[block_id]
             refs = block.ref_count - 1
             block.ref_count = refs
@@ -610,7 +613,7 @@ class PagedBlockManager:
         table = self.tables.pop(seq.seq_id, None)
         self.slots.pop(seq.seq_id, None)
         if table is not None:
-            self.pool.release_ids(reversed(table))
+            self.pool.release_ids(table, backwards=True)
 
     def free_group(self, group: SequenceGroup) -> None:
         for s in group.seqs:

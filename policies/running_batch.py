@@ -128,7 +128,7 @@ class RunningBatch:
         if self.guarded:
             return
         self.guarded = all(guard(s) for b in self.buckets for s in b) and GUARDED is not None
-        if not self.guarded:
+        if not self.guarded and self.size:  # an empty batch (a run's final checks) has no read to miss
             warnings.warn("--debug: reads of running sequences' owed fields are not checked with the compiled "
                           "kernel (PAGESIM_COMPILED=0 runs the sources, which check them)", stacklevel=2)
 

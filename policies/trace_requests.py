@@ -21,15 +21,17 @@ def requests_from_trace(trace: Any, max_model_len: int, n: int | None = None,
     reason. max_tokens is what the context leaves after the prompt (what
     Orca-Max reserves). Refuses (ValueError) a trace whose requests could not fit in memory."""
     check_fits(f"{len(trace):,} requests", [(len(trace), REQUEST_BYTES)])
+    num = len(trace)
     prompts, outputs = trace.prompt_len.tolist(), trace.output_len.tolist()
     arrivals = trace.arrival.astype(float).tolist()
-    ns = [n] * len(trace) if n is not None else trace.n.tolist()
-    beams = [beam_width] * len(trace) if beam_width is not None else trace.beam_width.tolist()
+    ns = [n] * num if n is not None else trace.n.tolist()
+    beams = [beam_width] * num if beam_width is not None else trace.beam_width.tolist()
     hashes = trace.prefix_hashes
     ids = trace.prompt_token_ids
     hbs = trace.hash_block_size or 16
-    reasons = trace.reject_reason or [""] * len(trace)
-    classes = request_classes(trace)
+    reasons = trace.reject_reason or [""] * num
+    # the class columns as whole lists (each row's value, or the Request default), passed by position
+    client, priority, slo_ttft, slo_tpot = _class_columns(trace)
     params: dict[tuple[int, int, int], SamplingParams] = {}  # frozen, so equal ones are shared
     reqs = []
     for i, (p, out, arrival, ni, bi) in enumerate(zip(prompts, outputs, arrivals, ns, beams)):
@@ -39,22 +41,18 @@ def requests_from_trace(trace: Any, max_model_len: int, n: int | None = None,
             sp = params[key] = SamplingParams(max_tokens=key[0], ignore_eos=True, n=ni, beam_width=bi)
         reqs.append(Request(i, arrival, p, sp, out, None if ids is None or ids[i] is None else list(ids[i]),
                             None if hashes is None or hashes[i] is None else tuple(hashes[i]), hbs,
-                            reject_reason=reasons[i] or None, **classes[i]))
+                            priority[i], reasons[i] or None, client[i], slo_ttft[i], slo_tpot[i]))
     return reqs
 
 
-def request_classes(trace: Any) -> list[dict[str, Any]]:
-    """Per trace row, the Request fields of its client / priority / SLO class (empty when absent)."""
-    out: list[dict[str, Any]] = [{} for _ in range(len(trace))]
-    if trace.client is not None:
-        for d, c in zip(out, trace.client):
-            d["client"] = c
-    if trace.priority is not None:
-        for d, p in zip(out, trace.priority.tolist()):
-            d["priority"] = p
+def _class_columns(trace: Any) -> tuple[list[str], list[int], list[float | None], list[float | None]]:
+    """(client, priority, slo_ttft, slo_tpot) of every row: the trace's column, or the Request
+    field's default where it has none; a NaN SLO is None (the run's SLO)."""
+    num = len(trace)
+    client = list(trace.client) if trace.client is not None else [""] * num
+    priority = trace.priority.tolist() if trace.priority is not None else [0] * num
+    slos: list[list[float | None]] = []
     for name in ("slo_ttft", "slo_tpot"):
         values = getattr(trace, name)
-        if values is not None:
-            for d, v in zip(out, values.tolist()):
-                d[name] = None if v != v else v  # NaN: the run's SLO
-    return out
+        slos.append([None if v != v else v for v in values.tolist()] if values is not None else [None] * num)
+    return client, priority, slos[0], slos[1]

@@ -461,23 +461,31 @@ def _request_table(replicas: list[Replica]) -> pd.DataFrame:
     unique); with more than one replica, a `replica` column says which served each."""
     if len(replicas) == 1:
         return request_frame(replicas[0].scheduler.done)
-    pairs = sorted(((g, r.index) for r in replicas for g in r.scheduler.done), key=lambda p: p[0].request.request_id)
-    served_by = np.array([i for _, i in pairs], dtype=np.int64)
-    groups = [g for g, _ in pairs]
-    del pairs
+    groups = [g for r in replicas for g in r.scheduler.done]
+    served = np.repeat(np.array([r.index for r in replicas], dtype=np.int64), [len(r.scheduler.done) for r in replicas])
+    # the ids sorted at once by numpy (not a key call per group); request_frame's own sort then finds them in order
+    order = np.argsort(np.array([g.request.request_id for g in groups], dtype=np.int64), kind="stable")
+    groups = [groups[i] for i in order.tolist()]
+    served_by = served[order]
     requests = request_frame(groups)
     requests["replica"] = served_by
     return requests
 
 
 def _release_done(replicas: list[Replica]) -> None:
-    """Drop the replicas' finished groups (after the run's checks and its request table): their
-    sequences and groups refer to each other, so with the collector paused for the run (gc_paused)
-    one collection is what frees them. The youngest generation only: everything the run made is
-    still there (nothing was collected, so nothing was promoted), and a full collection would also
-    walk the caller's whole heap (a test process or a calibration with a thousand short runs paid
-    ~0.1-0.3 s per run for it)."""
+    """Drop the replicas' finished groups (after the run's checks and its request table). A group
+    and its sequences refer to each other (`seqs`, `finished_seqs` and each sequence's `group`):
+    emptying the groups' lists breaks those cycles, so that dropping the groups frees them by
+    reference counting, at once and in order. One collection of the youngest generation then
+    frees what other cycles the run left (a few closures): with the collector paused for the run
+    (gc_paused) it holds everything the run made and nothing was promoted; it walks only the
+    survivors now (0.04 s in all instead of 0.07 s on 20,000 requests over 16 replicas), and a full
+    collection would also walk the caller's whole heap (a test process or a calibration with a
+    thousand short runs paid ~0.1-0.3 s per run for it)."""
     for r in replicas:
+        for group in r.scheduler.done:
+            group.seqs.clear()
+            group.finished_seqs.clear()
         r.scheduler.done.clear()
     gc.collect(0)
 
@@ -486,25 +494,72 @@ def _router_summary(router: Router, requests: pd.DataFrame, iterations: pd.DataF
                     caches: list[tuple[str, int]]) -> dict:
     """Per replica: its hardware and cache, its share of the requests, how busy it was, its latency
     and prefix hits; and how even the spread was (max over mean of requests per replica). `caches`:
-    (hardware, GPU blocks) of each replica."""
+    (hardware, GPU blocks) of each replica.
+
+    Each table is ordered by replica once (a stable sort: each replica's rows keep the table's
+    order) and every replica's figures are read from its slice, summed as pandas sums a masked
+    column (`_slice_sum`, `_slice_mean`: the same values in the same order, so the same bits),
+    instead of masking every column once per replica."""
     end = requests.finish_time.max()  # NaN when nothing finished
     span = max(float(end - requests.arrival.min()), 1e-12) if len(requests) and end == end else 1e-12
+    n = len(caches)
+    req = _by_replica(requests.replica.to_numpy(), n)
+    its = _by_replica(iterations.replica.to_numpy(), n)
+    finished = req.take((requests.status == "finished").to_numpy())
+    hits, preempted = req.take(requests.prefix_hit_tokens.to_numpy()), req.take(requests.num_preemptions.to_numpy())
+    latency, busy = req.take(requests.normalized_latency.to_numpy()), its.take(iterations.duration.to_numpy())
     rows = []
     for i, (hardware, gpu_blocks) in enumerate(caches):
-        mine = requests[requests.replica == i]
-        done = mine[mine.status == "finished"]
-        busy = float(iterations.duration[iterations.replica == i].sum())
+        mine, ran = req.rows(i), its.rows(i)
+        done = latency[mine][finished[mine]]
         rows.append({"replica": i, "hardware": hardware, "num_gpu_blocks": gpu_blocks,
-                     "requests": len(mine), "finished": len(done),
-                     "busy_fraction": busy / span, "prefix_hit_tokens": int(mine.prefix_hit_tokens.sum()),
-                     "preemptions": int(mine.num_preemptions.sum()),
-                     "mean_normalized_latency": float(done.normalized_latency.mean()) if len(done) else float("nan")})
+                     "requests": mine.stop - mine.start, "finished": len(done),
+                     "busy_fraction": _slice_sum(busy[ran]) / span, "prefix_hit_tokens": int(hits[mine].sum()),
+                     "preemptions": int(preempted[mine].sum()),
+                     "mean_normalized_latency": _slice_mean(done) if len(done) else float("nan")})
     counts = np.array([r["requests"] for r in rows], dtype=float)
     out: dict[str, Any] = {"name": router.name, "replicas": rows,
                            "imbalance": float(counts.max() / counts.mean()) if counts.sum() else float("nan")}
     if hasattr(router, "affinity_hits"):  # the routers that follow a prefix match
         out["affinity_routed"] = router.affinity_hits
     return out
+
+
+@dataclass
+class _ByReplica:
+    """A table's rows grouped by replica: `order` (a stable sort of the replica column) and
+    `bounds` (replica i's rows are order[bounds[i]:bounds[i + 1]])."""
+
+    order: np.ndarray
+    bounds: np.ndarray
+
+    def take(self, column: np.ndarray) -> np.ndarray:
+        return column[self.order]
+
+    def rows(self, i: int) -> slice:
+        return slice(int(self.bounds[i]), int(self.bounds[i + 1]))
+
+
+def _by_replica(replica: np.ndarray, n: int) -> _ByReplica:
+    order = np.argsort(replica, kind="stable")
+    return _ByReplica(order, np.searchsorted(replica[order], np.arange(n + 1), side="left"))
+
+
+def _slice_sum(values: np.ndarray) -> float:
+    """`Series.sum()` of these float values (NaN skipped as 0), on a fresh copy as pandas sums a
+    masked column (numpy's pairwise sum of the same values in the same order)."""
+    v = values.copy()
+    np.putmask(v, np.isnan(v), 0.0)
+    return float(v.sum())
+
+
+def _slice_mean(values: np.ndarray) -> float:
+    """`Series.mean()` of these float values: their sum (NaN as 0) over the count of the others."""
+    v = values.copy()
+    nan = np.isnan(v)
+    np.putmask(v, nan, 0.0)
+    count = np.float64(len(v) - int(nan.sum()))
+    return float(v.sum() / count) if count > 0 else float("nan")
 
 
 def _progress_bar(total: int):

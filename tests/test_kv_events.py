@@ -129,7 +129,7 @@ def test_clear_cache_only_when_idle_and_reported():
     for _ in range(4):  # takes the never-cached blocks first, then evicts the cached one
         pool.take_ids(1)
     assert seen == [("stored", b, 77), ("removed", 77)]
-    pool.release_ids(range(4))
+    pool.release_ids(list(range(4)))
     (c,) = pool.take_ids(1)
     pool.register(pool.blocks[c], 5)
     pool.release_ids([c])  # idle and cached

@@ -6,10 +6,14 @@ cached content goes back to the front (reused first), a freed cached block to th
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import itertools
 
 import pytest
 
+from policies import request as request_module
+from policies._compiled import running_compiled
 from policies.block_manager import AllocStatus, BlockPool, PagedBlockManager
 from policies.buddy import BuddyAllocator, next_pow2
 from policies.contiguous import ContiguousAllocator
@@ -93,6 +97,29 @@ def test_request_validation_and_max_output():
     assert Request(0, 0.0, 4, SamplingParams(max_tokens=50)).max_output == 50
     # max_tokens bounds the output with ignore_eos too (it was output_len=80 before the fix)
     assert Request(0, 0.0, 4, SamplingParams(max_tokens=50, ignore_eos=True), output_len=80).max_output == 50
+
+
+def test_request_init_takes_its_fields_in_order_with_their_defaults():
+    """Request's __init__ is written out (so that it compiles): it must stay the one dataclasses
+    would generate, field for field, and keep a keyword-built request equal to a positional one."""
+    fields = dataclasses.fields(Request)
+    if not running_compiled(request_module):  # a compiled __init__ shows no signature (the source's is checked)
+        params = list(inspect.signature(Request.__init__).parameters.values())[1:]
+        assert [p.name for p in params] == [f.name for f in fields]
+        for p, f in zip(params, fields):
+            if f.default is not dataclasses.MISSING:
+                assert p.default == f.default, f.name
+            elif f.default_factory is not dataclasses.MISSING:
+                assert p.default is None and getattr(Request(0, 0.0, 1), f.name) == f.default_factory(), f.name
+            else:
+                assert p.default is inspect.Parameter.empty, f.name
+    assert Request(0, 0.0, 1).sampling == SamplingParams() and Request(0, 0.0, 1).client == ""
+    values = dict(request_id=3, arrival=1.5, prompt_len=7, sampling=SamplingParams(max_tokens=9), output_len=4,
+                  prompt_token_ids=list(range(7)), prefix_hashes=(1, 2), hash_block_size=4, priority=2,
+                  reject_reason=None, client="c", slo_ttft=0.5, slo_tpot=0.1)
+    r = Request(**values)
+    assert r == Request(*values.values()) and dataclasses.asdict(r)["prefix_hashes"] == (1, 2)
+    assert dataclasses.replace(r, priority=5).priority == 5
 
 
 def test_sequence_group_starts_waiting_with_one_sequence():
