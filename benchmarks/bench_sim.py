@@ -5,7 +5,9 @@ Wall times on the same VM kind have varied 3-4x from day to day (and by 2x withi
 shared machine), so every case states its wall time beside `python_reference_s`, a fixed
 pure-Python workload shaped like the simulator's hot loops, timed in the case's own process just
 before and just after the run; a case whose two references differ by more than 20% is rerun (up to
-twice). Each case runs in its own process so that its peak memory (max RSS) is its own.
+twice). Each case runs in its own process so that its peak memory (max RSS) is its own, on the
+kernel this process would run (the compiled build when `make compiled` built a fresh one, the
+sources under PAGESIM_COMPILED=0): the first line of the targets says which.
 
 The targets (issue 23), printed by default:
 - 10,000 requests on one replica (vllm): wall <= 8 x python_reference_s;
@@ -38,6 +40,8 @@ import json, resource, time
 from benchmarks.bench_sim import python_reference_s
 from traces import resolve_trace
 from sim.run import SimConfig, run_simulation
+import policies.step
+from policies._compiled import running_compiled
 trace = resolve_trace("sharegpt-like", num_requests={n}, rate={rate}, seed=0)
 ref_before = python_reference_s()
 t0, c0 = time.perf_counter(), time.process_time()
@@ -50,7 +54,7 @@ print(json.dumps({{"wall": wall, "cpu": cpu, "sim": s["duration_s"], "iters": s[
                    "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
                    "finished": s["num_finished"], "preemptions": s["num_preemptions"],
                    "stepped": s["engine"]["stepped_iterations"], "ref_before": ref_before,
-                   "ref_after": ref_after}}))
+                   "ref_after": ref_after, "kernel": "compiled" if running_compiled(policies.step) else "interpreted"}}))
 """
 
 def python_reference_s(repeats: int = 3) -> float:
@@ -89,9 +93,10 @@ def run_case(n: int, rate: float, ff: bool = True, replicas: int = 1, policy: st
     """One run in its own process: its figures, `ref` (the mean of the references timed before and
     after it) and `ratio` (wall / ref). Rerun while the two references differ by more than 20%.
     `compiled`: PAGESIM_COMPILED for that process ('0' interpreted, '1' the compiled build, which
-    must be fresh; None: whatever policies/_compiled.py finds)."""
+    must be fresh; None: as this process was told, else whatever policies/_compiled.py finds).
+    `kernel` in the figures says which ran."""
     code = CASE.format(n=n, rate=rate, ff=ff, replicas=replicas, policy=policy)
-    env = {k: v for k, v in os.environ.items() if k != "PAGESIM_COMPILED"}
+    env = dict(os.environ)
     if compiled is not None:
         env["PAGESIM_COMPILED"] = compiled
     for _ in range(reruns + 1):
@@ -113,6 +118,7 @@ def targets(rate: float, policies: list[str], million: bool) -> None:
     """The issue-23 targets as ratios (see the module docstring)."""
     print(f"{'case':<34} {'wall s':>8} {'ratio':>7} {'target':>7} {'peak MiB':>8}  reference before / after")
     one = run_case(10_000, rate)
+    print(f"kernel: {one['kernel']} (`make compiled` builds the compiled one, PAGESIM_COMPILED=0 forces the sources)")
     print(f"{'10,000 requests, 1 replica, vllm':<34} {one['wall']:>8.2f} {one['ratio']:>6.1f}x {'<= 8x':>7} "
           f"{one['rss_mb']:>8.0f}  {_refs(one)}")
     for policy in policies:
