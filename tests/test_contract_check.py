@@ -95,9 +95,11 @@ def test_simulate_debug_reports_a_broken_policy_in_one_line(tmp_path, capsys):
     rc = cli_main(["simulate", "--debug", "--policy", f"{__name__}:LeastServedFirst", "--trace", "multi-client",
                    "--num-requests", "200", "--rate", "12", "--seed", "2", "--num-gpu-blocks", "600",
                    "--out", str(tmp_path / "run"), "--quiet"])
-    err = capsys.readouterr().err.strip()
-    assert rc == 2 and len(err.splitlines()) == 1
-    assert "LeastServedFirst.key changed while a skip-ahead window ran" in err
+    # the compiled kernel also says once that it cannot check stale reads (documented, not the error)
+    err = [line for line in capsys.readouterr().err.strip().splitlines()
+           if "not checked with the compiled kernel" not in line]
+    assert rc == 2 and len(err) == 1
+    assert "LeastServedFirst.key changed while a skip-ahead window ran" in err[0]
 
 
 def test_a_difference_under_builtins_only_is_called_a_simulator_bug():
