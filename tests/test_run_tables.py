@@ -74,3 +74,33 @@ def test_run_tables_and_summary_hold_every_request() -> None:
 def test_peak_said_against_the_target() -> None:
     assert _peak_vs_target(PEAK_TARGET_MB - 500).endswith("met, 500 MiB under")
     assert "NOT met, 1,000 MiB over" in _peak_vs_target(PEAK_TARGET_MB + 1000)
+
+
+def test_router_summary_equals_masking_each_replica():
+    """The router summary reads each replica's rows from slices of sorted columns: the figures must
+    be those of masking the tables per replica with pandas, bit for bit (NaN latencies, unfinished
+    requests, a replica that served nothing)."""
+    from policies.router import make_router
+    from sim.run import _router_summary
+
+    rng = np.random.default_rng(5)
+    n, caches = 400, [("a100-40gb", 100), ("h100-sxm", 200), ("a100-40gb", 50), ("l4", 10)]
+    replica = rng.choice([0, 1, 3], n)  # replica 2 served nothing
+    latency = rng.lognormal(0, 2, n)
+    latency[rng.random(n) < 0.1] = np.nan
+    requests = pd.DataFrame({"replica": replica, "status": rng.choice(["finished", "rejected"], n, p=[0.9, 0.1]),
+                             "arrival": np.sort(rng.random(n) * 100), "finish_time": rng.random(n) * 100 + 100,
+                             "prefix_hit_tokens": rng.integers(0, 500, n), "num_preemptions": rng.integers(0, 3, n),
+                             "normalized_latency": latency})
+    iterations = pd.DataFrame({"replica": rng.choice(4, 3000), "duration": rng.lognormal(-4, 1, 3000)})
+    got = _router_summary(make_router("least-loaded"), requests, iterations, caches)
+    span = float(requests.finish_time.max() - requests.arrival.min())
+    for i, row in enumerate(got["replicas"]):
+        mine = requests[requests.replica == i]
+        done = mine[mine.status == "finished"]
+        assert row["requests"] == len(mine) and row["finished"] == len(done)
+        assert row["busy_fraction"] == float(iterations.duration[iterations.replica == i].sum()) / span
+        assert row["prefix_hit_tokens"] == int(mine.prefix_hit_tokens.sum())
+        assert row["preemptions"] == int(mine.num_preemptions.sum())
+        mean = float(done.normalized_latency.mean()) if len(done) else float("nan")
+        assert row["mean_normalized_latency"] == mean or (mean != mean and row["mean_normalized_latency"] != row["mean_normalized_latency"])
