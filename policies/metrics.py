@@ -31,7 +31,7 @@ class IterationLog:
     columns), whatever the storage.
 
     Writing appends to flat Python lists and nothing more: a single row as its numbers, a window as
-    one record of a few integers (its RepeatResult's paged form, its waiting count and prefix
+    one record of a few integers (its RepeatResult, its waiting count and prefix
     hits), its start and ends and durations and the blocks each of its iterations opened
     `extend`ed onto flat lists, and the rare irregular column (waiting counts that change with
     arrivals) as an override. When a staging block reaches `capacity` rows (or is read) its rows
@@ -80,14 +80,13 @@ class IterationLog:
 
     def add_window(self, start: float, ends: list[float], durations: list[float], steps: int,
                    res: RepeatResult, waiting: int | list[int], prefix_hits: int) -> None:
-        """`steps` rows: the plain decodes of a window begun at `start` whose memory `res` gives in
-        its paged form (RepeatResult), iteration i ending at ends[i] after durations[i] (both may
+        """`steps` rows: the plain decodes of a window begun at `start` whose memory `res` gives (see
+        RepeatResult), iteration i ending at ends[i] after durations[i] (both may
         run longer: the rest is not logged here); `waiting`: the queue's length, or one per row;
         `prefix_hits`: the scheduler's count, the same in every row. Row i is: start (`start`, then
         ends[i - 1]), duration, num_seqs = decode_tokens = res.num_seqs, context_tokens
         res.context_tokens + (i + 1) * num_seqs, the memory columns of RepeatResult, waiting,
         prefix_hits, and 0 elsewhere."""
-        assert res.opened is not None, "add_window takes a RepeatResult's paged form"
         pos = self.rows - self._base
         self._windows.extend((pos, steps, res.num_seqs, res.context_tokens,
                               waiting if isinstance(waiting, int) else 0, prefix_hits,
@@ -109,8 +108,8 @@ class IterationLog:
             self._seal()
 
     def add_many(self, columns: dict[str, np.ndarray | list]) -> None:
-        """Rows given as columns (each of the same length, or one value for all), for windows not
-        in the paged form."""
+        """Rows given as columns (each of the same length, or one value for all): a log built
+        from columns (tests, tools) rather than from a run."""
         self._dense.append((self.rows - self._base, columns))
         self.rows += len(columns["start"])
         if self.rows - self._base >= self._capacity:

@@ -24,8 +24,6 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 if TYPE_CHECKING:
     from policies.request import Sequence, SequenceGroup
 
@@ -303,79 +301,51 @@ class DecodeStepResult:
 
 @dataclass(slots=True, eq=False)
 class RepeatResult:
-    """What applying a RepeatPlan did, in one of two forms for the repeated iterations' memory.
+    """What applying a RepeatPlan did: what the iteration log needs to derive the repeated
+    iterations' rows (IterationLog.add_window), a few numbers instead of a list per column.
 
-    Per step (any scheduler): `running`, `token_states`, `internal_frag`, `free` (arrays or lists
-    of `steps` entries, or one value for all) and `reserved`, `external_frag` (the same, or one
-    value for all): the running groups and KV memory by category after each iteration (a finish
-    shows in the last).
+    Before the first iteration the batch was `num_seqs` single sequences holding
+    `context_tokens` (the plan's), the cache `states0` token states in `allocated0` allocated
+    slots with `free0` free slots (blocks of `block_size` slots); iteration j (1-based) adds
+    `num_seqs` token states and opens `opened[j - 1]` blocks, so after it the cache holds
+    states0 + j * num_seqs token states, internal_frag allocated0 + taken_j * block_size - token
+    states and free0 - taken_j * block_size free slots (taken_j: opened[0] + ... + opened[j - 1]),
+    with num_seqs running, no reserved slots and no external fragmentation; except after the last
+    one, whose finishes freed blocks: then `last_running`, `last_states`, `last_internal`,
+    `last_free`, read from the cache. `opened` is empty when the window was only the preempting
+    iteration (nothing to log but that iteration).
 
-    Paged (`opened` not None; those per-step fields None): what the iteration log needs to
-    derive them (IterationLog.add_window), a few numbers instead of lists. Before the first
-    iteration the batch was `num_seqs` single sequences holding `context_tokens`, the cache
-    `states0` token states in `allocated0` allocated slots with `free0` free slots (blocks of
-    `block_size` slots); iteration j (1-based) adds `num_seqs` token states and opens
-    `opened[j - 1]` blocks, so after it the cache holds states0 + j * num_seqs token states,
-    internal_frag allocated0 + taken_j * block_size - token states and free0 - taken_j *
-    block_size free slots (taken_j: opened[0] + ... + opened[j - 1]), with num_seqs running, no
-    reserved slots and no external fragmentation; except after the last one, whose finishes freed
-    blocks: then `last_running`, `last_states`, `last_internal`, `last_free`, read from the cache.
-
-    `num_seqs` and `context_tokens` are the plan's in both forms (the replica step sets them for
-    the per-step form). When the plan exhausted blocks, the preempting iteration after them: its composition, duration
+    When the plan exhausted blocks, the preempting iteration after them: its composition, duration
     and preemptions (`exhaustion` None when that iteration ran nothing: every sequence of the
     batch was preempted, so no time passed)."""
 
-    running: np.ndarray | list[int] | None
-    token_states: np.ndarray | list[int] | None
-    internal_frag: np.ndarray | list[int] | None
-    free: np.ndarray | list[int] | None
-    reserved: np.ndarray | list[int] | int = 0
-    external_frag: np.ndarray | list[int] | int = 0
-    exhaustion: StepComposition | None = None
-    exhaustion_duration: float = 0.0
-    num_preempted: int = 0
-    # the paged form
-    opened: list[int] | None = None
-    num_seqs: int = 0
-    context_tokens: int = 0
-    states0: int = 0
-    allocated0: int = 0
-    free0: int = 0
-    block_size: int = 0
+    opened: list[int]
+    num_seqs: int
+    context_tokens: int
+    states0: int
+    allocated0: int
+    free0: int
+    block_size: int
     last_running: int = 0
     last_states: int = 0
     last_internal: int = 0
     last_free: int = 0
+    exhaustion: StepComposition | None = None
+    exhaustion_duration: float = 0.0
+    num_preempted: int = 0
 
-    def __init__(self, running: np.ndarray | list[int] | None, token_states: np.ndarray | list[int] | None,
-                 internal_frag: np.ndarray | list[int] | None, free: np.ndarray | list[int] | None,
-                 reserved: np.ndarray | list[int] | int = 0, external_frag: np.ndarray | list[int] | int = 0,
-                 exhaustion: StepComposition | None = None, exhaustion_duration: float = 0.0,
-                 num_preempted: int = 0) -> None:
-        self.running = running
-        self.token_states = token_states
-        self.internal_frag = internal_frag
-        self.free = free
-        self.reserved = reserved
-        self.external_frag = external_frag
-        self.exhaustion = exhaustion
-        self.exhaustion_duration = exhaustion_duration
-        self.num_preempted = num_preempted
-        self.opened = None
-        self.num_seqs = self.context_tokens = self.states0 = self.allocated0 = self.free0 = self.block_size = 0
+    def __init__(self, opened: list[int], num_seqs: int, context_tokens: int, states0: int, allocated0: int,
+                 free0: int, block_size: int) -> None:
+        """The repeated iterations' record, its last iteration's figures (and any preempting
+        iteration) still to be set."""
+        self.opened = opened
+        self.num_seqs = num_seqs
+        self.context_tokens = context_tokens
+        self.states0 = states0
+        self.allocated0 = allocated0
+        self.free0 = free0
+        self.block_size = block_size
         self.last_running = self.last_states = self.last_internal = self.last_free = 0
-
-    @classmethod
-    def paged(cls, opened: list[int], num_seqs: int, context_tokens: int, states0: int, allocated0: int,
-              free0: int, block_size: int) -> RepeatResult:
-        """The paged form (see the class), its last iteration's figures still to be set."""
-        r = RepeatResult(None, None, None, None)  # a direct call: the compiled build's native one
-        r.opened = opened
-        r.num_seqs = num_seqs
-        r.context_tokens = context_tokens
-        r.states0 = states0
-        r.allocated0 = allocated0
-        r.free0 = free0
-        r.block_size = block_size
-        return r
+        self.exhaustion = None
+        self.exhaustion_duration = 0.0
+        self.num_preempted = 0

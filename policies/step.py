@@ -235,8 +235,6 @@ class ReplicaStep:
         window = Window(now, ends, durations, res.exhaustion is not None)
         if k:
             window.steps, window.repeat, window.waiting, window.prefix_hits = k, res, waiting, sched.prefix_hits
-            if res.opened is None:  # the per-step form: its batch is the plan's
-                res.num_seqs, res.context_tokens = plan.num_seqs, plan.context_tokens
             self._recent_duration = durations[-1]
         if res.exhaustion is not None:
             duration = res.exhaustion_duration
@@ -286,10 +284,7 @@ class ReplicaStep:
             if joined:
                 base = [waiting] * k if isinstance(waiting, int) else waiting
                 waiting = [w + bisect_right(joined, e) for w, e in zip(base, window.ends)]
-            if res.opened is not None:
-                self.log.add_window(window.start, window.ends, window.durations, k, res, waiting, window.prefix_hits)
-            else:
-                self.log.add_many(_window_columns(window, res, waiting))
+            self.log.add_window(window.start, window.ends, window.durations, k, res, waiting, window.prefix_hits)
         if x_row is not None:
             if joined:
                 x_row[4] += bisect_right(joined, window.ends[-1])
@@ -297,31 +292,6 @@ class ReplicaStep:
         self.windows += 1
         self.skipped += len(window.ends)
         self.exhaustions += window.exhaustion
-
-
-def _window_columns(window: Window, res: RepeatResult, waiting: int | list[int]) -> dict:
-    """A window's plain decodes as log columns (IterationLog.add_many), from a RepeatResult's
-    per-step form."""
-    k, start = window.steps, window.start
-    ends, durations = window.ends[:k], window.durations[:k]
-    plan_b = res.num_seqs
-    assert res.running is not None and res.token_states is not None and res.internal_frag is not None
-    assert res.free is not None
-    cols: dict = {
-        "start": [start, *ends[:-1]], "duration": durations, "waiting": waiting, "running": res.running,
-        "kv_token_states": res.token_states, "kv_internal_frag": res.internal_frag, "kv_free": res.free,
-        "num_seqs": plan_b, "decode_tokens": plan_b,
-        "context_tokens": [res.context_tokens + plan_b * (j + 1) for j in range(k)],
-    }
-    if window.prefix_hits:  # columns left out of add_many stay 0
-        cols["prefix_hits"] = window.prefix_hits
-    if not (_zero(res.reserved) and _zero(res.external_frag)):
-        cols["kv_reserved"], cols["kv_external_frag"] = res.reserved, res.external_frag
-    return cols
-
-
-def _zero(column: np.ndarray | list[int] | int) -> bool:
-    return isinstance(column, int) and column == 0
 
 
 def _stop_at_finish(plan: RepeatPlan) -> bool:

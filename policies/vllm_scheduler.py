@@ -586,7 +586,7 @@ class VllmScheduler(Scheduler):
         if k:
             result = self._repeat(plan, end)
         else:
-            result = RepeatResult([], [], [], [])  # no rows: only the preempting iteration
+            result = RepeatResult([], 0, 0, 0, 0, 0, self.block_size)  # no rows: only the preempting iteration
         if plan.exhausts:
             comp, preempted = self._exhaustion_step()
             if comp.num_decode_seqs:  # else the batch was preempted whole: no iteration, no time
@@ -616,8 +616,8 @@ class VllmScheduler(Scheduler):
         if self.policy.tracks_service:  # before the clock moves: a group reads as stepping's first call
             self.policy.on_decoded(self.running, k)
         batch.clock += k
-        # the log's record of the window (RepeatResult's paged form): blocks opened by each step
-        result = RepeatResult.paged([counts[-(clock + j) % bs] for j in range(k)], b, plan.context_tokens,
+        # the log's record of the window: blocks opened by each step
+        result = RepeatResult([counts[-(clock + j) % bs] for j in range(k)], b, plan.context_tokens,
                                     states0, used0 * bs, free0, bs)
         self._finish_plain(now)
         # the last step's memory after its finishes (bm.memory(), from the pool); without any,

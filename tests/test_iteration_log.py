@@ -33,7 +33,7 @@ def _paged(rng: np.random.Generator, k: int) -> RepeatResult:
     finish) or as the opened blocks give them."""
     scale = int(rng.choice(_BIG))
     b, bs = int(rng.integers(1, 40)), int(rng.choice([1, 16, 32]))
-    res = RepeatResult.paged([int(x) for x in rng.integers(0, b + 1, k)], b, int(rng.integers(0, scale)),
+    res = RepeatResult([int(x) for x in rng.integers(0, b + 1, k)], b, int(rng.integers(0, scale)),
                              int(rng.integers(0, scale)), int(rng.integers(0, scale)) * bs,
                              int(rng.integers(0, scale)) * bs, bs)
     res.last_running, res.last_states, res.last_internal, res.last_free = (
@@ -127,7 +127,7 @@ def test_reading_midway_then_writing_on() -> None:
 def test_window_rows_from_a_paged_result() -> None:
     """One window by hand: the cumulative blocks and the last iteration's own figures."""
     log = IterationLog()
-    res = RepeatResult.paged([1, 0, 2], num_seqs=2, context_tokens=10, states0=100, allocated0=160, free0=64,
+    res = RepeatResult([1, 0, 2], num_seqs=2, context_tokens=10, states0=100, allocated0=160, free0=64,
                              block_size=16)
     res.last_running, res.last_states, res.last_internal, res.last_free = 1, 90, 22, 80
     log.add_window(5.0, [5.5, 6.0, 6.5, 7.0], [0.5, 0.5, 0.5, 0.5], 3, res, [4, 4, 6], 9)
