@@ -14,12 +14,14 @@ import pandas as pd
 import pytest
 import simpy
 
+from policies.plan import DecodeStepResult, StepPlan
 from policies.queue_policy import QueuePolicy
-from policies.request import SequenceGroup
+from policies.request import Request, SamplingParams, SequenceGroup
 from policies.trace_requests import requests_from_trace
 from sim.cluster import run_replicas, sim_replica
 from sim.engine import ArrivalFeed, Replica
 from sim.run import SimConfig, build_cost_model, run_simulation
+from tests.test_repeat_plan import _decoding
 from traces import resolve_trace
 
 
@@ -110,3 +112,20 @@ def test_run_tables_equal_stepping(policy: str) -> None:
     pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
     pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
     assert a.summary["engine"]["stepped_iterations"] < b.summary["engine"]["stepped_iterations"]
+
+
+
+def test_a_decode_step_begun_must_be_completed_before_the_scheduler_moves_on() -> None:
+    sched, _ex, rs, now = _decoding()
+    sched.add_request(Request(10, now, 30, SamplingParams(max_tokens=5, ignore_eos=True), 5))
+    window = rs.begin_window(now)  # the admitting iteration: a decode step
+    assert window is not None and window.decode is not None
+    for call in (lambda: sched.schedule(now), lambda: sched.plan_repeat(now), sched.plan_decode_step):
+        with pytest.raises(AssertionError, match="begun and not completed"):
+            call()
+    other = DecodeStepResult(window.decode.comp, window.decode.result, StepPlan(), None, 0)
+    with pytest.raises(AssertionError, match="the decode step this scheduler began"):
+        sched.complete_decode_step(other, window.ends[0])
+    rs.complete_window(window)
+    assert sched.running[-1].group_id == 10 and sched.running[-1].seqs[0].output_len == 1  # its first token
+    assert not rs.begin(window.ends[0]).idle  # the scheduler moves on
