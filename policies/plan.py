@@ -285,18 +285,30 @@ class DecodeStepPlan:
 
 @dataclass(slots=True, eq=False)
 class DecodeStepResult:
-    """What applying a DecodeStepPlan did: the iteration's composition and the executor's result
-    for it (its duration; outcomes of the sequences it sampled and could not assume continued),
-    and the groups that finished at its end."""
+    """A DecodeStepPlan's iteration, applied in two halves as stepping applies one: its start
+    (`apply_decode_step`: what schedule() and the executor do) gives the composition, the
+    executor's `result` (its duration; outcomes of the sequences it sampled and could not assume
+    continued) and what its end needs: `step`, the partial plan (the finishing sequences, then the
+    admitted ones), `batch_groups`, the running groups at its start when the policy is told the
+    service (else None), `num_finishing`, how many of `step.seqs` are the batch's finishing
+    sequences; its end (`complete_decode_step`: what on_step_done does) fills `finished`, the
+    groups that finished."""
 
     comp: StepComposition
     result: StepResult
+    step: StepPlan
+    batch_groups: list[SequenceGroup] | None
+    num_finishing: int
     finished: list[SequenceGroup]
 
-    def __init__(self, comp: StepComposition, result: StepResult, finished: list[SequenceGroup]) -> None:
+    def __init__(self, comp: StepComposition, result: StepResult, step: StepPlan,
+                 batch_groups: list[SequenceGroup] | None, num_finishing: int) -> None:
         self.comp = comp
         self.result = result
-        self.finished = finished
+        self.step = step
+        self.batch_groups = batch_groups
+        self.num_finishing = num_finishing
+        self.finished = []
 
 
 @dataclass(slots=True, eq=False)

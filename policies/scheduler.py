@@ -328,9 +328,15 @@ class Scheduler(ABC):
 
     def apply_decode_step(self, plan: DecodeStepPlan, now: float,
                           execute: Callable[[StepPlan, StepComposition], StepResult]) -> DecodeStepResult:
-        """Apply the offered iteration, begun at `now`, at once: what schedule(), `execute` and
-        on_step_done() at its end would do."""
+        """Apply the start of the offered iteration, begun at `now`, at once: what schedule() and
+        `execute` would do. Until `complete_decode_step` the scheduler is as stepping leaves it
+        while that iteration runs."""
         raise AssertionError(f"scheduler {self.name} offered no DecodeStepPlan to apply")
+
+    def complete_decode_step(self, res: DecodeStepResult, end: float) -> list[SequenceGroup]:
+        """Apply the end of the iteration `apply_decode_step` began, at `end`: what on_step_done()
+        would do. Returns the groups that finished."""
+        raise AssertionError(f"scheduler {self.name} began no decode step to complete")
 
     @abstractmethod
     def schedule(self, now: float) -> StepPlan:

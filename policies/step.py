@@ -26,9 +26,13 @@ where its finishes are, and `Scheduler.departing` holds them until the caller's 
 When no such window is certain, the next iteration itself may be applied at once as a
 one-iteration window (the scheduler's DecodeStepPlan: a batch of plain decodes with the blocks it
 opens, so nothing is preempted, while the scheduler's own admission rule admits and rejects from
-the queue): its decisions are taken at its start, as stepping takes them, and only its finishing
-and admitted sequences get a plan of their own; arrivals during it may read only the outstanding
-count (its finishes are `departing` until its end), unless none is left to arrive.
+the queue); only its finishing and admitted sequences get a plan of their own. It is applied in
+stepping's two halves: its start at begin_window (schedule()'s decisions, the price), its end at
+complete_window (the policy told the service, the batch's clock moved, the finishes), so between
+them the replica is as stepping leaves it while that iteration runs. So arrivals may pass a
+decode step when they read the policy's state or the outstanding count; only a router that reads
+more of the replica keeps the decode step stepped while arrivals remain. Windows of two or more
+iterations still end before every arrival that reads state.
 The result is the same, bit for bit, as stepping the window's iterations one by one.
 """
 
@@ -44,7 +48,15 @@ from typing import Protocol
 import numpy as np
 
 from policies.metrics import IterationLog
-from policies.plan import DecodeStepPlan, RepeatPlan, RepeatResult, StepComposition, StepPlan, StepResult
+from policies.plan import (
+    DecodeStepPlan,
+    DecodeStepResult,
+    RepeatPlan,
+    RepeatResult,
+    StepComposition,
+    StepPlan,
+    StepResult,
+)
 from policies.request import Request, SequenceGroup
 from policies.request import Sequence as Seq
 from policies.scheduler import Scheduler
@@ -107,7 +119,8 @@ class Window:
     Its log rows, written when it completes (the waiting column then counts the requests routed
     to the replica meanwhile): the first `steps` iterations are the plain decodes `repeat` says
     (with `waiting`, the queue's length or one per iteration, and `prefix_hits`), then
-    `exhaustion_row`, one row (IterationLog.add's arguments)."""
+    `exhaustion_row`, one row (IterationLog.add's arguments). `decode`: a decode step's iteration,
+    begun (ReplicaStep._decode_step) and ended by complete_window."""
 
     start: float
     ends: list[float]
@@ -118,6 +131,7 @@ class Window:
     waiting: int | list[int] = 0
     prefix_hits: int = 0
     exhaustion_row: list | None = None
+    decode: DecodeStepResult | None = None
 
     def __init__(self, start: float, ends: list[float], durations: list[float], exhaustion: bool) -> None:
         # written out, not generated: one per window in the compiled kernel (see policies/plan.py)
@@ -130,6 +144,7 @@ class Window:
         self.waiting = 0
         self.prefix_hits = 0
         self.exhaustion_row = None
+        self.decode = None
 
 
 class ReplicaStep:
@@ -180,19 +195,23 @@ class ReplicaStep:
         to the scheduler before the caller's clock passes over it: nothing reads the
         replica meanwhile but arrivals, which it ends before, which cannot be admitted in it, or
         which read only its outstanding count (`departing` keeps the window's finishes in it until
-        the window ends). Its rows are logged by `complete_window`."""
+        the window ends), or, in a decode step (applied in two halves), which read the policy's
+        state or the count as stepping leaves them. Its rows are logged by `complete_window`."""
         sched = self.scheduler
         if not sched.running:
             return None
-        # windows end before every arrival when it reads more of this replica than its count
-        reads_state = (self.routed and not self.counts_only) or sched.queues_by_state
+        # windows end before every arrival when it reads more of this replica than its count;
+        # a decode step passes arrivals unless the router reads the replica's state (its two
+        # halves leave the policy and the count as stepping's iteration does while it runs)
+        router_reads = self.routed and not self.counts_only
+        reads_state = router_reads or sched.queues_by_state
         if reads_state and next_arrival - now < self._recent_duration:
             # such a window must end two iterations before the next arrival (_stop_at_arrivals),
-            # which is nearer than one recent iteration: most likely no window, so step without
-            # asking (stepping gives the same result, so a guess costs only time)
-            return None
+            # which is nearer than one recent iteration: most likely no window, so do not ask
+            # (stepping gives the same result, so a guess costs only time)
+            return None if router_reads else self._decode_step(now, next_arrival, queued)
         window = self._window(now, next_arrival, queued, reads_state)
-        if window is None and (not reads_state or next_arrival == math.inf):
+        if window is None and (not router_reads or next_arrival == math.inf):
             window = self._decode_step(now, next_arrival, queued)
         return window
 
@@ -248,11 +267,13 @@ class ReplicaStep:
         return window
 
     def _decode_step(self, now: float, next_arrival: float, queued: Queued | None) -> Window | None:
-        """The next iteration applied at once as a one-iteration window, when the scheduler offers
-        it (a batch of plain decodes that preempts nothing, admitting and rejecting as stepping
-        would), or None. Its decisions are taken at `now`, as stepping takes them; arrivals during
-        it cannot change them, and may read only the replica's outstanding count, which changes at
-        its end (`departing`: its finishes), unless none is left to arrive."""
+        """The next iteration applied as a one-iteration window, when the scheduler offers it (a
+        batch of plain decodes that preempts nothing, admitting and rejecting as stepping would),
+        or None. Applied in stepping's two halves: its start here, at `now` (its decisions:
+        admissions, rejections, blocks, price), its end in `complete_window` once the caller's
+        clock is there (the policy told the service, finishes). In between the replica is as
+        stepping leaves it while the iteration runs, so an arrival during it (or at its end, which
+        lands first) reads the policy's state and the outstanding count exactly as stepping's."""
         sched = self.scheduler
         plan = sched.plan_decode_step()
         if plan is None:
@@ -262,23 +283,31 @@ class ReplicaStep:
         res = sched.apply_decode_step(plan, now, executor.execute)
         duration = res.result.duration
         end = now + duration
+        # the log's waiting column: the queue after the admissions, with the arrivals that join
+        # it by the end (counted now: the feed moves on meanwhile)
         waiting = len(sched.waiting)
         if queued is not None and next_arrival <= end:  # else none arrives by its end
             waiting += queued((end,))[0]
         window = Window(now, [end], [duration], False)
-        window.exhaustion_row = [now, duration, res.comp, 0, waiting, len(sched.running), sched.memory(),
-                                 sched.prefix_hits]
-        sched.departing = len(res.finished)
+        # running, memory and prefix hits are read after the finishes (complete_window)
+        window.exhaustion_row = [now, duration, res.comp, 0, waiting, 0, None, 0]
+        window.decode = res
         self._recent_duration = duration
         return window
 
     def complete_window(self, window: Window, joined: Sequence[float] = ()) -> None:
-        """The window's iterations have passed (the caller's clock is at window.ends[-1]): log
-        them. `joined`: the arrival times, in order, of requests that joined this replica's
+        """The window's iterations have passed (the caller's clock is at window.ends[-1], the
+        arrivals due by then have landed): apply a decode step's end, and log them. `joined`: the arrival times, in order, of requests that joined this replica's
         waiting queue meanwhile and that the `queued` given to begin_window did not count (a
         routed replica's); each counts in the rows of iterations ending at or after it."""
-        self.scheduler.departing = 0
+        sched = self.scheduler
+        sched.departing = 0
         res, x_row = window.repeat, window.exhaustion_row
+        decode = window.decode
+        if decode is not None:  # the decode step's end: its finishes, then its row's columns after them
+            assert x_row is not None
+            sched.complete_decode_step(decode, window.ends[0])
+            x_row[5], x_row[6], x_row[7] = len(sched.running), sched.memory(), sched.prefix_hits
         if res is not None:
             k, waiting = window.steps, window.waiting
             if joined:

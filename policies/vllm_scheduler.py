@@ -75,6 +75,8 @@ class VllmScheduler(Scheduler):
         # the last plan_repeat's plan, its steps and exhausts as offered (until applied or stale)
         self._offer: tuple[RepeatPlan, int, bool] | None = None
         self._decode_offer: DecodeStepPlan | None = None  # the last plan_decode_step's offer
+        # a decode step begun (apply_decode_step) whose end is not applied yet (complete_decode_step)
+        self._decode_begun: DecodeStepResult | None = None
         # the plain decoders, moved on in bulk by skip-ahead, and the running groups not yet in it
         self._batch = RunningBatch(self.bm, self.seq_demand)
         self._loose: list[SequenceGroup] = []
@@ -406,6 +408,8 @@ class VllmScheduler(Scheduler):
     def settle(self) -> None:
         """Materialise every running sequence's owed decode steps and empty the running batch
         (every running group is loose again): what stepping and abort read."""
+        if self._decode_begun is not None:
+            raise AssertionError("a decode step was begun and not completed (complete_decode_step)")
         if self._batch.size:
             self._batch.release_all()
         self._loose = list(self.running)
@@ -441,6 +445,8 @@ class VllmScheduler(Scheduler):
     def _take_offer_remaining(self) -> None:
         """The finishes the executor told for the last offer (asked once, kept by the batch even
         when the replica step then declined the window)."""
+        if self._decode_begun is not None:
+            raise AssertionError("a decode step was begun and not completed (complete_decode_step)")
         offer = self._offer[0] if self._offer is not None else self._decode_offer
         if offer is not None and offer.remaining is not None and offer.seqs:
             self._batch.set_finishes(offer.seqs, offer.remaining)
@@ -520,12 +526,15 @@ class VllmScheduler(Scheduler):
 
     def apply_decode_step(self, plan: DecodeStepPlan, now: float,
                           execute: Callable[[StepPlan, StepComposition], StepResult]) -> DecodeStepResult:
-        """Apply the offered iteration as schedule(), the executor and on_step_done() would, the
-        groups finishing at its end (now + its duration): the batch's tokens first (its blocks),
-        then the waiting queue by `_schedule_waiting`. Only the sequences that finish and the
-        admitted ones get a ScheduledSeq, each with its Sequence as schedule()'s have (in plan
-        order: `execute(plan, composition)` prices the whole iteration and returns their outcomes,
-        reading no more than the plan); the others move on by the batch's clock."""
+        """Apply the start of the offered iteration as schedule() and the executor would: the
+        batch's tokens first (its blocks), then the waiting queue by `_schedule_waiting`. Only the
+        sequences that finish and the admitted ones get a ScheduledSeq, each with its Sequence as
+        schedule()'s have (in plan order: `execute(plan, composition)` prices the whole iteration
+        and returns their outcomes, reading no more than the plan); the others move on by the
+        batch's clock, at the iteration's end (`complete_decode_step`). Until then the scheduler is
+        as stepping leaves it while the iteration runs: the admitted groups run, every finishing
+        group is still running, the policy has not been told the service, and the members read
+        their counts before the iteration (the clock has not moved), as stepping's sequences do."""
         offer, self._decode_offer = self._decode_offer, None
         if plan is not offer or plan.remaining is None or len(plan.remaining) != len(plan.seqs):
             raise AssertionError("apply_decode_step needs the scheduler's current DecodeStepPlan with its remaining counts")
@@ -551,18 +560,26 @@ class VllmScheduler(Scheduler):
             step.seqs.append(ScheduledSeq(sid, s.group.group_id, s.num_computed, 1, tables[sid], True, s))
         num_continuing = batch.size
         context = batch.context() + num_continuing  # of the continuing sequences, with the new token
-        # the clock moves once the policy was asked and told (as stepping asks and tells it before
-        # the step's tokens are counted: members read exact as stepping's do)
         self._schedule_waiting(step, [self.max_num_batched_tokens - num_batch], now, demand)
         comp = step.composition(num_continuing, context)
-        result = execute(step, comp)
-        end = now + result.duration
-        if batch_groups is not None:  # in plan order: the batch, then the admitted
-            self.policy.on_decoded(batch_groups, 1)
-            self._account_service(step.seqs[len(finishing):])
-        batch.clock += 1
-        finished = self._apply_outcomes(step, result, end)
-        return DecodeStepResult(comp, result, finished)
+        res = DecodeStepResult(comp, execute(step, comp), step, batch_groups, len(finishing))
+        self._decode_begun = res
+        return res
+
+    def complete_decode_step(self, res: DecodeStepResult, end: float) -> list[SequenceGroup]:
+        """Apply the end of the decode step `apply_decode_step` began, at `end`, as on_step_done
+        would: the policy told the service (the batch, then the admitted, in plan order; before the
+        clock moves, so members read as stepping's do when told), the batch's clock moved, the
+        sampled outcomes applied (finishes: blocks freed, groups done, the policy told)."""
+        if res is not self._decode_begun:
+            raise AssertionError("complete_decode_step needs the decode step this scheduler began")
+        self._decode_begun = None
+        if res.batch_groups is not None:
+            self.policy.on_decoded(res.batch_groups, 1)
+            self._account_service(res.step.seqs[res.num_finishing:])
+        self._batch.clock += 1
+        res.finished = self._apply_outcomes(res.step, res.result, end)
+        return res.finished
 
     def _in_batch_order(self, seqs: list[Sequence]) -> list[Sequence]:
         if len(seqs) > 1:

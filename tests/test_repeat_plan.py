@@ -215,8 +215,11 @@ def test_an_admitting_iteration_is_applied_as_one_window_as_stepping_applies_it(
     assert all(seq is not None and seq.seq_id == sid for sid, seq in executed[0])
     assert window is not None and len(window.ends) == 1 and not window.exhaustion
     assert a.running[-1].group_id == 10 and a.running[-1].first_scheduled == now
-    assert a.departing == finishing  # the finish counts as outstanding until the clock is there
+    # until its end the iteration runs, as stepping's: the finishing group still runs (counted as
+    # outstanding by itself, not as departing), its end (complete_window) finishes it
+    assert a.departing == 0 and not a.done and len(a.running) == 5 and a.outstanding == 5
     rs_a.complete_window(window)
+    assert len(a.running) == 5 - finishing and a.outstanding == 5 - finishing
     step = rs_b.begin(now)
     rs_b.complete(step, now + step.result.duration)
     assert window.ends == [now + step.result.duration] and (rs_a.windows, rs_b.windows) == (1, 0)

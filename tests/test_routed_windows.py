@@ -93,11 +93,12 @@ def test_the_old_flag_is_refused_with_its_replacement():
 
 
 # sjf by the oracle reads the request only; by a fitted predictor it reads what it learned, so that
-# arrivals must see it as stepping leaves it: its windows end before every arrival anyway
-@pytest.mark.parametrize("kw, fewer", [({}, True), ({"preemption": "swap", "num_gpu_blocks": 300}, True),
-                                       ({"policy": "sjf"}, True),
-                                       ({"policy": "sjf", "policy_options": {"predictor": "fitted"}}, False)])
-def test_counts_seen_in_windows_equal_stepping(monkeypatch, kw, fewer):
+# arrivals must see it as stepping leaves it: its windows of 2 or more iterations end before every
+# arrival anyway, but its decode steps pass arrivals behind a counts router (not behind one that
+# reads more), so it too steps fewer iterations
+@pytest.mark.parametrize("kw", [{}, {"preemption": "swap", "num_gpu_blocks": 300}, {"policy": "sjf"},
+                                {"policy": "sjf", "policy_options": {"predictor": "fitted"}}])
+def test_counts_seen_in_windows_equal_stepping(monkeypatch, kw):
     trace = resolve_trace("sharegpt-like", num_requests=600, rate=300, seed=3)
     fast, seen_fast = _run(monkeypatch, RecordingRouter, trace, True, **dict(kw))
     step, seen_step = _run(monkeypatch, RecordingRouter, trace, False, **dict(kw))
@@ -110,7 +111,7 @@ def test_counts_seen_in_windows_equal_stepping(monkeypatch, kw, fewer):
     assert seen_state == seen_step
     pd.testing.assert_frame_equal(state.requests, step.requests)
     stepped = fast.summary["engine"]["stepped_iterations"], state.summary["engine"]["stepped_iterations"]
-    assert stepped[0] < stepped[1] if fewer else stepped[0] == stepped[1], stepped
+    assert stepped[0] < stepped[1], stepped
 
 
 def test_arrival_at_an_iteration_end_is_routed_before_its_finishes(monkeypatch):
