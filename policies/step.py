@@ -297,9 +297,10 @@ class ReplicaStep:
 
     def complete_window(self, window: Window, joined: Sequence[float] = ()) -> None:
         """The window's iterations have passed (the caller's clock is at window.ends[-1], the
-        arrivals due by then have landed): apply a decode step's end, and log them. `joined`: the arrival times, in order, of requests that joined this replica's
-        waiting queue meanwhile and that the `queued` given to begin_window did not count (a
-        routed replica's); each counts in the rows of iterations ending at or after it."""
+        arrivals due by then have landed): apply a decode step's end, and log them. `joined`: the
+        arrival times, in order, of requests that joined this replica's waiting queue meanwhile
+        and that the `queued` given to begin_window did not count (a routed replica's); each
+        counts in the rows of iterations ending at or after it."""
         sched = self.scheduler
         sched.departing = 0
         res, x_row = window.repeat, window.exhaustion_row
