@@ -34,7 +34,7 @@ from policies.plan import (
     StepPlan,
     StepResult,
 )
-from policies.queue_policy import REQUEST, QueuePolicy, check_reads
+from policies.queue_policy import REQUEST, STATE, QueuePolicy, check_reads
 from policies.request import Request, SeqStatus, Sequence, SequenceGroup
 
 
@@ -100,6 +100,10 @@ class Scheduler(ABC):
         check_reads(p.__name__, self.policy.reads)  # an instance may set its own
         # what the hot paths may skip: the base rules (FCFS order, admit everything, no wake time)
         self._fcfs_order = p.key is QueuePolicy.key and p.running_key is QueuePolicy.running_key
+        # the running batch in arrival order: FCFS, or the base running_key of a policy whose keys
+        # change while groups wait (reads "state")
+        self._running_by_arrival = p.running_key is QueuePolicy.running_key and (
+            p.key is QueuePolicy.key or self.policy.reads == STATE)
         self._admits_all = p.admit is QueuePolicy.admit
         self._wakes = p.wake_time is not QueuePolicy.wake_time
         # arrivals must see the policy's state as stepping leaves it (its declared `reads`)
@@ -239,7 +243,7 @@ class Scheduler(ABC):
         group.status = SeqStatus.RUNNING
         for s in group.seqs:
             s.status = SeqStatus.RUNNING
-        if self._fcfs_order:
+        if self._running_by_arrival:
             _insort_by_arrival(self.running, group)
         else:
             bisect.insort(self.running, group, key=self.policy.running_key)
