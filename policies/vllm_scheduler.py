@@ -31,7 +31,7 @@ from policies.plan import (
 from policies.queue_policy import ADMIT, DEFER, QueuePolicy
 from policies.request import Request, SeqStatus, Sequence, SequenceGroup
 from policies.running_batch import RunningBatch
-from policies.scheduler import Scheduler
+from policies.scheduler import Scheduler, remove_group
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -259,7 +259,7 @@ class VllmScheduler(Scheduler):
         """Preempt a whole group. Swap keeps a forked group's sharing; without room in the CPU pool
         a single sequence is recomputed, and a forked group restarts from its prompt (mode
         "restart"), as vLLM cannot recompute forked groups either."""
-        self.running.remove(group)
+        remove_group(self.running, group)
         group.num_preemptions += 1
         self.num_preemptions += 1
         mode = self.preemption
@@ -675,15 +675,23 @@ class VllmScheduler(Scheduler):
                 s = g.seqs[0]
                 if (s.num_computed - s.anchor) % bs == q:
                     openers.append(s)
+        opening: list[int] = []  # openers' ids whose blocks are not taken yet: taken before any preemption
         for s in openers:  # in batch order
             g = s.group
-            while not bm.pool.num_free and g.status == SeqStatus.RUNNING:
-                tail = running[-1]
-                batch.leave(tail.seqs[0])
-                self._preempt(tail, preempt_plan)
             if g.status != SeqStatus.RUNNING:
-                break  # it was the tail: everything after it is preempted too
-            bm.open_decode_blocks((s.seq_id,))
+                break  # preempted as the tail: everything after it is preempted too
+            if bm.pool.num_free <= len(opening):  # this one finds no free block: preempt first
+                bm.open_decode_blocks(opening)
+                opening = []
+                while not bm.pool.num_free and g.status == SeqStatus.RUNNING:
+                    tail = running[-1]
+                    batch.leave(tail.seqs[0])
+                    self._preempt(tail, preempt_plan)
+                if g.status != SeqStatus.RUNNING:
+                    break  # it was the tail: everything after it is preempted too
+            opening.append(s.seq_id)
+        if opening:
+            bm.open_decode_blocks(opening)
         survivors = batch.size
         bm.add_token_states(survivors)
         if self.policy.tracks_service:
