@@ -147,6 +147,11 @@ class BlockPool:
         blocks, fresh, idle = self.blocks, self._fresh, self._idle
         freed_states = freed = 0
         n = len(block_ids)
+        # while every block so far went to the never-cached stack (the common case: a sequence's
+        # own blocks, nothing cached), they are pushed at the end as one slice of `block_ids` (the
+        # same order, and the list's own int objects: no int boxed again per block); from the
+        # first block that does not, each is pushed as it comes
+        run = True
         for i in range(n):
             block_id = block_ids[n - 1 - i if backwards else i]
             block = blocks[block_id]
@@ -154,17 +159,32 @@ class BlockPool:
             block.ref_count = refs
             if refs <= 0:
                 if refs < 0:
+                    self._push_fresh_run(block_ids, i, backwards, run)
                     self.used_filled -= freed_states
                     self.num_free += freed
                     raise AssertionError(f"block {block_id} freed twice")
                 freed_states += block.filled
                 freed += 1
                 if block.hash is None:  # nothing worth keeping: reuse it first
-                    fresh.append(block_id)
-                else:
-                    idle[block_id] = None
+                    if not run:
+                        fresh.append(block_id)
+                    continue
+                self._push_fresh_run(block_ids, i, backwards, run)
+                run = False
+                idle[block_id] = None
+            elif run:  # still in use (shared): the run ends before it
+                self._push_fresh_run(block_ids, i, backwards, run)
+                run = False
+        self._push_fresh_run(block_ids, n, backwards, run)
         self.used_filled -= freed_states
         self.num_free += freed
+
+    def _push_fresh_run(self, block_ids: list[int], i: int, backwards: bool, run: bool) -> None:
+        """release_ids: push its first `i` blocks (in its order) onto the never-cached stack when
+        they are still an unbroken run of blocks bound there (`run`)."""
+        if run and i:
+            n = len(block_ids)
+            self._fresh.extend(block_ids[n - i:][::-1] if backwards else block_ids[:i])
 
     def set_filled(self, block: Block, filled: int) -> None:
         """Record how many slots of an in-use block hold tokens."""
@@ -547,9 +567,10 @@ class PagedBlockManager:
         """Append one fresh block to each sequence's table, in order (the caller has counted them
         against the free blocks)."""
         tables = self.tables
-        seq_ids = list(seq_ids)
-        for sid, block_id in zip(seq_ids, self.pool.take_ids(len(seq_ids))):
-            tables[sid].append(block_id)
+        sids = seq_ids if isinstance(seq_ids, list) else list(seq_ids)  # a window's list: not copied
+        ids = self.pool.take_ids(len(sids))
+        for i in range(len(sids)):  # by index: compiled, no zip tuple per block
+            tables[sids[i]].append(ids[i])
 
     def add_token_states(self, n: int) -> None:
         """Count `n` token states decoded into the owed sequences' blocks (settled later)."""

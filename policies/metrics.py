@@ -130,9 +130,9 @@ class IterationLog:
         n = self.rows - self._base
         cols: dict[str, np.ndarray] = {c: np.zeros(n, dtype=self.dtype(c)) for c in ITERATION_COLUMNS}
         if self._single_at:
-            at = np.array(self._single_at)
-            times = np.array(self._single_times, dtype=np.float64).reshape(-1, 2)
-            ints = np.array(self._single_ints, dtype=np.int64).reshape(len(at), -1)
+            at = _ints(self._single_at)
+            times = _floats(self._single_times).reshape(-1, 2)
+            ints = _ints(self._single_ints).reshape(len(at), -1)
             cols["start"][at], cols["duration"][at] = times[:, 0], times[:, 1]
             for i, c in enumerate(ITERATION_COLUMNS[2:]):
                 cols[c][at] = ints[:, i]
@@ -146,7 +146,7 @@ class IterationLog:
 
     def _expand_windows(self, cols: dict[str, np.ndarray]) -> None:
         """Write the block's window records into `cols`, all records at once (see add_window)."""
-        w = np.array(self._windows, dtype=np.int64).reshape(-1, _WINDOW_FIELDS)
+        w = _ints(self._windows).reshape(-1, _WINDOW_FIELDS)
         pos, k, b, context0, waiting, hits, states0, allocated0, free0, bs = w[:, :10].T
         num = len(w)
         first = np.cumsum(k) - k              # each record's first row among the window rows
@@ -154,9 +154,9 @@ class IterationLog:
         j = np.arange(len(rec)) - first[rec] + 1  # its iteration within the window, from 1
         at = pos[rec] + j - 1                 # its row within the block
         last = first + k - 1
-        times = np.array(self._times, dtype=np.float64)  # record r's start sits at first[r] + r
+        times = _floats(self._times)  # record r's start sits at first[r] + r
         starts = times[first[rec] + rec + j - 1]
-        taken = np.cumsum(np.array(self._opened, dtype=np.int64))
+        taken = np.cumsum(_ints(self._opened))
         taken -= np.concatenate(([0], taken))[first][rec]  # blocks taken by the end of each iteration
         b_rows = b[rec]
         grown = b_rows * j
@@ -167,7 +167,7 @@ class IterationLog:
         running = b_rows.copy()
         running[last], states[last], internal[last], free[last] = w[:, 10], w[:, 11], w[:, 12], w[:, 13]
         cols["start"][at] = starts
-        cols["duration"][at] = self._durations
+        cols["duration"][at] = _floats(self._durations)
         cols["num_seqs"][at] = b_rows
         cols["decode_tokens"][at] = b_rows
         cols["context_tokens"][at] = context0[rec] + grown
@@ -211,6 +211,17 @@ class IterationLog:
         data = {"iteration": np.arange(self.rows)}
         data.update((c, self.column(c)) for c in ITERATION_COLUMNS)
         return pd.DataFrame(data, copy=False)
+
+
+def _ints(values: list[int]) -> np.ndarray:
+    """A flat list of Python ints as int64, in one pass (np.array walks a list twice: once to find
+    its shape and type, once to copy)."""
+    return np.fromiter(values, dtype=np.int64, count=len(values))
+
+
+def _floats(values: list[float]) -> np.ndarray:
+    """A flat list of Python floats as float64, in one pass (the same values, bit for bit)."""
+    return np.fromiter(values, dtype=np.float64, count=len(values))
 
 
 def iteration_compositions(iterations: pd.DataFrame, block_size: int = 16) -> list[StepComposition]:

@@ -55,6 +55,20 @@ def _insort_by_arrival(running: list[SequenceGroup], group: SequenceGroup) -> No
     running.insert(lo, group)
 
 
+def remove_group(groups: list[SequenceGroup], group: SequenceGroup) -> None:
+    """`groups.remove(group)` (a group equals only itself), the tail tried first (a preemption's
+    victim): compiled, a pointer comparison per element instead of a rich comparison."""
+    n = len(groups)
+    if n and groups[n - 1] is group:
+        del groups[n - 1]
+        return
+    for i in range(n):
+        if groups[i] is group:
+            del groups[i]
+            return
+    raise ValueError(f"group {group.group_id} is not in the list")
+
+
 @mypyc_attr(allow_interpreted_subclasses=True)  # a plug-in base, when compiled (build_compiled.py)
 class Scheduler(ABC):
     """Base class. Invariants: a group is in exactly one of waiting / running / swapped / done;
@@ -266,7 +280,7 @@ class Scheduler(ABC):
         """A running group whose last sequence finished leaves the batch."""
         group.status = SeqStatus.FINISHED
         group.finish_time = now
-        self.running.remove(group)
+        remove_group(self.running, group)
         self.done.append(group)
         self.loads[self.load_slot] -= 1
         self.policy.on_finished(group)

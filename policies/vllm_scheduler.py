@@ -12,7 +12,7 @@ nothing new is admitted while any group is swapped out).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from mypy_extensions import mypyc_attr
 
@@ -31,7 +31,7 @@ from policies.plan import (
 from policies.queue_policy import ADMIT, DEFER, QueuePolicy
 from policies.request import Request, SeqStatus, Sequence, SequenceGroup
 from policies.running_batch import RunningBatch
-from policies.scheduler import Scheduler
+from policies.scheduler import Scheduler, remove_group
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -39,16 +39,26 @@ PREEMPTION_MODES = ("recompute", "swap")
 ADMITTED, DEFERRED, BLOCKED, OVER_BUDGET, REJECTED = "admitted", "deferred", "blocked", "over budget", "rejected"
 
 
-class Admission(NamedTuple):
+@dataclass(slots=True)
+class Admission:
     """`_admission`'s answer: the verdict, the running sequences it counted (None: not needed),
     and by verdict the first chunk (ADMITTED), the prefix-cache hit (ADMITTED, OVER_BUDGET) or
     the reason (REJECTED)."""
 
     verdict: str
     demand: int | None
-    chunk: int = 0
-    cached: int = 0
-    reason: str = ""
+    chunk: int
+    cached: int
+    reason: str
+
+    def __init__(self, verdict: str, demand: int | None, chunk: int = 0, cached: int = 0, reason: str = "") -> None:
+        # written out, not generated (nor a NamedTuple, whose __new__ runs interpreted): the compiled
+        # kernel builds one per admission question as a native object (see policies/plan.py)
+        self.verdict = verdict
+        self.demand = demand
+        self.chunk = chunk
+        self.cached = cached
+        self.reason = reason
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # policies subclass it, when compiled (build_compiled.py)
@@ -251,7 +261,7 @@ class VllmScheduler(Scheduler):
         """Preempt a whole group. Swap keeps a forked group's sharing; without room in the CPU pool
         a single sequence is recomputed, and a forked group restarts from its prompt (mode
         "restart"), as vLLM cannot recompute forked groups either."""
-        self.running.remove(group)
+        remove_group(self.running, group)
         group.num_preemptions += 1
         self.num_preemptions += 1
         mode = self.preemption
@@ -673,17 +683,32 @@ class VllmScheduler(Scheduler):
         batch = self._batch
         preempt_plan = StepPlan(block_size=bs)
         running = self.running  # _preempt removes from its tail
-        index = running.index  # a few openers, each found in C: cheaper than walking the batch
-        openers = sorted(batch.opening_bucket(), key=lambda s: index(s.group))
+        # the openers in batch order: one pass over the running groups (every one a member, each
+        # group one sequence), picking those in the opening bucket by their residue (phase_of)
+        q = -batch.clock % bs
+        openers: list[Sequence] = []
+        if batch.counts[q]:
+            for g in running:
+                s = g.seqs[0]
+                if (s.num_computed - s.anchor) % bs == q:
+                    openers.append(s)
+        opening: list[int] = []  # openers' ids whose blocks are not taken yet: taken before any preemption
         for s in openers:  # in batch order
             g = s.group
-            while not bm.pool.num_free and g.status == SeqStatus.RUNNING:
-                tail = running[-1]
-                batch.leave(tail.seqs[0])
-                self._preempt(tail, preempt_plan)
             if g.status != SeqStatus.RUNNING:
-                break  # it was the tail: everything after it is preempted too
-            bm.open_decode_blocks((s.seq_id,))
+                break  # preempted as the tail: everything after it is preempted too
+            if bm.pool.num_free <= len(opening):  # this one finds no free block: preempt first
+                bm.open_decode_blocks(opening)
+                opening = []
+                while not bm.pool.num_free and g.status == SeqStatus.RUNNING:
+                    tail = running[-1]
+                    batch.leave(tail.seqs[0])
+                    self._preempt(tail, preempt_plan)
+                if g.status != SeqStatus.RUNNING:
+                    break  # it was the tail: everything after it is preempted too
+            opening.append(s.seq_id)
+        if opening:
+            bm.open_decode_blocks(opening)
         survivors = batch.size
         bm.add_token_states(survivors)
         if self.policy.tracks_service:

@@ -421,16 +421,36 @@ def test_block_pool_free_queue_matches_one_ordered_queue(num_blocks: int):
             rng.shuffle(used)
             k = rng.randint(1, len(used))
             gone, used = used[:k], used[k:]
-            for i, b in enumerate(gone):
-                if b not in used and b not in gone[i + 1:]:  # its last reference
+            backwards = rng.random() < 0.5  # as a freed table is released: last block first
+            order = gone[::-1] if backwards else gone
+            for i, b in enumerate(order):
+                if b not in used and b not in order[i + 1:]:  # its last reference
                     queue[b] = None
                     if b not in hashes:
                         queue.move_to_end(b, last=False)
-            pool.release_ids(gone)
+            pool.release_ids(gone, backwards=backwards)
         assert list(pool.free) == list(queue), step
         assert pool.num_free == len(queue)
         assert len(pool.blocks) == max(used_ever, default=-1) + 1  # made on first take, not before
     assert pool.evictions > 0
+
+
+def test_remove_group_removes_that_group_only_by_identity():
+    """Scheduler.remove_group is list.remove for groups (equal only to themselves): the tail, one in
+    the middle, the head; a group not in the list raises ValueError as list.remove does."""
+    from policies.scheduler import remove_group
+
+    groups = [group(i + 1, 4) for i in range(5)]
+    running = list(groups)
+    remove_group(running, groups[4])
+    assert running == groups[:4]
+    remove_group(running, groups[1])
+    assert running == [groups[0], groups[2], groups[3]]
+    remove_group(running, groups[0])
+    assert running == [groups[2], groups[3]]
+    with pytest.raises(ValueError, match=f"group {groups[0].group_id} is not in the list"):
+        remove_group(running, groups[0])
+    assert running == [groups[2], groups[3]]
 
 
 def test_a_huge_pool_makes_only_the_blocks_taken():
