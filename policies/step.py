@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Protocol
 
@@ -120,7 +120,8 @@ class Window:
     to the replica meanwhile): the first `steps` iterations are the plain decodes `repeat` says
     (with `waiting`, the queue's length or one per iteration, and `prefix_hits`), then
     `exhaustion_row`, one row (IterationLog.add's arguments). `decode`: a decode step's iteration,
-    begun (ReplicaStep._decode_step) and ended by complete_window."""
+    begun (ReplicaStep._decode_step) and ended by complete_window. `finished`: the groups it
+    finished, all at its last end (complete_window returns them)."""
 
     start: float
     ends: list[float]
@@ -132,6 +133,7 @@ class Window:
     prefix_hits: int = 0
     exhaustion_row: list | None = None
     decode: DecodeStepResult | None = None
+    finished: list[SequenceGroup] = field(default_factory=list)
 
     def __init__(self, start: float, ends: list[float], durations: list[float], exhaustion: bool) -> None:
         # written out, not generated: one per window in the compiled kernel (see policies/plan.py)
@@ -145,6 +147,7 @@ class Window:
         self.prefix_hits = 0
         self.exhaustion_row = None
         self.decode = None
+        self.finished = []
 
 
 class ReplicaStep:
@@ -263,7 +266,8 @@ class ReplicaStep:
                                      len(sched.running), sched.memory(), sched.prefix_hits]
             ends.append(end_x)  # the log takes the plain decodes' rows from the first `steps`
             durations.append(duration)
-        sched.departing = len(sched.done) - done0  # all at the window's last end
+        window.finished = sched.done[done0:]  # all at the window's last end (nothing is rejected in it)
+        sched.departing = len(window.finished)
         return window
 
     def _decode_step(self, now: float, next_arrival: float, queued: Queued | None) -> Window | None:
@@ -295,19 +299,20 @@ class ReplicaStep:
         self._recent_duration = duration
         return window
 
-    def complete_window(self, window: Window, joined: Sequence[float] = ()) -> None:
+    def complete_window(self, window: Window, joined: Sequence[float] = ()) -> list[SequenceGroup]:
         """The window's iterations have passed (the caller's clock is at window.ends[-1], the
         arrivals due by then have landed): apply a decode step's end, and log them. `joined`: the
         arrival times, in order, of requests that joined this replica's waiting queue meanwhile
         and that the `queued` given to begin_window did not count (a routed replica's); each
-        counts in the rows of iterations ending at or after it."""
+        counts in the rows of iterations ending at or after it. Returns the groups the window
+        finished, as `complete` returns a step's."""
         sched = self.scheduler
         sched.departing = 0
         res, x_row = window.repeat, window.exhaustion_row
         decode = window.decode
         if decode is not None:  # the decode step's end: its finishes, then its row's columns after them
             assert x_row is not None
-            sched.complete_decode_step(decode, window.ends[0])
+            window.finished = sched.complete_decode_step(decode, window.ends[0])
             x_row[5], x_row[6], x_row[7] = len(sched.running), sched.memory(), sched.prefix_hits
         if res is not None:
             k, waiting = window.steps, window.waiting
@@ -322,6 +327,7 @@ class ReplicaStep:
         self.windows += 1
         self.skipped += len(window.ends)
         self.exhaustions += window.exhaustion
+        return window.finished
 
 
 def _stop_at_finish(plan: RepeatPlan) -> bool:

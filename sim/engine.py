@@ -116,7 +116,7 @@ class Replica:
                  observer: Callable[[float, float, Scheduler], None] | None = None,
                  index: int = 0, on_finish: Callable[[list], None] | None = None) -> None:
         self.env = env
-        self.on_finish = on_finish  # sees the groups each stepped iteration finishes
+        self.on_finish = on_finish  # sees the groups each iteration or window finishes, at its end
         self.index = index
         # the loop's one iteration (and its windows), clock-agnostic; behind a router, other
         # replicas' arrivals read this one's state, so windows stop before them (or, when the
@@ -227,8 +227,10 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals):
                 if step.routed:
                     replica.joined = []
                 yield from _advance(env, window.start, window.ends, window.durations)
-                step.complete_window(window, replica.joined or ())
+                finished = step.complete_window(window, replica.joined or ())
                 replica.joined = None
+                if finished and replica.on_finish is not None:
+                    replica.on_finish(finished)
                 if replica.debug:  # checks the running batch's kept figures (and from now on its members' reads)
                     _check(sched)
                 if replica.on_progress is not None:
