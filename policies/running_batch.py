@@ -187,6 +187,21 @@ class RunningBatch:
         true count is then a multiple of the block size)."""
         return self.buckets[-(self.clock + steps) % self.bs]
 
+    def opening_in_order(self, groups: list[SequenceGroup]) -> list[Sequence]:
+        """`opening_bucket()` in the order of `groups` (single-sequence groups, every one a
+        member): one pass picking the members in the opening bucket by their residue, where
+        sorting the bucket by each group's position would search `groups` once per member."""
+        bs = self.bs
+        q = -self.clock % bs
+        if not self.counts[q]:
+            return []
+        out: list[Sequence] = []
+        for g in groups:
+            s = g.seqs[0]
+            if (s.num_computed - s.anchor) % bs == q:  # phase_of(s), inlined: once per running group
+                out.append(s)
+        return out
+
     def by_phase(self) -> list[list[Sequence]]:
         """by_phase[r]: the members opening a block in r + 1, r + 1 + bs, ... decode steps (the
         bucket of -(clock + r) mod bs: the buckets from -clock mod bs downwards, wrapping)."""

@@ -683,15 +683,7 @@ class VllmScheduler(Scheduler):
         batch = self._batch
         preempt_plan = StepPlan(block_size=bs)
         running = self.running  # _preempt removes from its tail
-        # the openers in batch order: one pass over the running groups (every one a member, each
-        # group one sequence), picking those in the opening bucket by their residue (phase_of)
-        q = -batch.clock % bs
-        openers: list[Sequence] = []
-        if batch.counts[q]:
-            for g in running:
-                s = g.seqs[0]
-                if (s.num_computed - s.anchor) % bs == q:
-                    openers.append(s)
+        openers = batch.opening_in_order(running)  # in batch order
         opening: list[int] = []  # openers' ids whose blocks are not taken yet: taken before any preemption
         for s in openers:  # in batch order
             g = s.group
