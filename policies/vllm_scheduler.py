@@ -418,8 +418,7 @@ class VllmScheduler(Scheduler):
     def settle(self) -> None:
         """Materialise every running sequence's owed decode steps and empty the running batch
         (every running group is loose again): what stepping and abort read."""
-        if self._decode_begun is not None:
-            raise AssertionError("a decode step was begun and not completed (complete_decode_step)")
+        self._check_no_decode_step_open()
         if self._batch.size:
             self._batch.release_all()
         self._loose = list(self.running)
@@ -452,11 +451,16 @@ class VllmScheduler(Scheduler):
         self._loose = left
         return not left
 
+    def _check_no_decode_step_open(self) -> None:
+        """A decode step begun (apply_decode_step) must be completed before the scheduler settles,
+        schedules or offers again."""
+        if self._decode_begun is not None:
+            raise AssertionError("a decode step was begun and not completed (complete_decode_step)")
+
     def _take_offer_remaining(self) -> None:
         """The finishes the executor told for the last offer (asked once, kept by the batch even
         when the replica step then declined the window)."""
-        if self._decode_begun is not None:
-            raise AssertionError("a decode step was begun and not completed (complete_decode_step)")
+        self._check_no_decode_step_open()
         offer = self._offer[0] if self._offer is not None else self._decode_offer
         if offer is not None and offer.remaining is not None and offer.seqs:
             self._batch.set_finishes(offer.seqs, offer.remaining)
