@@ -98,15 +98,16 @@ class Request:
         self.__post_init__()
 
     def __post_init__(self) -> None:
+        # each message is built only when its check fails: a million-request trace builds a
+        # million requests, and formatting two unused f-strings each cost ~0.9 s of a 1M run
         least = 1 if self.reject_reason is None else 0
-        _check(self.prompt_len >= least,
-               f"request {self.request_id}: prompt_len must be >= {least}, got {self.prompt_len}")
-        _check(self.output_len is None or self.output_len >= least,
-               f"request {self.request_id}: output_len must be >= {least}, got {self.output_len}")
-        if self.prompt_token_ids is not None:
-            _check(len(self.prompt_token_ids) == self.prompt_len,
-                   f"request {self.request_id}: prompt_token_ids has {len(self.prompt_token_ids)} ids "
-                   f"but prompt_len is {self.prompt_len}")
+        if self.prompt_len < least:
+            raise ValueError(f"request {self.request_id}: prompt_len must be >= {least}, got {self.prompt_len}")
+        if self.output_len is not None and self.output_len < least:
+            raise ValueError(f"request {self.request_id}: output_len must be >= {least}, got {self.output_len}")
+        if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_len:
+            raise ValueError(f"request {self.request_id}: prompt_token_ids has {len(self.prompt_token_ids)} ids "
+                             f"but prompt_len is {self.prompt_len}")
 
     @property
     def max_output(self) -> int:
