@@ -17,12 +17,14 @@ The targets (issue 23), printed by default:
   peak RSS <= 4 GiB.
 
 Other runs: `--sizes 10000 100000` times those sizes on one replica (growth; with a stepped
-baseline at 10,000 unless `--no-step-baseline`); `--routed-sizes 100000 --replicas 16` times sizes
-over R least-loaded replicas; `--compiled [--rounds 2]` times the 20,000 / 16 run interpreted and on
-the compiled build (`make compiled`), alternated, target >= 2.5x.
+baseline at 10,000 unless `--no-step-baseline`); `--routed-sizes 20000 100000 --replicas 16` times
+sizes over R least-loaded replicas, with each run's CPU per request and how that grows from the first
+size to the last (the figure to read for growth on a shared machine, where wall / CPU moves with the
+load); `--compiled [--rounds 2]` times the 20,000 / 16 run interpreted and on the compiled build
+(`make compiled`), alternated, target >= 2.5x.
 
     python -m benchmarks.bench_sim [--million] [--rate 100] [--policies sjf vtc]
-        [--sizes 10000 100000] [--routed-sizes 100000 --replicas 16] [--compiled [--rounds 2]]
+        [--sizes 10000 100000] [--routed-sizes 20000 100000 --replicas 16] [--compiled [--rounds 2]]
 """
 
 from __future__ import annotations
@@ -114,6 +116,14 @@ def _refs(r: dict) -> str:
     return f"python_reference_s {r['ref_before']:.3f} / {r['ref_after']:.3f}, cpu {r['cpu']:.2f} s"
 
 
+def _per_request(r: dict, n: int) -> str:
+    """CPU per request and the CPU time over the reference beside the wall ratio: on a shared
+    machine a long run waits for the CPU more than its short references do (wall / CPU above 1),
+    so a wall ratio that grows with the run's length while these stay put is load, not cost."""
+    return (f"CPU {r['cpu'] / n * 1e6:.0f} us per request, {r['cpu'] / r['ref']:.0f}x python_reference_s; "
+            f"wall / CPU {r['wall'] / r['cpu']:.2f}")
+
+
 def targets(rate: float, policies: list[str], million: bool) -> None:
     """The issue-23 targets as ratios (see the module docstring)."""
     print(f"{'case':<34} {'wall s':>8} {'ratio':>7} {'target':>7} {'peak MiB':>8}  reference before / after")
@@ -132,7 +142,7 @@ def targets(rate: float, policies: list[str], million: bool) -> None:
     if million:
         r = run_case(1_000_000, rate * 16, replicas=16, reruns=0)
         print(f"{'1,000,000 requests, 16 least-loaded':<34} {r['wall']:>8.1f} {r['ratio']:>6.0f}x {'<= 500x':>7} "
-              f"{r['rss_mb']:>8.0f}  {_refs(r)}; {r['finished']:,} finished")
+              f"{r['rss_mb']:>8.0f}  {_refs(r)}; {r['finished']:,} finished; {_per_request(r, 1_000_000)}")
         print(f"1,000,000 requests: {_peak_vs_target(r['rss_mb'])}; wall {r['ratio']:.0f}x python_reference_s "
               f"({'met' if r['ratio'] <= 500 else 'NOT met'}: target <= 500x)")
 
@@ -220,13 +230,17 @@ def routed(sizes: list[int], rate: float, replicas: int) -> None:
     """Each size over `replicas` replicas behind least-loaded routing, each replica at `rate`."""
     if replicas < 2:
         raise SystemExit(f"--routed-sizes: --replicas must be >= 2, got {replicas}")
+    cpu_per_request = []
     for n in sizes:
         r = run_case(n, rate * replicas, True, replicas, reruns=0)
+        cpu_per_request.append(r["cpu"] / n)
         print(f"{n:,} requests on {replicas} replicas (least-loaded) at {rate * replicas:g} req/s: {r['wall']:.1f} s "
               f"wall ({r['ratio']:.0f}x; {_refs(r)}), {r['iters']:,} iterations ({r['stepped']:,} stepped), "
-              f"peak RSS {r['rss_mb']:,.0f} MiB, {r['finished']:,} finished")
+              f"peak RSS {r['rss_mb']:,.0f} MiB, {r['finished']:,} finished; {_per_request(r, n)}")
         if n >= 1_000_000:
             print(f"{n:,} requests: {_peak_vs_target(r['rss_mb'])}")
+    if len(sizes) >= 2:
+        print(f"growth: {sizes[-1] / sizes[0]:.0f}x requests -> CPU per request x{cpu_per_request[-1] / cpu_per_request[0]:.2f}")
 
 
 if __name__ == "__main__":

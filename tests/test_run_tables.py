@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from benchmarks.bench_sim import PEAK_TARGET_MB, _peak_vs_target
+from benchmarks.bench_sim import PEAK_TARGET_MB, _peak_vs_target, _per_request
 from policies.metrics import ITERATION_COLUMNS, IterationLog, _kv_time_averages, summarize
 from sim.run import SimConfig, _iteration_table, run_simulation
 from traces import resolve_trace
@@ -74,6 +74,13 @@ def test_run_tables_and_summary_hold_every_request() -> None:
 def test_peak_said_against_the_target() -> None:
     assert _peak_vs_target(PEAK_TARGET_MB - 500).endswith("met, 500 MiB under")
     assert "NOT met, 1,000 MiB over" in _peak_vs_target(PEAK_TARGET_MB + 1000)
+
+
+def test_per_request_line_separates_cost_from_load() -> None:
+    """bench_sim's growth figures: CPU per request, CPU over the reference, and wall over CPU
+    (how long the run waited for the CPU on a shared machine)."""
+    line = _per_request({"cpu": 150.0, "wall": 180.0, "ref": 0.2}, 1_000_000)
+    assert line == "CPU 150 us per request, 750x python_reference_s; wall / CPU 1.20"
 
 
 def test_router_summary_equals_masking_each_replica():
