@@ -50,6 +50,7 @@ MODULES: tuple[str, ...] = (
     "policies.vllm_scheduler",
     "policies.step",
     "policies.metrics",
+    "policies.tally",
     "sim.cost_model",
     "sim.executor",
     "sim.engine",

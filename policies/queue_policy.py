@@ -50,12 +50,12 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from operator import attrgetter
 from typing import Any, ClassVar
 
 import numpy as np
 
 from policies.request import SequenceGroup
+from policies.tally import count_by_client
 
 ADMIT = "admit"
 DEFER = "defer"
@@ -302,9 +302,6 @@ class SrptPolicy(ShortestFirstPolicy):
         super().__init__(predictor, error, aging, seed, remaining=True)
 
 
-_CLIENT = attrgetter("request.client")
-
-
 class VtcPolicy(QueuePolicy):
     """Fair sharing across clients by Virtual Token Counter (Sheng et al., OSDI 2024): each client's
     counter grows by `input_weight` per prompt token (charged when a request is admitted) and
@@ -354,16 +351,15 @@ class VtcPolicy(QueuePolicy):
         self.tokens.setdefault(group.request.client, [0, 0])[1] += decode_tokens
 
     def on_decoded(self, groups: Sequence[SequenceGroup], decode_tokens: int) -> None:
-        # the batch's groups counted by client in C, one integer add per client (integer sums: the
-        # same counters as one on_served per group, in any order); a window's batch is ~30
-        # groups of a few clients, told at every window and decode step
+        # the batch's groups counted by client in one compiled call (integer sums: the same
+        # counters as one on_served per group, in any order); a window's batch is ~30 groups of
+        # a few clients, told at every window and decode step
         if type(self).on_served is not VtcPolicy.on_served:  # a subclass's own on_served sees each group
             super().on_decoded(groups, decode_tokens)
             return
         tokens = self.tokens
-        clients = list(map(_CLIENT, groups))
-        for client in set(clients):  # a few clients: each counted by list.count, in C
-            tokens.setdefault(client, [0, 0])[1] += clients.count(client) * decode_tokens
+        for client, n in count_by_client(groups).items():
+            tokens.setdefault(client, [0, 0])[1] += n * decode_tokens
 
     def on_finished(self, group: SequenceGroup) -> None:
         c = group.request.client
