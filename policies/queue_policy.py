@@ -54,8 +54,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from policies.per_client import ClientQueues, count_by_client
 from policies.request import SequenceGroup
-from policies.tally import count_by_client
 
 ADMIT = "admit"
 DEFER = "defer"
@@ -430,52 +430,6 @@ class ReorderingQueue:
     def candidates(self) -> list[SequenceGroup]:
         """Any waiting group could come first as keys change."""
         return list(self.groups)
-
-
-class ClientQueues:
-    """A waiting queue of one FIFO per client; `[0]` is the head of the client whose counter is
-    smallest now (ties: the older head), found in O(clients)."""
-
-    def __init__(self, counter: Any) -> None:
-        self.counter = counter
-        self.queues: dict[str, deque[SequenceGroup]] = {}
-        self.size = 0
-
-    def push(self, group: SequenceGroup, front: bool = False) -> None:
-        q = self.queues.setdefault(group.request.client, deque())
-        q.appendleft(group) if front else q.append(group)
-        self.size += 1
-
-    def _best(self) -> deque[SequenceGroup]:
-        best = None
-        for c, q in self.queues.items():
-            if q:
-                k = (self.counter(c), q[0].request.arrival, q[0].group_id)
-                if best is None or k < best[0]:
-                    best = (k, q)
-        if best is None:
-            raise IndexError("the waiting queue is empty")
-        return best[1]
-
-    def __getitem__(self, i: int) -> SequenceGroup:
-        if i != 0:
-            raise IndexError("ClientQueues gives only its head, [0]")
-        return self._best()[0]
-
-    def popleft(self) -> SequenceGroup:
-        self.size -= 1
-        return self._best().popleft()
-
-    def candidates(self) -> list[SequenceGroup]:
-        """The groups that could come first while counters change: each client's head."""
-        return [q[0] for q in self.queues.values() if q]
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __iter__(self) -> Iterator[SequenceGroup]:
-        for q in self.queues.values():
-            yield from q
 
 
 class EdfPolicy(QueuePolicy):
