@@ -50,6 +50,7 @@ MODULES: tuple[str, ...] = (
     "policies.vllm_scheduler",
     "policies.step",
     "policies.metrics",
+    "policies.per_client",
     "sim.cost_model",
     "sim.executor",
     "sim.engine",

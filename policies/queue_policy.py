@@ -50,11 +50,11 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from operator import attrgetter
 from typing import Any, ClassVar
 
 import numpy as np
 
+from policies.per_client import ClientQueues, count_by_client
 from policies.request import SequenceGroup
 
 ADMIT = "admit"
@@ -302,9 +302,6 @@ class SrptPolicy(ShortestFirstPolicy):
         super().__init__(predictor, error, aging, seed, remaining=True)
 
 
-_CLIENT = attrgetter("request.client")
-
-
 class VtcPolicy(QueuePolicy):
     """Fair sharing across clients by Virtual Token Counter (Sheng et al., OSDI 2024): each client's
     counter grows by `input_weight` per prompt token (charged when a request is admitted) and
@@ -354,16 +351,15 @@ class VtcPolicy(QueuePolicy):
         self.tokens.setdefault(group.request.client, [0, 0])[1] += decode_tokens
 
     def on_decoded(self, groups: Sequence[SequenceGroup], decode_tokens: int) -> None:
-        # the batch's groups counted by client in C, one integer add per client (integer sums: the
-        # same counters as one on_served per group, in any order); a window's batch is ~30
-        # groups of a few clients, told at every window and decode step
+        # the batch's groups counted by client in one compiled call (integer sums: the same
+        # counters as one on_served per group, in any order); a window's batch is ~30 groups of
+        # a few clients, told at every window and decode step
         if type(self).on_served is not VtcPolicy.on_served:  # a subclass's own on_served sees each group
             super().on_decoded(groups, decode_tokens)
             return
         tokens = self.tokens
-        clients = list(map(_CLIENT, groups))
-        for client in set(clients):  # a few clients: each counted by list.count, in C
-            tokens.setdefault(client, [0, 0])[1] += clients.count(client) * decode_tokens
+        for client, n in count_by_client(groups).items():
+            tokens.setdefault(client, [0, 0])[1] += n * decode_tokens
 
     def on_finished(self, group: SequenceGroup) -> None:
         c = group.request.client
@@ -434,52 +430,6 @@ class ReorderingQueue:
     def candidates(self) -> list[SequenceGroup]:
         """Any waiting group could come first as keys change."""
         return list(self.groups)
-
-
-class ClientQueues:
-    """A waiting queue of one FIFO per client; `[0]` is the head of the client whose counter is
-    smallest now (ties: the older head), found in O(clients)."""
-
-    def __init__(self, counter: Any) -> None:
-        self.counter = counter
-        self.queues: dict[str, deque[SequenceGroup]] = {}
-        self.size = 0
-
-    def push(self, group: SequenceGroup, front: bool = False) -> None:
-        q = self.queues.setdefault(group.request.client, deque())
-        q.appendleft(group) if front else q.append(group)
-        self.size += 1
-
-    def _best(self) -> deque[SequenceGroup]:
-        best = None
-        for c, q in self.queues.items():
-            if q:
-                k = (self.counter(c), q[0].request.arrival, q[0].group_id)
-                if best is None or k < best[0]:
-                    best = (k, q)
-        if best is None:
-            raise IndexError("the waiting queue is empty")
-        return best[1]
-
-    def __getitem__(self, i: int) -> SequenceGroup:
-        if i != 0:
-            raise IndexError("ClientQueues gives only its head, [0]")
-        return self._best()[0]
-
-    def popleft(self) -> SequenceGroup:
-        self.size -= 1
-        return self._best().popleft()
-
-    def candidates(self) -> list[SequenceGroup]:
-        """The groups that could come first while counters change: each client's head."""
-        return [q[0] for q in self.queues.values() if q]
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __iter__(self) -> Iterator[SequenceGroup]:
-        for q in self.queues.values():
-            yield from q
 
 
 class EdfPolicy(QueuePolicy):
