@@ -323,7 +323,8 @@ class ReplicaStep:
         if x_row is not None:
             if joined:
                 x_row[4] += bisect_right(joined, window.ends[-1])
-            self.log.add(*x_row)
+            # its arguments named one by one: a starred call is a generic call in the compiled kernel
+            self.log.add(x_row[0], x_row[1], x_row[2], x_row[3], x_row[4], x_row[5], x_row[6], x_row[7])
         self.windows += 1
         self.skipped += len(window.ends)
         self.exhaustions += window.exhaustion

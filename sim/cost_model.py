@@ -59,6 +59,11 @@ class CostModel(ABC):
         price = self.decode_step_time
         return [price(num_seqs, c) for c in context_tokens]
 
+    def series_steps(self) -> int:
+        """Windows of fewer iterations than this are priced by `decode_step_series`, longer ones by
+        `decode_step_times` (the two give the same floats; this says which is cheaper here)."""
+        return 64
+
     def decode_step_times(self, num_seqs: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
         """Times of pure-decode iterations, elementwise: `num_seqs[i]` sequences whose contexts sum
         to `context_tokens[i]`. Equals `step_time` of the same composition; the simulator uses it to
@@ -322,6 +327,12 @@ class RooflineCostModel(CostModel):
         fixed, lm = self._decode_terms(num_seqs)
         seqs, attention = float(num_seqs), self._decode_attention
         return [fixed + attention(float(c), seqs) + lm for c in context_tokens]
+
+    def series_steps(self) -> int:
+        # a dense model's own series prices an iteration in a fraction of a microsecond (the batch
+        # size's terms once), numpy's vectorised path costs ~100 us a call whatever its length: the
+        # two meet at ~500-1,000 iterations (compiled kernel, measured)
+        return 64 if self._expert_params or self.tp > 1 else 512
 
     def _decode_terms(self, num_seqs: int) -> tuple[float, float]:
         """(overhead + linear, lm_head) of a dense model's pure decode of `num_seqs` sequences."""
