@@ -91,7 +91,10 @@ class RepeatExecutor(Executor, Protocol):
 
     def remaining(self, plan: RepeatPlan | DecodeStepPlan) -> list[int]: ...
 
-    def price_repeat(self, plan: RepeatPlan) -> np.ndarray | list[float]: ...
+    def price_repeat(self, plan: RepeatPlan) -> np.ndarray | list[float]:
+        """The plan's `steps` iterations' durations (a new list or array at each call: the window
+        keeps and extends it)."""
+        ...
 
     def price(self, comp: StepComposition) -> float: ...
 
@@ -230,10 +233,11 @@ class ReplicaStep:
             plan.remaining = executor.remaining(plan)
         if not _stop_at_finish(plan):
             return None
-        durations = executor.price_repeat(plan)
+        priced = executor.price_repeat(plan)
         # plain floats: windows are mostly a few iterations, where numpy's per-call cost dominates;
-        # accumulate adds in order, as stepping's clock does (and as numpy's cumsum did)
-        durations = durations.tolist() if isinstance(durations, np.ndarray) else list(durations)
+        # accumulate adds in order, as stepping's clock does (and as numpy's cumsum did). A list is
+        # the executor's own, new at each call (RepeatExecutor): kept, not copied
+        durations: list[float] = priced.tolist() if isinstance(priced, np.ndarray) else priced
         ends = list(accumulate(durations, initial=now))
         del ends[0]
         k = _stop_at_arrivals(plan, ends, now, next_arrival, sched, reads_state)
