@@ -42,7 +42,6 @@ import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Protocol
 
 import numpy as np
@@ -235,11 +234,15 @@ class ReplicaStep:
             return None
         priced = executor.price_repeat(plan)
         # plain floats: windows are mostly a few iterations, where numpy's per-call cost dominates;
-        # accumulate adds in order, as stepping's clock does (and as numpy's cumsum did). A list is
-        # the executor's own, new at each call (RepeatExecutor): kept, not copied
+        # the ends add in order, as stepping's clock does (and as numpy's cumsum did); a loop, as
+        # list(accumulate(...)) is a generic iterator compiled. A list is the executor's own, new at
+        # each call (RepeatExecutor): kept, not copied
         durations: list[float] = priced.tolist() if isinstance(priced, np.ndarray) else priced
-        ends = list(accumulate(durations, initial=now))
-        del ends[0]
+        ends: list[float] = []
+        end = now
+        for d in durations:
+            end = end + d
+            ends.append(end)
         k = _stop_at_arrivals(plan, ends, now, next_arrival, sched, reads_state)
         if k is None:
             return None
