@@ -10,12 +10,14 @@ Every model implements `CostModel`. Registered names (see `sim.cost_registry.mak
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from typing import Any
 
 import numpy as np
 from mypy_extensions import mypyc_attr
 
+from policies._compiled import running_compiled
 from policies.client_latency import ClientTerms
 from policies.plan import StepComposition
 from sim.moe import LayerShapes, distinct_experts_table
@@ -187,6 +189,10 @@ class RooflineCostModel(CostModel):
         # step_time by plain float maths (_float_step_time) for a dense model priced by this class's
         # own groups; a subclass (which may reprice a group) and MoE models take the general path
         self._float_path = type(self) is RooflineCostModel and not self._expert_params
+        # windows priced by the scalar series below this many iterations (series_steps): it costs
+        # ~0.2 us an iteration compiled and ~0.35 us interpreted, numpy's vectorised path ~20-50 us
+        # a call, so the two meet at ~500 iterations compiled and ~64 interpreted (measured)
+        self._series_steps = 512 if running_compiled(sys.modules[__name__]) else 64
 
     def _init_per_token_constants(self) -> None:
         """Model-wide FLOPs and bytes per unit of work, per device."""
@@ -383,10 +389,8 @@ class RooflineCostModel(CostModel):
                 for c in context_tokens]
 
     def series_steps(self) -> int:
-        # a dense model's own series prices an iteration in a fraction of a microsecond (the batch
-        # size's terms once), numpy's vectorised path costs ~100 us a call whatever its length: the
-        # two meet at ~500-1,000 iterations (compiled kernel, measured)
-        return 64 if self._expert_params or self.tp > 1 else 512
+        # a dense model's own series prices the batch size's terms once (see __init__)
+        return 64 if self._expert_params or self.tp > 1 else self._series_steps
 
     def _decode_terms(self, num_seqs: int) -> tuple[float, float]:
         """(overhead + linear, lm_head) of a dense model's pure decode of `num_seqs` sequences."""
