@@ -25,12 +25,13 @@ class MemoryBreakdown:
 
     def __init__(self, token_states: int, reserved: int, internal_frag: int, external_frag: int, free: int) -> None:
         # written out, not generated: the compiled kernel builds one per iteration (see policies/plan.py)
-        setattr_ = object.__setattr__  # frozen
-        setattr_(self, "token_states", token_states)
-        setattr_(self, "reserved", reserved)
-        setattr_(self, "internal_frag", internal_frag)
-        setattr_(self, "external_frag", external_frag)
-        setattr_(self, "free", free)
+        # object.__setattr__ written out at each field (frozen): the compiled kernel makes each a direct
+        # store (mypyc specialises the literal call; through a local alias it is a generic call)
+        object.__setattr__(self, "token_states", token_states)
+        object.__setattr__(self, "reserved", reserved)
+        object.__setattr__(self, "internal_frag", internal_frag)
+        object.__setattr__(self, "external_frag", external_frag)
+        object.__setattr__(self, "free", free)
 
     @property
     def total(self) -> int:

@@ -22,6 +22,8 @@ ITERATION_COLUMNS = (
 )
 _FLOAT_COLUMNS = ("start", "duration")
 _NARROW = (np.int8, np.int16, np.int32)  # IterationLog: tried in order when a block is sealed
+# (type, its least and greatest value) of each, read once: np.iinfo builds an object per call
+_NARROW_RANGES = tuple((t, int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in _NARROW)
 _WINDOW_FIELDS = 14  # IterationLog.add_window: numbers in a window's record
 
 
@@ -185,9 +187,8 @@ class IterationLog:
         """`col` in the narrowest type that holds every value exactly (a copy when narrowed)."""
         if col.dtype.kind == "i" and len(col):
             lo, hi = int(col.min()), int(col.max())
-            for t in _NARROW:
-                info = np.iinfo(t)
-                if info.min <= lo and hi <= info.max:
+            for t, least, greatest in _NARROW_RANGES:
+                if least <= lo and hi <= greatest:
                     return col.astype(t)
         return col
 

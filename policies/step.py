@@ -42,7 +42,6 @@ import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Protocol
 
 import numpy as np
@@ -91,7 +90,10 @@ class RepeatExecutor(Executor, Protocol):
 
     def remaining(self, plan: RepeatPlan | DecodeStepPlan) -> list[int]: ...
 
-    def price_repeat(self, plan: RepeatPlan) -> np.ndarray | list[float]: ...
+    def price_repeat(self, plan: RepeatPlan) -> np.ndarray | list[float]:
+        """The plan's `steps` iterations' durations (a new list or array at each call: the window
+        keeps and extends it)."""
+        ...
 
     def price(self, comp: StepComposition) -> float: ...
 
@@ -230,12 +232,17 @@ class ReplicaStep:
             plan.remaining = executor.remaining(plan)
         if not _stop_at_finish(plan):
             return None
-        durations = executor.price_repeat(plan)
+        priced = executor.price_repeat(plan)
         # plain floats: windows are mostly a few iterations, where numpy's per-call cost dominates;
-        # accumulate adds in order, as stepping's clock does (and as numpy's cumsum did)
-        durations = durations.tolist() if isinstance(durations, np.ndarray) else list(durations)
-        ends = list(accumulate(durations, initial=now))
-        del ends[0]
+        # the ends add in order, as stepping's clock does (and as numpy's cumsum did); a loop, as
+        # list(accumulate(...)) is a generic iterator compiled. A list is the executor's own, new at
+        # each call (RepeatExecutor): kept, not copied
+        durations: list[float] = priced.tolist() if isinstance(priced, np.ndarray) else priced
+        ends: list[float] = []
+        end = now
+        for d in durations:
+            end = end + d
+            ends.append(end)
         k = _stop_at_arrivals(plan, ends, now, next_arrival, sched, reads_state)
         if k is None:
             return None
@@ -323,7 +330,8 @@ class ReplicaStep:
         if x_row is not None:
             if joined:
                 x_row[4] += bisect_right(joined, window.ends[-1])
-            self.log.add(*x_row)
+            # its arguments named one by one: a starred call is a generic call in the compiled kernel
+            self.log.add(x_row[0], x_row[1], x_row[2], x_row[3], x_row[4], x_row[5], x_row[6], x_row[7])
         self.windows += 1
         self.skipped += len(window.ends)
         self.exhaustions += window.exhaustion

@@ -101,12 +101,11 @@ class SimulatedExecutor:
 
     def price_repeat(self, plan: RepeatPlan) -> np.ndarray | list[float]:
         """Durations of the plan's `steps` pure-decode iterations of `num_seqs` sequences whose
-        contexts sum to context_tokens + num_seqs * j at iteration j = 1..steps, in one call. Up to
-        a few dozen iterations are priced one by one: the vectorised path costs as much as ~100
-        scalar prices of decode_step_series (which prices the batch-size terms once), and both are
-        identical."""
+        contexts sum to context_tokens + num_seqs * j at iteration j = 1..steps, in one call. Windows
+        shorter than the cost model's `series_steps()` are priced one by one (decode_step_series:
+        numpy's per-call cost dominates there), longer ones vectorised; both are identical."""
         num_seqs, context0, k = plan.num_seqs, plan.context_tokens, plan.steps
-        if k < 64:
+        if k < self.cost.series_steps():
             return self.cost.decode_step_series(num_seqs, [context0 + num_seqs * j for j in range(1, k + 1)])
         contexts = context0 + num_seqs * np.arange(1, k + 1, dtype=np.int64)
         return self.cost.decode_step_times(np.full(k, num_seqs, dtype=np.int64), contexts)

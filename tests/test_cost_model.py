@@ -175,6 +175,37 @@ def test_decode_step_times_equals_step_time(tp: int) -> None:
                                           model.decode_step_times(np.full(8, n), np.array(series)))
 
 
+class _GeneralPath(RooflineCostModel):
+    """The roofline priced by its general path only (a subclass never takes the float path)."""
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_float_step_time_equals_the_general_sum(tp: int) -> None:
+    # compositions with prefills, swaps and copies: the dense model's plain-float step_time must
+    # give the general path's (the operator groups added in order) bit for bit
+    rng = np.random.default_rng(1)
+    spec, hw = get_model("opt-66b"), get_hardware("a100-80gb")
+    fast, general = RooflineCostModel(spec, hw, tp=tp), _GeneralPath(spec, hw, tp=tp)
+    comps = [StepComposition(num_prefill_seqs=p, prefill_tokens=t, prefill_attn_pairs=t * (t + 1) // 2 + t * x,
+                             prefill_context_tokens=x, num_decode_seqs=d, decode_context_tokens=d * int(k),
+                             swap_in_blocks=si, swap_out_blocks=so, copy_blocks=cp)
+             for p, t, x, d, k, si, so, cp in zip(*(rng.integers(lo, hi, 200).tolist() for lo, hi in (
+                 (0, 4), (1, 3000), (0, 500), (0, 200), (1, 4000), (0, 3), (0, 3), (0, 2))), strict=True)]
+    comps = [StepComposition(**{**c.counts(), "prefill_tokens": c.prefill_tokens if c.num_prefill_seqs else 0,
+                                "prefill_attn_pairs": c.prefill_attn_pairs if c.num_prefill_seqs else 0,
+                                "prefill_context_tokens": c.prefill_context_tokens if c.num_prefill_seqs else 0})
+             for c in comps]
+    assert sum(c.num_prefill_seqs > 0 for c in comps) > 100 and sum(c.swap_in_blocks > 0 for c in comps) > 50
+    got = [fast.step_time(c) for c in comps]
+    want = [general.step_time(c) for c in comps]
+    assert got == want
+    for c, t in zip(comps, want, strict=True):
+        total = 0.0
+        for part in general.breakdown(c).values():
+            total = total + part
+        assert t == (total if not c.is_empty else 0.0)
+
+
 def test_tensor_parallel_speeds_up_a_big_model() -> None:
     opt66 = get_model("opt-66b")
     a100 = get_hardware("a100-80gb")
