@@ -327,7 +327,8 @@ class RooflineCostModel(CostModel):
         """_total(_composition_groups(c)) of a dense model for floats: each group's IEEE operations
         (_linear, _attention, _lm_head, _allreduce, swap_time, copy) in the same order, added in
         _groups' order from 0.0, without the dict and the generic (array-or-float) arithmetic that
-        the compiled kernel runs them by."""
+        the compiled kernel runs them by. A group that is absent adds 0.0 there, which leaves a
+        total that is never -0.0 as it is: it is skipped here."""
         pf_seqs, pf_tokens = float(c.num_prefill_seqs), float(c.prefill_tokens)
         pf_pairs, pf_ctx = float(c.prefill_attn_pairs), float(c.prefill_context_tokens)
         dec_seqs, dec_ctx = float(c.num_decode_seqs), float(c.decode_context_tokens)
@@ -341,28 +342,18 @@ class RooflineCostModel(CostModel):
         if tokens > 0:  # _linear
             p = self._linear_params
             total = total + max(2 * p * tokens / flops, (p * d + self._linear_act_bytes * tokens) / bw)
-        else:
-            total = total + 0.0
         if pf_tokens > 0:  # _attention(pf_pairs, pf_ctx, pf_tokens)
             total = total + max(self._attn_flops_per_pair * pf_pairs / attn_flops,
                                 (self._kv_bytes * pf_ctx + self._qkvo_bytes * pf_tokens) / attn_bw)
-        else:
-            total = total + 0.0
         if dec_seqs > 0:  # _attention(dec_ctx, dec_ctx, dec_seqs)
             total = total + max(self._attn_flops_per_pair * dec_ctx / attn_flops,
                                 (self._kv_bytes * dec_ctx + self._qkvo_bytes * dec_seqs) / attn_bw)
-        else:
-            total = total + 0.0
         if sampled > 0:  # _lm_head
             lm = self._lm_params
             total = total + max(2 * lm * sampled / flops, (lm * d + self._logit_bytes * sampled) / bw)
-        else:
-            total = total + 0.0
         if tokens > 0 and self.tp > 1:  # _allreduce (0.0 * tokens on one GPU)
             total = total + 2 * self.model.num_layers * (self.allreduce_latency_s
                                                          + self._allreduce_bytes * tokens / self._ic_bw)
-        else:
-            total = total + 0.0
         total = total + self.swap_time(swap_blocks, c.block_size)
         block_bytes = self._kv_bytes * c.block_size
         return total + (copy_blocks * 2 * block_bytes / bw if busy else 0.0)
