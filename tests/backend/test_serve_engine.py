@@ -152,6 +152,7 @@ class CharTokenizer:
 
 
 def test_text_deltas_hold_back_a_possible_stop_string():
+    pytest.importorskip("starlette")  # the `serve` extra (absent on the GPU machine's image)
     from backend.http_api import _Text
 
     t = _Text(CharTokenizer(), ("END",))
@@ -203,6 +204,7 @@ def test_chat_template_and_params():
 
 def test_http_refuses_past_max_pending_and_while_draining(tiny):
     """429 once --max-pending requests are in the server, 503 while draining; the engine untouched."""
+    pytest.importorskip("starlette")  # the `serve` extra (absent on the GPU machine's image)
     from starlette.testclient import TestClient
 
     from backend.http_api import OpenAIServer, ServeOptions
