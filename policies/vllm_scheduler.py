@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final
 
 from mypy_extensions import mypyc_attr
 
@@ -35,8 +36,13 @@ from policies.scheduler import Scheduler, remove_group
 
 PREEMPTION_MODES = ("recompute", "swap")
 
-# what `_admission` answers for the waiting group considered first
-ADMITTED, DEFERRED, BLOCKED, OVER_BUDGET, REJECTED = "admitted", "deferred", "blocked", "over budget", "rejected"
+# what `_admission` answers for the waiting group considered first (Final: the compiled kernel
+# inlines them, where a plain module global is a dict lookup at every use)
+ADMITTED: Final = "admitted"
+DEFERRED: Final = "deferred"
+BLOCKED: Final = "blocked"
+OVER_BUDGET: Final = "over budget"
+REJECTED: Final = "rejected"
 
 
 @dataclass(slots=True)
@@ -495,7 +501,7 @@ class VllmScheduler(Scheduler):
         if self._loose and not self._join_loose():
             return None
         batch = self._batch
-        h = _block_horizon(batch.opening_counts(), len(running), free)
+        h = _block_horizon(batch.counts, -batch.clock % self.block_size, len(running), free)
         if not head_blocked and h > 0:
             return None
         unknown = list(batch.unknown)
@@ -715,15 +721,19 @@ class VllmScheduler(Scheduler):
         return comp, len(preempt_plan.preempted)
 
 
-def _block_horizon(opening: list[int], num_seqs: int, free: int) -> int:
-    """How many decode steps can take their new blocks from `free` blocks, when opening[r]
-    sequences open a block at steps r + 1, r + 1 + bs, ... (bs = len(opening)): every bs steps
-    each of the `num_seqs` sequences opens exactly one, so whole periods are counted at once."""
+def _block_horizon(counts: list[int], q: int, num_seqs: int, free: int) -> int:
+    """How many decode steps can take their new blocks from `free` blocks, when the running batch's
+    residue buckets hold counts[.] sequences and bucket q opens a block next: bucket (q - r) mod bs
+    opens at steps r + 1, r + 1 + bs, ... (RunningBatch.opening_counts, read in place, not built);
+    every bs steps each of the `num_seqs` sequences opens exactly one, so whole periods are counted
+    at once."""
+    bs = len(counts)
     periods, left = divmod(free, num_seqs)
-    h = periods * len(opening)
-    for n in opening:  # sum(opening) == num_seqs > left, so this stops within the period
-        left -= n
+    h = periods * bs
+    for _ in range(bs):  # sum(counts) == num_seqs > left, so this stops within the period
+        left -= counts[q]
         if left < 0:
             break
         h += 1
+        q = q - 1 if q else bs - 1
     return h

@@ -15,7 +15,7 @@ from policies.queue_policy import QueuePolicy
 from policies.request import Request, SamplingParams, SequenceGroup
 from policies.scheduler import Scheduler
 from policies.step import ReplicaStep
-from policies.vllm_scheduler import VllmScheduler
+from policies.vllm_scheduler import VllmScheduler, _block_horizon
 from sim.cost_model import ConstantCostModel
 from sim.executor import SimulatedExecutor
 from sim.run import SimConfig, run_simulation
@@ -226,3 +226,21 @@ def test_an_admitting_iteration_is_applied_as_one_window_as_stepping_applies_it(
     assert [g.group_id for g in a.done] == ([0] if finishing else [])
     assert _state(a) == _state(b)
     pd.testing.assert_frame_equal(rs_a.log.frame(), rs_b.log.frame(), check_exact=True)
+
+
+def test_block_horizon_counts_the_steps_whose_blocks_fit():
+    """_block_horizon against stepping the buckets one decode step at a time: bucket (q - r) mod bs
+    opens its blocks at step r + 1 and every bs steps after; the horizon is the last step whose
+    blocks, with all before it, fit in the free blocks."""
+    rng = np.random.default_rng(7)
+    for _ in range(500):
+        bs = int(rng.integers(1, 17))
+        counts = [int(c) for c in rng.integers(0, 4, size=bs)]
+        if not sum(counts):
+            counts[int(rng.integers(bs))] = 1
+        q, free = int(rng.integers(bs)), int(rng.integers(0, 6 * sum(counts)))
+        taken = steps = 0
+        while taken + counts[(q - steps) % bs] <= free:
+            taken += counts[(q - steps) % bs]
+            steps += 1
+        assert _block_horizon(counts, q, sum(counts), free) == steps, (counts, q, free)
