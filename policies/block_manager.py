@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import Any
 
 from policies.kv_listener import KvCacheListener
 from policies.memory import MemoryBreakdown
@@ -598,7 +599,9 @@ class PagedBlockManager:
     def open_blocks(self, tables: list[list[int]]) -> None:
         """`open_decode_blocks` given the tables themselves (`tables[seq_id]`, as a running batch
         holds its members'): no lookup by seq id per block."""
-        ids = self.pool.take_ids(len(tables))
+        # typed Any so that compiled code moves the pool's int objects as they are (an item read as
+        # an int is boxed again when stored: an allocation for every id above 256)
+        ids: list[Any] = self.pool.take_ids(len(tables))
         for i in range(len(tables)):  # by index: compiled, no zip tuple per block
             tables[i].append(ids[i])
 

@@ -210,11 +210,18 @@ class RunningBatch:
     def tables_opening_within(self, k: int) -> list[list[int]]:
         """The tables of the members opening a block in each of the next `k` decode steps: step
         1's bucket first, each in bucket order (the order stepping takes their blocks)."""
-        out: list[list[int]] = []
-        clock, bs = self.clock, self.bs
-        for j in range(k):
-            out.extend(self.tables[-(clock + j) % bs])
-        return out
+        bs, counts, tables = self.bs, self.counts, self.tables
+        cycle: list[list[int]] = []  # steps 1 .. min(k, bs); every bs steps the same buckets open again
+        r = k % bs
+        part = 0  # len(cycle) over the first r steps
+        q = -self.clock % bs  # step j + 1 opens bucket -(clock + j) % bs: one down per step, wrapping
+        for j in range(min(k, bs)):
+            if j == r:
+                part = len(cycle)
+            if counts[q]:
+                cycle.extend(tables[q])
+            q = q - 1 if q else bs - 1
+        return cycle if k <= bs else cycle * (k // bs) + cycle[:part]
 
     def opening_in_order(self, groups: list[SequenceGroup]) -> list[Sequence]:
         """`opening_bucket()` in the order of `groups` (single-sequence groups, every one a
