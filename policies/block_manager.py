@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import Any
 
 from policies.kv_listener import KvCacheListener
 from policies.memory import MemoryBreakdown
@@ -95,11 +96,11 @@ class BlockPool:
         if n > len(fresh) and len(blocks) < self.num_blocks:
             self._make(min(n - len(fresh), self.num_blocks - len(blocks)))
         if n <= len(fresh):  # the common case: never-cached blocks only, taken from the stack's top
-            ids = fresh[:-n - 1:-1] if n else []
-            del fresh[len(fresh) - n:]
+            ids = fresh[len(fresh) - n:]  # the stack's own int objects (none boxed again), top first:
+            ids.reverse()
             self.num_free -= n
-            for block_id in ids:
-                block = blocks[block_id]
+            for _i in range(n):  # popped, not a slice deleted (a generic call compiled); `_` is an object here
+                block = blocks[fresh.pop()]
                 block.ref_count = 1
                 block.filled = 0
             return ids
@@ -183,8 +184,33 @@ class BlockPool:
         """release_ids: push its first `i` blocks (in its order) onto the never-cached stack when
         they are still an unbroken run of blocks bound there (`run`)."""
         if run and i:
-            n = len(block_ids)
-            self._fresh.extend(block_ids[n - i:][::-1] if backwards else block_ids[:i])
+            if backwards:
+                tail = block_ids[len(block_ids) - i:]
+                tail.reverse()  # not a [::-1] slice: a generic call compiled
+                self._fresh.extend(tail)
+            else:
+                self._fresh.extend(block_ids[:i])
+
+    def release_table(self, table: list[int]) -> None:
+        """`release_ids(table, backwards=True)`: a whole table freed, last block first. Its own
+        never-cached blocks at the end (ref_count 1, no hash: usually the whole table) are released
+        in one pass and pushed in one extend; `release_ids` takes whatever precedes them."""
+        blocks = self.blocks
+        j = len(table)
+        states = 0
+        while j:
+            block = blocks[table[j - 1]]
+            if block.ref_count != 1 or block.hash is not None:
+                break  # shared, cached or freed twice: the general path
+            block.ref_count = 0
+            states += block.filled
+            j -= 1
+        if j < len(table):
+            self._push_fresh_run(table, len(table) - j, True, True)
+            self.used_filled -= states
+            self.num_free += len(table) - j
+        if j:
+            self.release_ids(table[:j], backwards=True)
 
     def set_filled(self, block: Block, filled: int) -> None:
         """Record how many slots of an in-use block hold tokens."""
@@ -567,10 +593,17 @@ class PagedBlockManager:
         """Append one fresh block to each sequence's table, in order (the caller has counted them
         against the free blocks)."""
         tables = self.tables
-        sids = seq_ids if isinstance(seq_ids, list) else list(seq_ids)  # a window's list: not copied
-        ids = self.pool.take_ids(len(sids))
-        for i in range(len(sids)):  # by index: compiled, no zip tuple per block
-            tables[sids[i]].append(ids[i])
+        sids = seq_ids if isinstance(seq_ids, list) else list(seq_ids)  # by index: compiled, no iterator
+        self.open_blocks([tables[sids[i]] for i in range(len(sids))])
+
+    def open_blocks(self, tables: list[list[int]]) -> None:
+        """`open_decode_blocks` given the tables themselves (`tables[seq_id]`, as a running batch
+        holds its members'): no lookup by seq id per block."""
+        # typed Any so that compiled code moves the pool's int objects as they are (an item read as
+        # an int is boxed again when stored: an allocation for every id above 256)
+        ids: list[Any] = self.pool.take_ids(len(tables))
+        for i in range(len(tables)):  # by index: compiled, no zip tuple per block
+            tables[i].append(ids[i])
 
     def add_token_states(self, n: int) -> None:
         """Count `n` token states decoded into the owed sequences' blocks (settled later)."""
@@ -580,19 +613,23 @@ class PagedBlockManager:
         """Sequences whose tables cover `k` decoded tokens beyond `num_computed` (single sequences
         that own their blocks): fill those blocks and move their slots on by k. The caller then
         moves the sequences' own counters."""
-        bs = self.block_size
-        blocks, tables, slots = self.pool.blocks, self.tables, self.slots
+        tables = self.tables
         for s in seqs:
-            c = s.num_computed
-            table = tables[s.seq_id]
-            if -c % bs < k:  # blocks were opened: all but the last are full
-                last = len(table) - 1
-                for i in range(c // bs, last):
-                    blocks[table[i]].filled = bs
-                blocks[table[last]].filled = c + k - last * bs
-            else:
-                blocks[table[-1]].filled += k
-            slots[s.seq_id] = c + k
+            self.settle_decode(s, tables[s.seq_id], k)
+
+    def settle_decode(self, seq: Sequence, table: list[int], k: int) -> None:
+        """`settle_decodes` for one sequence, given its table (`tables[seq_id]`)."""
+        bs = self.block_size
+        blocks = self.pool.blocks
+        c = seq.num_computed
+        if -c % bs < k:  # blocks were opened: all but the last are full
+            last = len(table) - 1
+            for i in range(c // bs, last):
+                blocks[table[i]].filled = bs
+            blocks[table[last]].filled = c + k - last * bs
+        else:
+            blocks[table[-1]].filled += k
+        self.slots[seq.seq_id] = c + k
 
     def register_decoded(self, seq: Sequence, before: int) -> None:
         """Name (prefix caching) the full blocks a sequence filled in decode steps applied in bulk,
@@ -624,17 +661,20 @@ class PagedBlockManager:
         return to the free queue, last block first so that a prompt's leading, most shared blocks
         are evicted last) and, when it is swapped out, its CPU table (an aborted swapped group)."""
         self._free_device(seq)
-        cpu_table = self.cpu_tables.pop(seq.seq_id, None)
+        cpu_table = self.cpu_tables.get(seq.seq_id) if self.cpu_tables else None  # not pop(sid, None): generic
         if cpu_table is not None:
+            del self.cpu_tables[seq.seq_id]
             self.cpu_slots.pop(seq.seq_id, None)
             for c in cpu_table:
                 self.cpu.release(c)
 
     def _free_device(self, seq: Sequence) -> None:
-        table = self.tables.pop(seq.seq_id, None)
-        self.slots.pop(seq.seq_id, None)
+        sid = seq.seq_id
+        table = self.tables.get(sid)  # get and del, not pop(sid, None): a generic call compiled
         if table is not None:
-            self.pool.release_ids(table, backwards=True)
+            del self.tables[sid]
+            del self.slots[sid]  # a table's slots are kept with it
+            self.pool.release_table(table)
 
     def free_group(self, group: SequenceGroup) -> None:
         for s in group.seqs:

@@ -569,7 +569,7 @@ class VllmScheduler(Scheduler):
             batch.leave(s)
         # the blocks this step opens, then the finishing sequences' own token (a new block or
         # their own partly filled one)
-        bm.open_decode_blocks([s.seq_id for s in batch.opening_bucket()])
+        bm.open_blocks(batch.opening_tables())
         bm.add_token_states(batch.size)
         step = StepPlan(block_size=self.block_size)
         tables = bm.tables
@@ -641,14 +641,14 @@ class VllmScheduler(Scheduler):
         k = plan.steps
         b = batch.size
         # the members opening a block in decode step j + 1 from the clock: bucket -(clock + j) % bs
-        buckets, counts, clock = batch.buckets, batch.counts, batch.clock
+        counts, clock = batch.counts, batch.clock
         pool = bm.pool
         states0 = pool.used_filled
         used0 = bm.num_gpu_blocks - pool.num_free
         free0 = pool.num_free * bs
         # blocks taken in iteration order (any order within one: which block a sequence gets is
         # not observable, only how many are taken and when)
-        bm.open_decode_blocks([s.seq_id for j in range(k) for s in buckets[-(clock + j) % bs]])
+        bm.open_blocks(batch.tables_opening_within(k))
         bm.add_token_states(k * b)
         if self.policy.tracks_service:  # before the clock moves: a group reads as stepping's first call
             self.policy.on_decoded(self.running, k)
