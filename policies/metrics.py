@@ -4,7 +4,9 @@ the shared contract in policies/): a row per request, a row per iteration, and a
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Iterable
+from typing import Final
 
 import numpy as np
 import pandas as pd
@@ -21,10 +23,13 @@ ITERATION_COLUMNS = (
     "prefix_hits", "prefill_seqs", "prefill_attn_pairs", "prefill_context_tokens", "copy_blocks",
 )
 _FLOAT_COLUMNS = ("start", "duration")
+_INT_COLUMNS = ITERATION_COLUMNS[2:]  # IterationLog: a record's numbers after its row count, in this order
+_RECORD: Final = 20  # numbers in a record: its rows, then one per integer column
+_WINDOW_FIELDS: Final = 6  # IterationLog.add_window: numbers in a window's own record (see _grow_windows)
+assert _RECORD == 1 + len(_INT_COLUMNS)
 _NARROW = (np.int8, np.int16, np.int32)  # IterationLog: tried in order when a block is sealed
 # (type, its least and greatest value) of each, read once: np.iinfo builds an object per call
 _NARROW_RANGES = tuple((t, int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in _NARROW)
-_WINDOW_FIELDS = 14  # IterationLog.add_window: numbers in a window's record
 
 
 class IterationLog:
@@ -32,30 +37,29 @@ class IterationLog:
     written (`add`: one row; `add_window`: a paged window's rows; `add_many`: rows given as
     columns), whatever the storage.
 
-    Writing appends to flat Python lists and nothing more: a single row as its numbers, a window as
-    one record of a few integers (its RepeatResult, its waiting count and prefix
-    hits), its start and ends and durations and the blocks each of its iterations opened
-    `extend`ed onto flat lists, and the rare irregular column (waiting counts that change with
-    arrivals) as an override. When a staging block reaches `capacity` rows (or is read) its rows
-    are expanded at once with numpy (every window's columns by np.repeat and cumsum over all its
-    records) and sealed: each integer column stored in the narrowest integer type that holds its
-    values exactly (most counts fit in one or two bytes), floats as they are, so a million-request
-    log holds ~40 bytes a row instead of 168. Reading widens every column back to float64 / int64.
-    Columns missing from `add_many` stay 0."""
+    Writing appends to flat Python lists and nothing more. Every write is a record of k rows (a
+    single row: k = 1) holding one number per integer column, the value of each of its rows (a
+    window's columns that grow by its iterations hold their first value, less the growth); each
+    row adds its start, its duration and the blocks its iteration opened (0 outside windows); a
+    window adds its own record (its growth and its last row, read after its finishes), and the
+    rare irregular column (waiting counts that change with arrivals) an override. When a staging
+    block reaches `capacity` rows (or is read) its rows are expanded at once with numpy, in
+    order (every integer column by np.repeat over the records, the windows' growth added by
+    cumsum: no row is placed by scatter) and sealed: each integer column stored in the narrowest
+    integer type that holds its values exactly (most counts fit in one or two bytes), floats as
+    they are, so a million-request log holds ~40 bytes a row instead of 168. Reading widens every
+    column back to float64 / int64. Columns missing from `add_many` stay 0."""
 
     def __init__(self, capacity: int = 16384) -> None:
         self._capacity = capacity  # rows in a staging block (a window may overfill it)
         self._sealed: dict[str, list[np.ndarray]] = {c: [] for c in ITERATION_COLUMNS}
         self._base = 0  # rows sealed so far (the staging block's first row)
         self.rows = 0
-        # flat lists of numbers (numpy reads a flat list of ints at about twice the speed of tuples)
-        self._single_times: list[float] = []   # add's rows: start and duration of each
-        self._single_ints: list[int] = []      # and its other columns, in ITERATION_COLUMNS order
-        self._single_at: list[int] = []        # and their row numbers within the staging block
-        self._windows: list[int] = []          # add_window's records, _WINDOW_FIELDS numbers each
-        self._times: list[float] = []          # per window: its start, then its k ends
-        self._durations: list[float] = []      # per window row
-        self._opened: list[int] = []           # per window row: blocks opened by its iteration
+        self._records: list[int] = []     # per record: its rows, then its _INT_COLUMNS (_RECORD numbers)
+        self._starts: list[float] = []    # per row
+        self._durations: list[float] = []  # per row
+        self._opened: list[int] = []      # per row: blocks its iteration opened (windows' rows; else 0)
+        self._windows: list[int] = []     # per window: its record's index and more (_grow_windows)
         self._waiting: list[tuple[int, list[int]]] = []  # (first row, waiting per row) overrides
         self._dense: list[tuple[int, dict]] = []  # add_many's (first row, columns)
 
@@ -66,16 +70,14 @@ class IterationLog:
     def add(self, start: float, duration: float, c: StepComposition, num_preempted: int,
             waiting: int, running: int, mem: MemoryBreakdown, prefix_hits: int) -> None:
         """One row: an iteration of composition `c`."""
-        times = self._single_times
-        times.append(start)
-        times.append(duration)
-        self._single_ints.extend((c.num_prefill_seqs + c.num_decode_seqs, c.prefill_tokens,
-                                  c.num_decode_seqs, c.decode_context_tokens + c.prefill_context_tokens,
-                                  num_preempted, c.swap_in_blocks, c.swap_out_blocks, waiting, running,
-                                  mem.token_states, mem.reserved, mem.internal_frag, mem.external_frag, mem.free,
-                                  prefix_hits, c.num_prefill_seqs, c.prefill_attn_pairs, c.prefill_context_tokens,
-                                  c.copy_blocks))
-        self._single_at.append(self.rows - self._base)
+        self._records.extend((1, c.num_prefill_seqs + c.num_decode_seqs, c.prefill_tokens, c.num_decode_seqs,
+                              c.decode_context_tokens + c.prefill_context_tokens, num_preempted, c.swap_in_blocks,
+                              c.swap_out_blocks, waiting, running, mem.token_states, mem.reserved, mem.internal_frag,
+                              mem.external_frag, mem.free, prefix_hits, c.num_prefill_seqs, c.prefill_attn_pairs,
+                              c.prefill_context_tokens, c.copy_blocks))
+        self._starts.append(start)
+        self._durations.append(duration)
+        self._opened.append(0)
         self.rows += 1
         if self.rows - self._base >= self._capacity:
             self._seal()
@@ -89,22 +91,20 @@ class IterationLog:
         ends[i - 1]), duration, num_seqs = decode_tokens = res.num_seqs, context_tokens
         res.context_tokens + (i + 1) * num_seqs, the memory columns of RepeatResult, waiting,
         prefix_hits, and 0 elsewhere."""
-        pos = self.rows - self._base
-        self._windows.extend((pos, steps, res.num_seqs, res.context_tokens,
-                              waiting if isinstance(waiting, int) else 0, prefix_hits,
-                              res.states0, res.allocated0, res.free0, res.block_size,
-                              res.last_running, res.last_states, res.last_internal, res.last_free))
-        times = self._times
-        times.append(start)
-        if len(durations) == steps:
-            times.extend(ends)
-            self._durations.extend(durations)
-        else:  # a preempting iteration after them, logged on its own
-            times.extend(ends[:steps])
-            self._durations.extend(durations[:steps])
-        self._opened.extend(res.opened)
+        b, states0 = res.num_seqs, res.states0
         if not isinstance(waiting, int):
-            self._waiting.append((pos, waiting))
+            self._waiting.append((self.rows - self._base, waiting))
+            waiting = 0
+        # the growing columns hold their value before the first iteration (see _grow_windows)
+        self._windows.extend((len(self._records) // _RECORD, res.block_size, res.last_running, res.last_states,
+                              res.last_internal, res.last_free))
+        self._records.extend((steps, b, 0, b, res.context_tokens, 0, 0, 0, waiting, b, states0, 0,
+                              res.allocated0 - states0, 0, res.free0, prefix_hits, 0, 0, 0, 0))
+        starts = self._starts
+        starts.append(start)
+        starts.extend(ends[:steps - 1])
+        self._durations.extend(durations if len(durations) == steps else durations[:steps])
+        self._opened.extend(res.opened)
         self.rows += steps
         if self.rows - self._base >= self._capacity:
             self._seal()
@@ -112,85 +112,85 @@ class IterationLog:
     def add_many(self, columns: dict[str, np.ndarray | list]) -> None:
         """Rows given as columns (each of the same length, or one value for all): a log built
         from columns (tests, tools) rather than from a run."""
+        k = len(columns["start"])
         self._dense.append((self.rows - self._base, columns))
-        self.rows += len(columns["start"])
+        self._records.append(k)
+        self._records.extend([0] * (_RECORD - 1))
+        self._starts.extend([0.0] * k)  # placeholders: the columns given are written over them
+        self._durations.extend([0.0] * k)
+        self._opened.extend([0] * k)
+        self.rows += k
         if self.rows - self._base >= self._capacity:
             self._seal()
 
-    def _seal(self) -> None:
-        """Expand the staging block's rows, store them compactly, and start an empty block."""
+    def _seal(self, compact: bool = True) -> None:
+        """Expand the staging block's rows, store them (compactly unless not `compact`), and start
+        an empty block."""
         if self.rows > self._base:
             for c, col in self._expand().items():
-                self._sealed[c].append(self._compact(col))
-            self._single_times, self._single_ints, self._single_at = [], [], []
-            self._windows, self._dense = [], []
-            self._times, self._durations, self._opened, self._waiting = [], [], [], []
+                self._sealed[c].append(self._compact(col) if compact else col)
+            self._records, self._starts, self._durations, self._opened = [], [], [], []
+            self._windows, self._waiting, self._dense = [], [], []
         self._base = self.rows
 
     def _expand(self) -> dict[str, np.ndarray]:
         """The staging block's rows as float64 / int64 columns."""
-        n = self.rows - self._base
-        cols: dict[str, np.ndarray] = {c: np.zeros(n, dtype=self.dtype(c)) for c in ITERATION_COLUMNS}
-        if self._single_at:
-            at = _ints(self._single_at)
-            times = _floats(self._single_times).reshape(-1, 2)
-            ints = _ints(self._single_ints).reshape(len(at), -1)
-            cols["start"][at], cols["duration"][at] = times[:, 0], times[:, 1]
-            for i, c in enumerate(ITERATION_COLUMNS[2:]):
-                cols[c][at] = ints[:, i]
-        for pos, columns in self._dense:
-            k = len(columns["start"])
-            for c, given in columns.items():
-                cols[c][pos:pos + k] = given
+        records = _ints(self._records).reshape(-1, _RECORD)
+        k = records[:, 0]
+        rows = np.repeat(records, k, axis=0)  # a record's numbers copied to each of its rows at once
+        cols: dict[str, np.ndarray] = {"start": _floats(self._starts), "duration": _floats(self._durations)}
+        for i, c in enumerate(_INT_COLUMNS):
+            cols[c] = rows[:, i + 1]  # a view: _compact or the reader copies it
         if self._windows:
-            self._expand_windows(cols)
-        return cols
-
-    def _expand_windows(self, cols: dict[str, np.ndarray]) -> None:
-        """Write the block's window records into `cols`, all records at once (see add_window)."""
-        w = _ints(self._windows).reshape(-1, _WINDOW_FIELDS)
-        pos, k, b, context0, waiting, hits, states0, allocated0, free0, bs = w[:, :10].T
-        num = len(w)
-        first = np.cumsum(k) - k              # each record's first row among the window rows
-        rec = np.repeat(np.arange(num), k)    # the record of each window row
-        j = np.arange(len(rec)) - first[rec] + 1  # its iteration within the window, from 1
-        at = pos[rec] + j - 1                 # its row within the block
-        last = first + k - 1
-        times = _floats(self._times)  # record r's start sits at first[r] + r
-        starts = times[first[rec] + rec + j - 1]
-        taken = np.cumsum(_ints(self._opened))
-        taken -= np.concatenate(([0], taken))[first][rec]  # blocks taken by the end of each iteration
-        b_rows = b[rec]
-        grown = b_rows * j
-        states = states0[rec] + grown
-        slots = taken * bs[rec]
-        internal = allocated0[rec] + slots - states
-        free = free0[rec] - slots
-        running = b_rows.copy()
-        running[last], states[last], internal[last], free[last] = w[:, 10], w[:, 11], w[:, 12], w[:, 13]
-        cols["start"][at] = starts
-        cols["duration"][at] = _floats(self._durations)
-        cols["num_seqs"][at] = b_rows
-        cols["decode_tokens"][at] = b_rows
-        cols["context_tokens"][at] = context0[rec] + grown
-        cols["running"][at] = running
-        cols["kv_token_states"][at] = states
-        cols["kv_internal_frag"][at] = internal
-        cols["kv_free"][at] = free
-        cols["waiting"][at] = waiting[rec]
-        cols["prefix_hits"][at] = hits[rec]
+            self._grow_windows(cols, k)
         for p, values in self._waiting:
             cols["waiting"][p:p + len(values)] = values
+        if self._dense:
+            cols["start"], cols["duration"] = cols["start"].copy(), cols["duration"].copy()  # writable
+            for pos, columns in self._dense:
+                n = len(columns["start"])
+                for c, given in columns.items():
+                    cols[c][pos:pos + n] = given
+        return cols
+
+    def _grow_windows(self, cols: dict[str, np.ndarray], k: np.ndarray) -> None:
+        """Add the windows' growth to the block's columns (see add_window and RepeatResult): row j
+        (from 1) of a window of num_seqs b whose iterations have taken `taken` blocks by its end
+        holds j * b more context tokens and token states, taken * block_size fewer free slots and
+        taken * block_size - j * b more internal fragmentation; its last row the figures read after
+        its finishes. A window's own record: its record's index, block_size, then its last row's
+        running, token states, internal fragmentation and free slots."""
+        w = _ints(self._windows).reshape(-1, _WINDOW_FIELDS)
+        r = w[:, 0]
+        first = np.cumsum(k) - k  # each record's first row
+        step, block = np.zeros(len(k), dtype=np.int64), np.zeros(len(k), dtype=np.int64)
+        step[r] = cols["num_seqs"][first[r]]  # 0 outside windows: nothing grows
+        block[r] = w[:, 1]
+        first_rows = np.repeat(first, k)
+        grown = np.repeat(step, k) * (np.arange(len(first_rows)) - first_rows + 1)
+        taken = np.cumsum(_ints(self._opened))  # by each row's end, from the block's start
+        taken -= np.repeat(np.concatenate(([0], taken))[first], k)  # from its record's start
+        slots = taken * np.repeat(block, k)
+        cols["context_tokens"] += grown
+        cols["kv_token_states"] += grown
+        cols["kv_internal_frag"] += slots - grown
+        cols["kv_free"] -= slots
+        last = first[r] + k[r] - 1
+        cols["running"][last] = w[:, 2]
+        cols["kv_token_states"][last] = w[:, 3]
+        cols["kv_internal_frag"][last] = w[:, 4]
+        cols["kv_free"][last] = w[:, 5]
 
     @classmethod
     def _compact(cls, col: np.ndarray) -> np.ndarray:
-        """`col` in the narrowest type that holds every value exactly (a copy when narrowed)."""
+        """`col` in the narrowest type that holds every value exactly, contiguous (a copy when
+        narrowed or a view: a kept view would keep its whole block's numbers alive)."""
         if col.dtype.kind == "i" and len(col):
             lo, hi = int(col.min()), int(col.max())
             for t, least, greatest in _NARROW_RANGES:
                 if least <= lo and hi <= greatest:
                     return col.astype(t)
-        return col
+        return np.ascontiguousarray(col)
 
     def parts(self, c: str) -> list[np.ndarray]:
         """Column `c` in pieces, oldest first (each may be narrower than the column's type). Seals
@@ -200,8 +200,9 @@ class IterationLog:
 
     def pop_parts(self, c: str) -> list[np.ndarray]:
         """`parts(c)`, handed over: the log drops column `c` (and takes no more rows), so that a
-        spent log's table is built a column at a time without the whole log beside it."""
-        self._seal()
+        spent log's table is built a column at a time without the whole log beside it. Its last
+        block stays wide: it is widened at once (compacting it would cost more than it saves)."""
+        self._seal(compact=False)
         return self._sealed.pop(c) or [np.zeros(0, dtype=self.dtype(c))]
 
     def column(self, c: str) -> np.ndarray:
@@ -215,14 +216,15 @@ class IterationLog:
 
 
 def _ints(values: list[int]) -> np.ndarray:
-    """A flat list of Python ints as int64, in one pass (np.array walks a list twice: once to find
-    its shape and type, once to copy)."""
-    return np.fromiter(values, dtype=np.int64, count=len(values))
+    """A flat list of Python ints as int64 (read-only), converted in C: struct reads each int
+    directly, where np.fromiter / np.array convert element by element through numpy's generic
+    packing (about four times the instructions)."""
+    return np.frombuffer(struct.pack(f"{len(values)}q", *values), dtype=np.int64)
 
 
 def _floats(values: list[float]) -> np.ndarray:
-    """A flat list of Python floats as float64, in one pass (the same values, bit for bit)."""
-    return np.fromiter(values, dtype=np.float64, count=len(values))
+    """A flat list of Python floats as float64 (read-only), the same values bit for bit (see _ints)."""
+    return np.frombuffer(struct.pack(f"{len(values)}d", *values), dtype=np.float64)
 
 
 def iteration_compositions(iterations: pd.DataFrame, block_size: int = 16) -> list[StepComposition]:
