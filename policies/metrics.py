@@ -23,10 +23,15 @@ ITERATION_COLUMNS = (
     "prefix_hits", "prefill_seqs", "prefill_attn_pairs", "prefill_context_tokens", "copy_blocks",
 )
 _FLOAT_COLUMNS = ("start", "duration")
-_INT_COLUMNS = ITERATION_COLUMNS[2:]  # IterationLog: a record's numbers after its row count, in this order
-_RECORD: Final = 20  # numbers in a record: its rows, then one per integer column
-_WINDOW_FIELDS: Final = 6  # IterationLog.add_window: numbers in a window's own record (see _grow_windows)
-assert _RECORD == 1 + len(_INT_COLUMNS)
+_INT_COLUMNS = ITERATION_COLUMNS[2:]
+# IterationLog's record of a write, in C numbers: its rows, start, duration, the integer columns
+# (_INT_COLUMNS), then a window's block size and its last row's running, token states, internal
+# fragmentation and free slots (0 for other writes)
+_RECORD: Final = struct.Struct(f"q2d{len(_INT_COLUMNS)}q5q")
+_FIELDS: Final = 27  # 8-byte numbers in a record
+_RECORD_BYTES: Final = 8 * _FIELDS
+_BLOCK_SIZE: Final = 22  # the field of a window's block size (> 0: tells a window's record from others)
+assert _RECORD.size == _RECORD_BYTES and _BLOCK_SIZE == 3 + len(_INT_COLUMNS)
 _NARROW = (np.int8, np.int16, np.int32)  # IterationLog: tried in order when a block is sealed
 # (type, its least and greatest value) of each, read once: np.iinfo builds an object per call
 _NARROW_RANGES = tuple((t, int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in _NARROW)
@@ -37,29 +42,36 @@ class IterationLog:
     written (`add`: one row; `add_window`: a paged window's rows; `add_many`: rows given as
     columns), whatever the storage.
 
-    Writing appends to flat Python lists and nothing more. Every write is a record of k rows (a
-    single row: k = 1) holding one number per integer column, the value of each of its rows (a
-    window's columns that grow by its iterations hold their first value, less the growth); each
-    row adds its start, its duration and the blocks its iteration opened (0 outside windows); a
-    window adds its own record (its growth and its last row, read after its finishes), and the
-    rare irregular column (waiting counts that change with arrivals) an override. When a staging
-    block reaches `capacity` rows (or is read) its rows are expanded at once with numpy, in
-    order (every integer column by np.repeat over the records, the windows' growth added by
-    cumsum: no row is placed by scatter) and sealed: each integer column stored in the narrowest
-    integer type that holds its values exactly (most counts fit in one or two bytes), floats as
-    they are, so a million-request log holds ~40 bytes a row instead of 168. Reading widens every
-    column back to float64 / int64. Columns missing from `add_many` stay 0."""
+    Writing packs C numbers and appends to flat lists, nothing more: every write is a record of k
+    rows packed into a byte buffer (struct: no Python object kept per number): a single row's
+    numbers (k = 1); a window's start, the values of its columns before its first iteration, its
+    block size and its last row's figures (read after its finishes); zeros for `add_many`'s rows,
+    written over by the columns given. A window's per-row numbers (its ends, durations and the
+    blocks each iteration opened) are appended to flat lists, and the rare irregular column
+    (waiting counts that change with arrivals) kept as an override. When a staging block reaches
+    `capacity` rows (or is read) its rows are expanded at once with numpy, in order (each record
+    copied to its rows by np.repeat, the windows' rows then computed from their per-row numbers by
+    cumsum and written through one mask: no row placed by index) and sealed: each integer column
+    stored in the narrowest integer type that holds its values exactly (most counts fit in one or
+    two bytes), floats as they are, so a million-request log holds ~40 bytes a row instead of
+    168. Reading widens every column back to float64 / int64. Columns missing from `add_many` stay
+    0."""
 
     def __init__(self, capacity: int = 16384) -> None:
         self._capacity = capacity  # rows in a staging block (a window may overfill it)
         self._sealed: dict[str, list[np.ndarray]] = {c: [] for c in ITERATION_COLUMNS}
         self._base = 0  # rows sealed so far (the staging block's first row)
         self.rows = 0
-        self._records: list[int] = []     # per record: its rows, then its _INT_COLUMNS (_RECORD numbers)
-        self._starts: list[float] = []    # per row
-        self._durations: list[float] = []  # per row
-        self._opened: list[int] = []      # per row: blocks its iteration opened (windows' rows; else 0)
-        self._windows: list[int] = []     # per window: its record's index and more (_grow_windows)
+        # the block's records: a buffer kept from block to block (a record has one row or more: a
+        # block holds at most `capacity` of them), left uninitialised (each record is written whole
+        # before it is read; zeroing it would cost as much as packing the records)
+        self._room = min(capacity, 65536)  # records the buffer holds (doubled when full)
+        self._records = np.empty(self._room * _RECORD_BYTES, dtype=np.uint8)
+        self._buffer = self._records.data  # what struct writes into (a memoryview)
+        self._count = 0  # records in the block
+        self._ends: list[float] = []       # per window row
+        self._durations: list[float] = []  # per window row
+        self._opened: list[int] = []       # per window row: blocks its iteration opened
         self._waiting: list[tuple[int, list[int]]] = []  # (first row, waiting per row) overrides
         self._dense: list[tuple[int, dict]] = []  # add_many's (first row, columns)
 
@@ -67,17 +79,25 @@ class IterationLog:
     def dtype(cls, c: str) -> type:
         return np.float64 if c in _FLOAT_COLUMNS else np.int64
 
+    def _next_record(self) -> int:
+        """The byte offset of the block's next record (in a new buffer when the block's is full)."""
+        if self._count == self._room:
+            self._records = np.concatenate((self._records, np.empty_like(self._records)))
+            self._buffer = self._records.data
+            self._room *= 2
+        self._count += 1
+        return (self._count - 1) * _RECORD_BYTES
+
     def add(self, start: float, duration: float, c: StepComposition, num_preempted: int,
             waiting: int, running: int, mem: MemoryBreakdown, prefix_hits: int) -> None:
         """One row: an iteration of composition `c`."""
-        self._records.extend((1, c.num_prefill_seqs + c.num_decode_seqs, c.prefill_tokens, c.num_decode_seqs,
-                              c.decode_context_tokens + c.prefill_context_tokens, num_preempted, c.swap_in_blocks,
-                              c.swap_out_blocks, waiting, running, mem.token_states, mem.reserved, mem.internal_frag,
-                              mem.external_frag, mem.free, prefix_hits, c.num_prefill_seqs, c.prefill_attn_pairs,
-                              c.prefill_context_tokens, c.copy_blocks))
-        self._starts.append(start)
-        self._durations.append(duration)
-        self._opened.append(0)
+        at = self._next_record()  # first: it may replace the buffer
+        _RECORD.pack_into(self._buffer, at, 1, start, duration,
+                          c.num_prefill_seqs + c.num_decode_seqs, c.prefill_tokens, c.num_decode_seqs,
+                          c.decode_context_tokens + c.prefill_context_tokens, num_preempted, c.swap_in_blocks,
+                          c.swap_out_blocks, waiting, running, mem.token_states, mem.reserved, mem.internal_frag,
+                          mem.external_frag, mem.free, prefix_hits, c.num_prefill_seqs, c.prefill_attn_pairs,
+                          c.prefill_context_tokens, c.copy_blocks, 0, 0, 0, 0, 0)
         self.rows += 1
         if self.rows - self._base >= self._capacity:
             self._seal()
@@ -91,19 +111,26 @@ class IterationLog:
         ends[i - 1]), duration, num_seqs = decode_tokens = res.num_seqs, context_tokens
         res.context_tokens + (i + 1) * num_seqs, the memory columns of RepeatResult, waiting,
         prefix_hits, and 0 elsewhere."""
-        b, states0 = res.num_seqs, res.states0
+        if steps <= 0:
+            return  # no rows
+        if len(res.opened) != steps or len(durations) < steps or len(ends) < steps:
+            raise ValueError(f"add_window: {steps} steps, but {len(ends)} ends, {len(durations)} durations "
+                             f"and {len(res.opened)} opened counts")
         if not isinstance(waiting, int):
             self._waiting.append((self.rows - self._base, waiting))
             waiting = 0
-        # the growing columns hold their value before the first iteration (see _grow_windows)
-        self._windows.extend((len(self._records) // _RECORD, res.block_size, res.last_running, res.last_states,
-                              res.last_internal, res.last_free))
-        self._records.extend((steps, b, 0, b, res.context_tokens, 0, 0, 0, waiting, b, states0, 0,
-                              res.allocated0 - states0, 0, res.free0, prefix_hits, 0, 0, 0, 0))
-        starts = self._starts
-        starts.append(start)
-        starts.extend(ends[:steps - 1])
-        self._durations.extend(durations if len(durations) == steps else durations[:steps])
+        b, states0 = res.num_seqs, res.states0
+        at = self._next_record()
+        _RECORD.pack_into(self._buffer, at, steps, start, 0.0,
+                          b, 0, b, res.context_tokens, 0, 0, 0, waiting, b, states0, 0, res.allocated0 - states0, 0,
+                          res.free0, prefix_hits, 0, 0, 0, 0,
+                          res.block_size, res.last_running, res.last_states, res.last_internal, res.last_free)
+        if len(durations) == steps:
+            self._ends.extend(ends)
+            self._durations.extend(durations)
+        else:  # a preempting iteration after them, logged on its own
+            self._ends.extend(ends[:steps])
+            self._durations.extend(durations[:steps])
         self._opened.extend(res.opened)
         self.rows += steps
         if self.rows - self._base >= self._capacity:
@@ -113,12 +140,11 @@ class IterationLog:
         """Rows given as columns (each of the same length, or one value for all): a log built
         from columns (tests, tools) rather than from a run."""
         k = len(columns["start"])
+        if not k:
+            return  # no rows
         self._dense.append((self.rows - self._base, columns))
-        self._records.append(k)
-        self._records.extend([0] * (_RECORD - 1))
-        self._starts.extend([0.0] * k)  # placeholders: the columns given are written over them
-        self._durations.extend([0.0] * k)
-        self._opened.extend([0] * k)
+        at = self._next_record()
+        _RECORD.pack_into(self._buffer, at, k, *[0] * (_FIELDS - 1))  # zeros, written over
         self.rows += k
         if self.rows - self._base >= self._capacity:
             self._seal()
@@ -129,57 +155,67 @@ class IterationLog:
         if self.rows > self._base:
             for c, col in self._expand().items():
                 self._sealed[c].append(self._compact(col) if compact else col)
-            self._records, self._starts, self._durations, self._opened = [], [], [], []
-            self._windows, self._waiting, self._dense = [], [], []
+            self._count = 0
+            self._ends, self._durations, self._opened = [], [], []
+            self._waiting, self._dense = [], []
         self._base = self.rows
 
     def _expand(self) -> dict[str, np.ndarray]:
-        """The staging block's rows as float64 / int64 columns."""
-        records = _ints(self._records).reshape(-1, _RECORD)
+        """The staging block's rows as float64 / int64 columns (views of one new array: none of
+        the buffer, which the next block reuses)."""
+        records = self._records.view(np.int64)[:self._count * _FIELDS].reshape(-1, _FIELDS)
         k = records[:, 0]
-        rows = np.repeat(records, k, axis=0)  # a record's numbers copied to each of its rows at once
-        cols: dict[str, np.ndarray] = {"start": _floats(self._starts), "duration": _floats(self._durations)}
+        rows = np.repeat(records, k, axis=0)  # each record's numbers in each of its rows
+        times = rows.view(np.float64)
+        cols: dict[str, np.ndarray] = {"start": times[:, 1], "duration": times[:, 2]}
         for i, c in enumerate(_INT_COLUMNS):
-            cols[c] = rows[:, i + 1]  # a view: _compact or the reader copies it
-        if self._windows:
-            self._grow_windows(cols, k)
+            cols[c] = rows[:, 3 + i]
+        windows = np.flatnonzero(records[:, _BLOCK_SIZE])
+        if len(windows):
+            w = records[windows]
+            self._expand_windows(cols, w, w.view(np.float64)[:, 1], rows[:, _BLOCK_SIZE] > 0)
         for p, values in self._waiting:
             cols["waiting"][p:p + len(values)] = values
-        if self._dense:
-            cols["start"], cols["duration"] = cols["start"].copy(), cols["duration"].copy()  # writable
-            for pos, columns in self._dense:
-                n = len(columns["start"])
-                for c, given in columns.items():
-                    cols[c][pos:pos + n] = given
+        for pos, columns in self._dense:
+            n = len(columns["start"])
+            for c, given in columns.items():
+                cols[c][pos:pos + n] = given
         return cols
 
-    def _grow_windows(self, cols: dict[str, np.ndarray], k: np.ndarray) -> None:
-        """Add the windows' growth to the block's columns (see add_window and RepeatResult): row j
-        (from 1) of a window of num_seqs b whose iterations have taken `taken` blocks by its end
-        holds j * b more context tokens and token states, taken * block_size fewer free slots and
-        taken * block_size - j * b more internal fragmentation; its last row the figures read after
-        its finishes. A window's own record: its record's index, block_size, then its last row's
-        running, token states, internal fragmentation and free slots."""
-        w = _ints(self._windows).reshape(-1, _WINDOW_FIELDS)
-        r = w[:, 0]
-        first = np.cumsum(k) - k  # each record's first row
-        step, block = np.zeros(len(k), dtype=np.int64), np.zeros(len(k), dtype=np.int64)
-        step[r] = cols["num_seqs"][first[r]]  # 0 outside windows: nothing grows
-        block[r] = w[:, 1]
-        first_rows = np.repeat(first, k)
-        grown = np.repeat(step, k) * (np.arange(len(first_rows)) - first_rows + 1)
-        taken = np.cumsum(_ints(self._opened))  # by each row's end, from the block's start
-        taken -= np.repeat(np.concatenate(([0], taken))[first], k)  # from its record's start
-        slots = taken * np.repeat(block, k)
-        cols["context_tokens"] += grown
-        cols["kv_token_states"] += grown
-        cols["kv_internal_frag"] += slots - grown
-        cols["kv_free"] -= slots
-        last = first[r] + k[r] - 1
-        cols["running"][last] = w[:, 2]
-        cols["kv_token_states"][last] = w[:, 3]
-        cols["kv_internal_frag"][last] = w[:, 4]
-        cols["kv_free"][last] = w[:, 5]
+    def _expand_windows(self, cols: dict[str, np.ndarray], w: np.ndarray, start: np.ndarray,
+                        rows: np.ndarray) -> None:
+        """Write the windows' rows (`rows`: a mask of them) from their records `w` and their per-row
+        numbers (see add_window and RepeatResult): row j (from 1) of a window of num_seqs b whose
+        iterations have taken `taken` blocks by its end holds j * b more context tokens and token
+        states, taken * block_size fewer free slots and taken * block_size - j * b more internal
+        fragmentation than its record says; its last row the figures read after its finishes."""
+        k = w[:, 0]
+        m = len(self._durations)
+        first = np.cumsum(k) - k  # each window's first row among the window rows
+        last = first + k - 1
+        j = np.arange(m) - np.repeat(first, k) + 1  # each row's iteration in its window, from 1
+
+        def column(c: str) -> np.ndarray:  # the records' values of column c, on each window row
+            return np.repeat(w[:, 3 + _INT_COLUMNS.index(c)], k)
+
+        grown = column("num_seqs") * j
+        taken = np.cumsum(_ints(self._opened))  # blocks taken by each row's end, from the first window's start
+        taken -= np.repeat(np.concatenate(([0], taken))[first], k)  # from its window's start
+        slots = taken * np.repeat(w[:, _BLOCK_SIZE], k)
+        ends = _floats(self._ends)
+        starts = np.empty(m)
+        starts[1:] = ends[:-1]
+        starts[first] = start
+        running, states = column("running"), column("kv_token_states") + grown
+        internal, free = column("kv_internal_frag") + slots - grown, column("kv_free") - slots
+        running[last], states[last], internal[last], free[last] = w[:, _BLOCK_SIZE + 1:].T
+        cols["start"][rows] = starts
+        cols["duration"][rows] = _floats(self._durations)
+        cols["context_tokens"][rows] = column("context_tokens") + grown
+        cols["running"][rows] = running
+        cols["kv_token_states"][rows] = states
+        cols["kv_internal_frag"][rows] = internal
+        cols["kv_free"][rows] = free
 
     @classmethod
     def _compact(cls, col: np.ndarray) -> np.ndarray:
