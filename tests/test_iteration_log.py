@@ -158,3 +158,62 @@ def test_an_empty_log_reads_as_empty_columns() -> None:
     log = IterationLog()
     assert len(log.frame()) == 0 and log.column("start").dtype == np.float64
     assert np.concatenate(log.pop_parts("waiting")).dtype == np.int64
+
+
+def test_a_block_of_more_records_than_the_buffer_first_holds() -> None:
+    """More single rows in one block than the record buffer's first size (it doubles), each row's
+    numbers where it was written."""
+    n = 70_000
+    log = IterationLog(capacity=100_000)
+    c = StepComposition(num_prefill_seqs=0, prefill_tokens=0, num_decode_seqs=3, decode_context_tokens=5)
+    for i in range(n):
+        log.add(i * 0.25, 0.125, c, 0, i % 1000, 3, MemoryBreakdown(i, 0, 0, 0, 2**40 - i), 0)
+    assert log.column("start").tolist() == [i * 0.25 for i in range(n)]
+    assert log.column("waiting").tolist() == [i % 1000 for i in range(n)]
+    assert log.column("kv_free").tolist() == [2**40 - i for i in range(n)]
+    assert log.column("kv_token_states").tolist() == list(range(n))
+
+
+def test_seals_at_the_capacity_boundary_and_a_spent_log_hands_over_its_last_block_wide() -> None:
+    """A block is sealed as soon as it holds `capacity` rows (a window may overfill it); the pieces
+    read back in order; pop_parts hands the block still staged over as int64, unnarrowed."""
+    rng = np.random.default_rng(5)
+    log = IterationLog(capacity=3)
+    rows: list[dict] = []
+    args, row = _single(rng, 0.0)
+    log.add(*args)
+    rows.append(row)
+    res = _paged(rng, 2)
+    log.add_window(0.5, [1.0, 1.5], [0.5, 0.5], 2, res, 7, 0)  # exactly 3 rows: sealed
+    rows += _paged_rows(0.5, [1.0, 1.5], [0.5, 0.5], 2, res, 7, 0)
+    assert [len(p) for p in log._sealed["waiting"]] == [3]
+    res = _paged(rng, 4)
+    ends, durations = [2.0, 2.5, 3.0, 3.5, 4.0], [0.5] * 5  # one more: a preempting iteration's
+    log.add_window(1.5, ends, durations, 4, res, [1, 2, 3, 4], 2)  # overfills: 4 rows, sealed
+    rows += _paged_rows(1.5, ends, durations, 4, res, [1, 2, 3, 4], 2)
+    args, row = _single(rng, 4.0)
+    log.add(*args)  # staged
+    rows.append(row)
+    want = _frame(rows)
+    assert [len(p) for p in log._sealed["waiting"]] == [3, 4]
+    parts = log.pop_parts("waiting")
+    assert [len(p) for p in parts] == [3, 4, 1] and parts[-1].dtype == np.int64
+    assert np.concatenate(parts).tolist() == want.waiting.tolist()
+    for c in ITERATION_COLUMNS:
+        if c != "waiting":
+            assert np.concatenate(log.pop_parts(c)).tolist() == want[c].tolist(), c
+
+
+def test_writes_of_no_rows_log_nothing() -> None:
+    log = IterationLog(capacity=4)
+    log.add_many({"start": np.zeros(0), "duration": np.zeros(0)})
+    log.add_window(1.0, [], [], 0, RepeatResult([], 2, 0, 0, 0, 0, 16), 0, 0)
+    assert log.rows == 0 and len(log.frame()) == 0
+
+
+def test_a_window_whose_numbers_do_not_match_its_steps_is_refused() -> None:
+    log = IterationLog()
+    res = RepeatResult([1, 0], 2, 0, 0, 0, 0, 16)
+    with pytest.raises(ValueError, match="3 steps"):
+        log.add_window(0.0, [1.0, 2.0], [1.0, 1.0], 3, res, 0, 0)
+    assert log.rows == 0
