@@ -160,32 +160,119 @@ class Replica:
             self.wakeup.succeed()
 
 
+class Dispatch:
+    """Routes the feed's arrivals to the replicas, each as the one-event-per-arrival model does it
+    at its own instant: `due` is the clock at which the next arrival is handled there (the
+    arrival time, reached by SimPy's sum of the previous one's clock and the delay between them).
+
+    Invariant (lazy delivery, `run_replicas`): an arrival due by the time of an engine event is
+    delivered before that event does anything (`deliver_due` at every resume). Between two
+    engine events nothing but arrivals changes a replica, so the router reads at delivery what it
+    would have read at the arrival's own instant. Only a delivery wakes an idle replica, at the
+    arrival's instant: while one is idle (`idle` > 0), `lazy_arrival_process` lands on every
+    arrival's `due`; while none is, it waits (`parked`), and arrivals cost no event of their own."""
+
+    def __init__(self, env: simpy.Environment, feed: ArrivalFeed, replicas: list[Replica],
+                 router: Router | None = None) -> None:
+        self.env = env
+        self.feed = feed
+        self.replicas = replicas
+        self.router = router
+        # the view of each replica the router declares it reads (policies.router.replica_views)
+        self.views = replica_views(router, [r.scheduler for r in replicas]) if router is not None else []
+        # a router handed the schedulers themselves may read any sequence's own fields: made exact
+        # here, the one place (replicas are between iterations at such an arrival: windows end before
+        # it, and the iteration after a window settles the batch today; this keeps it so if that changes)
+        self.whole = [r.scheduler for r in replicas] if router is not None and router.reads == SCHEDULER else []
+        # a user's router may answer anything: its answer is an object here (the compiled engine would
+        # otherwise check it is the int Router.route declares, before _replica_index could name it)
+        self.route: Callable[[Request, list], object] | None = router.route if router is not None else None
+        self.idle = 0  # replicas waiting for an arrival (engine_process)
+        self.parked: simpy.Event | None = None  # lazy_arrival_process waiting while none is idle
+        self.due = math.inf
+        self._clock = env.now
+        self._next_due()
+
+    def _next_due(self) -> None:
+        """`due` of the next arrival: its time as the clock of the arrival process that yields one
+        ArrivalTimeout per arrival reaches it (`clock + (arrival - clock)`, or the same instant)."""
+        feed = self.feed
+        if feed.next_index >= len(feed.requests):
+            self.due = math.inf
+            return
+        arrival, clock = feed.requests[feed.next_index].arrival, self._clock
+        self.due = clock + (arrival - clock) if arrival > clock else clock
+
+    def deliver_due(self, now: float) -> None:
+        """Route and deliver every arrival due by `now`, in order."""
+        while self.due <= now:
+            self._clock = self.due
+            self.deliver_next()
+            self._next_due()
+
+    def deliver_next(self) -> None:
+        """Route the feed's next request and hand it to the replica picked."""
+        feed, replicas, route = self.feed, self.replicas, self.route
+        request = feed.requests[feed.next_index]
+        feed.next_index += 1
+        for sched in self.whole:
+            sched.materialise()
+        answer = route(request, self.views) if route is not None else 0
+        i = answer if type(answer) is int else _replica_index(answer, self.router, request, len(replicas))
+        if not 0 <= i < len(replicas):
+            name = self.router.name if self.router is not None else "-"
+            raise RuntimeError(f"router {name} picked replica {i} of {len(replicas)} "
+                               f"(indices 0-{len(replicas) - 1}) for request {request.request_id}")
+        replicas[i].deliver(request)
+
+    def going_idle(self) -> None:
+        """A replica waits for an arrival: from now on arrivals land at their own instants."""
+        self.idle += 1
+        parked = self.parked
+        if parked is not None:
+            self.parked = None
+            parked.succeed()
+
+
 def arrival_process(env: simpy.Environment, feed: ArrivalFeed, replicas: list[Replica],
                     router: Router | None = None):
     """Each request enters a replica's waiting queue at its arrival time: the router's pick, or the
-    only replica."""
-    # the view of each replica the router declares it reads (policies.router.replica_views)
-    schedulers = replica_views(router, [r.scheduler for r in replicas]) if router is not None else []
-    # a router handed the schedulers themselves may read any sequence's own fields: made exact
-    # here, the one place (replicas are between iterations at such an arrival: windows end before
-    # it, and the iteration after a window settles the batch today; this keeps it so if that changes)
-    whole = [r.scheduler for r in replicas] if router is not None and router.reads == SCHEDULER else []
-    # a user's router may answer anything: its answer is an object here (the compiled engine would
-    # otherwise check it is the int Router.route declares, before _replica_index could name it)
-    route: Callable[[Request, list], object] | None = router.route if router is not None else None
+    only replica. One event per arrival (sim.dp's lockstep group, sim.disagg's pools)."""
+    dispatch = Dispatch(env, feed, replicas, router)
     while not feed.exhausted:
         request = feed.requests[feed.next_index]
         if request.arrival > env.now:
             yield ArrivalTimeout(env, request.arrival - env.now)
-        feed.next_index += 1
-        for sched in whole:
-            sched.materialise()
-        answer = route(request, schedulers) if route is not None else 0
-        i = answer if type(answer) is int else _replica_index(answer, router, request, len(replicas))
-        if not 0 <= i < len(replicas):
-            raise RuntimeError(f"router {router.name if router else '-'} picked replica {i} of {len(replicas)} "
-                               f"(indices 0-{len(replicas) - 1}) for request {request.request_id}")
-        replicas[i].deliver(request)
+        dispatch.deliver_next()
+
+
+def lazy_arrival_process(env: simpy.Environment, dispatch: Dispatch):
+    """The arrivals of `dispatch` that must be events of their own: while a replica is idle, each
+    at its instant (it may wake that replica); while none is, engines deliver them as they resume
+    (Dispatch.deliver_due) and this process waits until one goes idle."""
+    while dispatch.due != math.inf:
+        if dispatch.idle == 0:
+            parked = dispatch.parked = env.event()
+            yield parked
+            continue
+        if dispatch.due > env.now:
+            yield from _land(env, dispatch.due)
+        dispatch.deliver_due(env.now)
+
+
+def _land(env: simpy.Environment, at: float):
+    """Urgent timeouts reaching exactly `at` (> now). One usually does; when `at` is more than twice
+    the clock, now + (at - now) may round elsewhere: land on at / 2**k (in [now, 2 now], an exact
+    difference) and double from there (each double an exact sum)."""
+    now = env.now
+    if now + (at - now) == at or now <= 0:
+        yield ArrivalTimeout(env, at - now)
+        return
+    hops = [at]
+    while hops[-1] > 2 * now:
+        hops.append(hops[-1] / 2)
+    for hop in reversed(hops):
+        yield ArrivalTimeout(env, hop - env.now)
 
 
 def _replica_index(i: object, router: Router | None, request: Request, n: int) -> int:
@@ -196,8 +283,9 @@ def _replica_index(i: object, router: Router | None, request: Request, n: int) -
                        f"{request.request_id}: route() must return a replica index, an int in 0-{n - 1}")
 
 
-def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals):
-    """The serving loop: schedule, execute, apply; idle until an arrival when there is nothing to do."""
+def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals, dispatch: Dispatch | None = None):
+    """The serving loop: schedule, execute, apply; idle until an arrival when there is nothing to do.
+    With `dispatch` (lazy delivery), the arrivals due by each resume are delivered first."""
     sched = replica.scheduler
     step = replica.step
 
@@ -208,18 +296,21 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals):
     queued = None if step.routed else queued_by
 
     next_arrival = feed.next_arrival
+    if dispatch is not None:
+        dispatch.deliver_due(env.now)
     while True:
         # let every arrival due at this instant land first: arrivals are urgent (ArrivalTimeout),
         # so only at the start can this process run before one; with none due the yield is spared
         arrival = next_arrival()
         if arrival <= env.now:
             yield env.timeout(0)
+            if dispatch is not None:
+                dispatch.deliver_due(env.now)
             arrival = next_arrival()
         if not sched.has_unfinished():
             if feed.exhausted:
                 return
-            replica.wakeup = env.event()
-            yield replica.wakeup
+            yield from _idle(env, replica, dispatch)
             continue
         if replica.fast_forward:
             window = step.begin_window(env.now, arrival, queued)
@@ -227,6 +318,8 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals):
                 if step.routed:
                     replica.joined = []
                 yield from _advance(env, window.start, window.ends, window.durations)
+                if dispatch is not None:
+                    dispatch.deliver_due(env.now)
                 finished = step.complete_window(window, replica.joined or ())
                 replica.joined = None
                 if finished and replica.on_finish is not None:
@@ -242,12 +335,13 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals):
                 continue
             if feed.exhausted and not sched.running:
                 _fail_stuck(sched)
-            replica.wakeup = env.event()
-            yield replica.wakeup
+            yield from _idle(env, replica, dispatch)
             continue
         result = it.result
         assert result is not None  # not idle
         yield env.timeout(result.duration)  # simulated time passes: the cost model's duration
+        if dispatch is not None:
+            dispatch.deliver_due(env.now)
         finished = step.complete(it, env.now)  # arrivals due by now have landed (ArrivalTimeout)
         if finished and replica.on_finish is not None:
             replica.on_finish(finished)
@@ -257,6 +351,18 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals):
             _check(sched)
         if replica.on_progress is not None:
             replica.on_progress(env.now, len(sched.done))
+
+
+def _idle(env: simpy.Environment, replica: Replica, dispatch: Dispatch | None):
+    """Wait until an arrival wakes the replica (Replica.deliver)."""
+    replica.wakeup = env.event()
+    if dispatch is None:
+        yield replica.wakeup
+        return
+    dispatch.going_idle()
+    yield replica.wakeup
+    dispatch.idle -= 1
+    dispatch.deliver_due(env.now)
 
 
 def _advance(env: simpy.Environment, start: float, end_times: list[float], step_times: list[float]):
