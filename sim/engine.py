@@ -20,7 +20,10 @@ changes only at its last end.
 
 An arrival is processed before anything else due at the same instant (`ArrivalTimeout`): a
 request arriving exactly when an iteration ends is routed before that iteration's finishes are
-counted, and waits in the queue the next iteration is scheduled from.
+counted, and waits in the queue the next iteration is scheduled from. In a cluster whose only
+processes are the engines and the arrivals, arrivals are delivered lazily (`Dispatch`): each
+engine event first delivers the arrivals due by its instant, and an arrival is an event of its own
+only while a replica is idle (only it can wake one), with the same tables.
 """
 
 from __future__ import annotations
@@ -105,6 +108,30 @@ class ArrivalTimeout(simpy.Timeout):
         self._delay = delay
         self._ok = True
         env.schedule(self, simpy.events.URGENT, delay)
+
+
+class Alarm:
+    """One process's timeouts as one SimPy event, re-armed for each wait: a new simpy.Timeout per
+    wait costs a bound-class call and an interpreted `__init__` (~4k instructions), re-arming a
+    fresh callback list and `env.schedule` (the same queue entry a Timeout makes, at the normal
+    priority). Invariant: armed at most once at a time (the process yields it, and re-arms it only
+    once it has been processed and resumed the process)."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.env = env
+        self.event: simpy.Timeout | None = None
+
+    def after(self, delay: float) -> simpy.Timeout:
+        """The event, due `delay` from now."""
+        event = self.event
+        if event is None:  # the first wait: a Timeout, processed later like any other
+            event = self.event = simpy.Timeout(self.env, delay)
+            return event
+        if delay < 0:
+            raise ValueError(f"negative delay {delay}")
+        event.callbacks = []  # processed: SimPy set them to None
+        self.env.schedule(event, simpy.events.NORMAL, delay)
+        return event
 
 
 class Replica:
@@ -285,7 +312,8 @@ def _replica_index(i: object, router: Router | None, request: Request, n: int) -
 
 def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals, dispatch: Dispatch | None = None):
     """The serving loop: schedule, execute, apply; idle until an arrival when there is nothing to do.
-    With `dispatch` (lazy delivery), the arrivals due by each resume are delivered first."""
+    With `dispatch` (lazy delivery), the arrivals due by each resume are delivered first. The
+    clock is read once per resume (`now`): nothing moves it in between."""
     sched = replica.scheduler
     step = replica.step
 
@@ -296,30 +324,35 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals, dis
     queued = None if step.routed else queued_by
 
     next_arrival = feed.next_arrival
+    alarm = Alarm(env)  # the process's waits
+    now = env.now
     if dispatch is not None:
-        dispatch.deliver_due(env.now)
+        dispatch.deliver_due(now)
     while True:
         # let every arrival due at this instant land first: arrivals are urgent (ArrivalTimeout),
         # so only at the start can this process run before one; with none due the yield is spared
         arrival = next_arrival()
-        if arrival <= env.now:
-            yield env.timeout(0)
+        if arrival <= now:
+            yield alarm.after(0)
             if dispatch is not None:
-                dispatch.deliver_due(env.now)
+                dispatch.deliver_due(now)
             arrival = next_arrival()
         if not sched.has_unfinished():
             if feed.exhausted:
                 return
             yield from _idle(env, replica, dispatch)
+            now = env.now
             continue
         if replica.fast_forward:
-            window = step.begin_window(env.now, arrival, queued)
+            window = step.begin_window(now, arrival, queued)
             if window is not None:
                 if step.routed:
                     replica.joined = []
-                yield from _advance(env, window.start, window.ends, window.durations)
+                for delay in _delays(window.start, window.ends, window.durations):
+                    yield alarm.after(delay)
+                now = env.now
                 if dispatch is not None:
-                    dispatch.deliver_due(env.now)
+                    dispatch.deliver_due(now)
                 finished = step.complete_window(window, replica.joined or ())
                 replica.joined = None
                 if finished and replica.on_finish is not None:
@@ -327,22 +360,24 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals, dis
                 if replica.debug:  # checks the running batch's kept figures (and from now on its members' reads)
                     _check(sched)
                 if replica.on_progress is not None:
-                    replica.on_progress(env.now, len(sched.done))
+                    replica.on_progress(now, len(sched.done))
                 continue
-        it = step.begin(env.now)
+        it = step.begin(now)
         if it.idle:
             if it.plan.rejected or it.plan.preempted:  # the queues changed: look again
                 continue
             if feed.exhausted and not sched.running:
                 _fail_stuck(sched)
             yield from _idle(env, replica, dispatch)
+            now = env.now
             continue
         result = it.result
         assert result is not None  # not idle
-        yield env.timeout(result.duration)  # simulated time passes: the cost model's duration
+        yield alarm.after(result.duration)  # simulated time passes: the cost model's duration
+        now = env.now
         if dispatch is not None:
-            dispatch.deliver_due(env.now)
-        finished = step.complete(it, env.now)  # arrivals due by now have landed (ArrivalTimeout)
+            dispatch.deliver_due(now)
+        finished = step.complete(it, now)  # arrivals due by now have landed (ArrivalTimeout)
         if finished and replica.on_finish is not None:
             replica.on_finish(finished)
         if replica.observer is not None:
@@ -350,7 +385,7 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals, dis
         if replica.debug:
             _check(sched)
         if replica.on_progress is not None:
-            replica.on_progress(env.now, len(sched.done))
+            replica.on_progress(now, len(sched.done))
 
 
 def _idle(env: simpy.Environment, replica: Replica, dispatch: Dispatch | None):
@@ -366,10 +401,16 @@ def _idle(env: simpy.Environment, replica: Replica, dispatch: Dispatch | None):
 
 
 def _advance(env: simpy.Environment, start: float, end_times: list[float], step_times: list[float]):
-    """Move the clock from `start` over the skipped iterations to exactly the time stepping would
-    reach: end_times[i] = end_times[i - 1] + step_times[i] (from `start`). One timeout usually
-    lands there; when float rounding makes that sum unreachable from `start` in one addition, land
-    on an earlier iteration's end and step the last ones."""
+    """Move the clock from `start` over the skipped iterations (see `_delays`)."""
+    for delay in _delays(start, end_times, step_times):
+        yield env.timeout(delay)
+
+
+def _delays(start: float, end_times: list[float], step_times: list[float]) -> list[float]:
+    """The timeouts that move the clock from `start` over the skipped iterations to exactly the
+    time stepping would reach: end_times[i] = end_times[i - 1] + step_times[i] (from `start`). One
+    timeout usually lands there; when float rounding makes that sum unreachable from `start` in
+    one addition, land on an earlier iteration's end and step the last ones."""
     for j in range(len(end_times) - 1, max(len(end_times) - 9, -1), -1):
         target = end_times[j]
         delay = target - start
@@ -378,12 +419,8 @@ def _advance(env: simpy.Environment, start: float, end_times: list[float], step_
         while start + delay > target:
             delay = math.nextafter(delay, -math.inf)
         if start + delay == target:
-            yield env.timeout(delay)
-            for d in step_times[j + 1:]:
-                yield env.timeout(d)
-            return
-    for d in step_times:
-        yield env.timeout(d)
+            return [delay, *step_times[j + 1:]]
+    return list(step_times)
 
 
 def _check(sched: Scheduler) -> None:
