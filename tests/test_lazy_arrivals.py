@@ -41,18 +41,19 @@ class QueueReadingRouter(Router):
         return min(range(len(replicas)), key=lambda i: (len(replicas[i].waiting), len(replicas[i].running), i))
 
 
-@pytest.mark.parametrize("router,replicas,rate", [
-    ("least-loaded", 4, 400.0),    # saturated: no replica idles, arrivals cost no event
-    ("least-loaded", 4, 3.0),      # light: replicas idle, arrivals land at their own instants
-    ("round-robin", 3, 30.0),
-    ("cache-aware", 3, 60.0),
-    ("queue-reading", 3, 40.0),    # windows end before every arrival
-    (None, 1, 20.0),               # one replica, no router
+@pytest.mark.parametrize("router,replicas,rate,options", [
+    ("least-loaded", 4, 400.0, {}),    # saturated: no replica idles, arrivals cost no event
+    ("least-loaded", 4, 3.0, {}),      # light: replicas idle, arrivals land at their own instants
+    ("least-loaded", 3, 30.0, {"policy": "sjf", "chunked_prefill": True}),
+    ("round-robin", 3, 30.0, {"policy": "vtc", "preemption": "swap", "num_gpu_blocks": 400}),
+    ("cache-aware", 3, 60.0, {"prefix_caching": True}),
+    ("queue-reading", 3, 40.0, {}),    # windows end before every arrival
+    (None, 1, 20.0, {}),               # one replica, no router
 ])
-def test_lazy_delivery_gives_the_tables_of_one_event_per_arrival(monkeypatch, router, replicas, rate):
+def test_lazy_delivery_gives_the_tables_of_one_event_per_arrival(monkeypatch, router, replicas, rate, options):
     monkeypatch.setitem(ROUTERS, QueueReadingRouter.name, QueueReadingRouter)
     trace = resolve_trace("sharegpt-like", num_requests=300, rate=rate, seed=4)
-    cfg = SimConfig(replicas=replicas, **({"router": router} if router else {}))
+    cfg = SimConfig(replicas=replicas, **({"router": router} if router else {}), **options)
     lazy = run_simulation(cfg, trace)
     monkeypatch.setattr(sim.run, "run_replicas", _eager_run_replicas)
     eager = run_simulation(cfg, trace)
