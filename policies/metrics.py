@@ -274,7 +274,7 @@ def iteration_compositions(iterations: pd.DataFrame, block_size: int = 16) -> li
             for a, b, c, d, e, f, g, h, i in zip(*cols.values())]
 
 
-_STATUS = np.array(["finished", "aborted", "rejected"], dtype=object)  # request_frame's status values
+_STATUS = ["finished", "aborted", "rejected"]  # request_frame's status values
 
 
 def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
@@ -282,49 +282,83 @@ def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
     scheduler; reject_reason says why) or "aborted" (ended from outside, e.g. its client left; the
     reason in reject_reason). An aborted row keeps what happened before the abort: its first token
     time and TTFT when it got one, and output_len, the tokens it was given; latencies that need a
-    finish (tpot, e2e, normalized) are NaN for every row that did not finish."""
+    finish (tpot, e2e, normalized) are NaN for every row that did not finish.
+
+    Each column's values are gathered in one pass over the groups, and read by numpy in one pass
+    each (`_ints`, `_floats`); text columns are built from their few distinct values (`_text`)."""
     gs = sorted(groups, key=lambda g: g.request.request_id)
-    reqs = [g.request for g in gs]
     nan = float("nan")
-    done = np.array([g.rejected is None for g in gs], dtype=bool)
-    aborted = np.array([g.aborted for g in gs], dtype=bool)
-    arrival = np.array([r.arrival for r in reqs], dtype=float)
-    out = np.array([g.output_len for g in gs], dtype=np.int64)
-    first = np.array([nan if g.first_token_time is None else g.first_token_time for g in gs], dtype=float)
-    finish = np.array([nan if g.finish_time is None else g.finish_time for g in gs], dtype=float)
-    first = np.where(done | aborted, first, nan)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        e2e = np.where(done, finish - arrival, nan)
-        tpot = np.where(done & (out > 1), (finish - first) / (out - 1), nan)
-        normalized = np.where(done & (out > 0), e2e / out, nan)
-    return pd.DataFrame({
-        "request_id": np.array([r.request_id for r in reqs], dtype=np.int64),
-        "arrival": arrival,
-        "prompt_len": np.array([r.prompt_len for r in reqs], dtype=np.int64),
-        "output_len": out,
+    ids, arrival, prompt, out, requested, n, beam = [], [], [], [], [], [], []
+    first, finish, scheduled, preemptions, hits, status, reason = [], [], [], [], [], [], []
+    client, priority, slo_ttft, slo_tpot = [], [], [], []
+    for g in gs:
+        r = g.request
+        ids.append(r.request_id)
+        arrival.append(r.arrival)
+        prompt.append(r.prompt_len)
+        out.append(g.output_len)
         # what was asked for (a trace's output length, else max_tokens): a rejected row generated 0
-        "requested_output_len": np.array([r.max_output for r in reqs], dtype=np.int64),
-        "n": np.array([r.sampling.n for r in reqs], dtype=np.int64),
-        "beam_width": np.array([r.sampling.beam_width for r in reqs], dtype=np.int64),
-        "first_scheduled": np.array([nan if g.first_scheduled is None else g.first_scheduled for g in gs],
-                                    dtype=float),
-        "first_token_time": first,
-        "finish_time": finish,
-        "ttft": first - arrival,
+        requested.append(r.max_output)
+        n.append(r.sampling.n)
+        beam.append(r.sampling.beam_width)
+        done = g.rejected is None
+        # the first token only of a finished or aborted request (a rejected one has none)
+        first.append(nan if g.first_token_time is None or not (done or g.aborted) else g.first_token_time)
+        finish.append(nan if g.finish_time is None else g.finish_time)
+        scheduled.append(nan if g.first_scheduled is None else g.first_scheduled)
+        preemptions.append(g.num_preemptions)
+        hits.append(g.prefix_hit_tokens)
+        status.append(0 if done else 1 if g.aborted else 2)
+        reason.append(g.rejected or "")
+        client.append(r.client)
+        priority.append(r.priority)
+        slo_ttft.append(nan if r.slo_ttft is None else r.slo_ttft)
+        slo_tpot.append(nan if r.slo_tpot is None else r.slo_tpot)
+    codes = _ints(status)
+    finished = codes == 0
+    arrivals, outs, firsts, finishes = _floats(arrival), _ints(out), _floats(first), _floats(finish)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        e2e = np.where(finished, finishes - arrivals, nan)
+        tpot = np.where(finished & (outs > 1), (finishes - firsts) / (outs - 1), nan)
+        normalized = np.where(finished & (outs > 0), e2e / outs, nan)
+    return pd.DataFrame({
+        "request_id": _ints(ids),
+        "arrival": arrivals,
+        "prompt_len": _ints(prompt),
+        "output_len": outs,
+        "requested_output_len": _ints(requested),
+        "n": _ints(n),
+        "beam_width": _ints(beam),
+        "first_scheduled": _floats(scheduled),
+        "first_token_time": firsts,
+        "finish_time": finishes,
+        "ttft": firsts - arrivals,
         "tpot": tpot,
         "e2e_latency": e2e,
         "normalized_latency": normalized,
-        "num_preemptions": np.array([g.num_preemptions for g in gs], dtype=np.int64),
-        "prefix_hit_tokens": np.array([g.prefix_hit_tokens for g in gs], dtype=np.int64),
-        # three shared strings indexed (pandas stores the column as its str dtype either way): no
-        # fixed-width string array and no string object per row on the way
-        "status": _STATUS[np.where(done, 0, np.where(aborted, 1, 2))],
-        "reject_reason": [g.rejected or "" for g in gs],
-        "client": [r.client for r in reqs],
-        "priority": np.array([r.priority for r in reqs], dtype=np.int64),
-        "slo_ttft": np.array([nan if r.slo_ttft is None else r.slo_ttft for r in reqs], dtype=float),
-        "slo_tpot": np.array([nan if r.slo_tpot is None else r.slo_tpot for r in reqs], dtype=float),
+        "num_preemptions": _ints(preemptions),
+        "prefix_hit_tokens": _ints(hits),
+        # an empty table keeps the types it had: status an object column, the others read from lists
+        "status": _text(_STATUS, codes) if gs else np.empty(0, dtype=object),
+        "reject_reason": _text(*_factorize(reason)) if gs else reason,
+        "client": _text(*_factorize(client)) if gs else client,
+        "priority": _ints(priority),
+        "slo_ttft": _floats(slo_ttft),
+        "slo_tpot": _floats(slo_tpot),
     }, copy=False)  # the arrays are this frame's alone: no consolidating copy of each kind's columns
+
+
+def _factorize(values: list[str]) -> tuple[list[str], np.ndarray]:
+    """(the distinct values in order of first appearance, each value's index among them)."""
+    index: dict[str, int] = {}
+    codes = [index.setdefault(v, len(index)) for v in values]
+    return list(index), _ints(codes)
+
+
+def _text(uniques: list[str], codes: np.ndarray) -> object:
+    """The column [uniques[c] for c in codes] (codes not empty), stored as pandas stores a list of
+    strings (its str dtype, or object): each distinct string is converted once, not once per row."""
+    return pd.Series(uniques).array.take(codes)
 
 
 def latency_column(requests: pd.DataFrame, name: str) -> str:

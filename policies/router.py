@@ -187,15 +187,13 @@ class LeastLoadedRouter(Router):
         self._last = -1
 
     def route(self, request: Request, replicas: Sequence[Any]) -> int:
-        # _pick over every replica, from one list of counts: this runs at every arrival
-        loads = replica_loads(replicas)
+        # _pick over every replica, from one list of counts: this runs at every arrival (the kept
+        # list read in place, and no exception raised when the least loaded lies before `first`)
+        loads = replicas.loads if type(replicas) is ReplicaViews else replica_loads(replicas)
         least = min(loads)
         # tie order: the first least loaded from the one after the last pick, wrapping round
         first = (self._last + 1) % len(loads)
-        try:
-            best = loads.index(least, first)
-        except ValueError:  # none from `first` on: the first one before it
-            best = loads.index(least)
+        best = loads.index(least, first) if least in loads[first:] else loads.index(least)
         self._last = best
         return best
 

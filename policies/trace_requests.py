@@ -7,7 +7,10 @@ simulated and live runs do identical work.
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Any
+
+import numpy as np
 
 from policies.limits import REQUEST_BYTES, check_fits
 from policies.request import Request, SamplingParams
@@ -22,27 +25,28 @@ def requests_from_trace(trace: Any, max_model_len: int, n: int | None = None,
     Orca-Max reserves). Refuses (ValueError) a trace whose requests could not fit in memory."""
     check_fits(f"{len(trace):,} requests", [(len(trace), REQUEST_BYTES)])
     num = len(trace)
-    prompts, outputs = trace.prompt_len.tolist(), trace.output_len.tolist()
+    prompt, output = trace.prompt_len.astype(np.int64), trace.output_len.astype(np.int64)
     arrivals = trace.arrival.astype(float).tolist()
     ns = [n] * num if n is not None else trace.n.tolist()
     beams = [beam_width] * num if beam_width is not None else trace.beam_width.tolist()
     hashes = trace.prefix_hashes
     ids = trace.prompt_token_ids
-    hbs = trace.hash_block_size or 16
-    reasons = trace.reject_reason or [""] * num
     # the class columns as whole lists (each row's value, or the Request default), passed by position
     client, priority, slo_ttft, slo_tpot = _class_columns(trace)
-    params: dict[tuple[int, int, int], SamplingParams] = {}  # frozen, so equal ones are shared
-    reqs = []
-    for i, (p, out, arrival, ni, bi) in enumerate(zip(prompts, outputs, arrivals, ns, beams)):
-        key = (max(max_model_len - p, out, 1), ni, bi)
-        sp = params.get(key)
-        if sp is None:
-            sp = params[key] = SamplingParams(max_tokens=key[0], ignore_eos=True, n=ni, beam_width=bi)
-        reqs.append(Request(i, arrival, p, sp, out, None if ids is None or ids[i] is None else list(ids[i]),
-                            None if hashes is None or hashes[i] is None else tuple(hashes[i]), hbs,
-                            priority[i], reasons[i] or None, client[i], slo_ttft[i], slo_tpot[i]))
-    return reqs
+    # one SamplingParams per distinct (max_tokens, n, beam_width), shared (frozen); the keys made,
+    # looked up and mapped by C loops (no bytecode per row)
+    max_tokens = np.maximum(np.maximum(max_model_len - prompt, output), 1)
+    keys = list(zip(max_tokens.tolist(), ns, beams))
+    params = dict.fromkeys(keys)
+    for key in params:
+        params[key] = SamplingParams(max_tokens=key[0], ignore_eos=True, n=key[1], beam_width=key[2])
+    sampling = list(map(params.__getitem__, keys))
+    # the optional columns as whole lists too, and the requests made by one map (no bytecode per row)
+    token_ids = repeat(None) if ids is None else [None if x is None else list(x) for x in ids]
+    prefix_hashes = repeat(None) if hashes is None else [None if x is None else tuple(x) for x in hashes]
+    reasons = [r or None for r in trace.reject_reason] if trace.reject_reason else repeat(None)
+    return list(map(Request, range(num), arrivals, prompt.tolist(), sampling, output.tolist(), token_ids, prefix_hashes,
+                    repeat(trace.hash_block_size or 16), priority, reasons, client, slo_ttft, slo_tpot))
 
 
 def _class_columns(trace: Any) -> tuple[list[str], list[int], list[float | None], list[float | None]]:

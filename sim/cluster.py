@@ -20,7 +20,7 @@ from policies.replica_config import ReplicaConfig, build_replica
 from policies.router import Router
 from policies.scheduler import Scheduler
 from sim.cost_model import CostModel
-from sim.engine import ArrivalFeed, Replica, arrival_process, engine_process
+from sim.engine import ArrivalFeed, Dispatch, Replica, arrival_process, engine_process, lazy_arrival_process
 from sim.executor import BeamPicks, SimulatedExecutor
 
 
@@ -39,11 +39,18 @@ def run_replicas(env: simpy.Environment, feed: ArrivalFeed, front: list[Replica]
                  fed: Iterable[tuple[Replica, ArrivalFeed]] = ()) -> None:
     """Run the cluster to the end: the feed's arrivals spread over the `front` replicas by the
     router (none: one replica), each replica in `fed` taking its arrivals from its own feed; then
-    every replica's end-of-run checks."""
+    every replica's end-of-run checks. Without `fed` replicas, the engines are the only processes
+    besides the arrivals, and arrivals are delivered lazily (sim.engine.Dispatch)."""
     fed = list(fed)
-    env.process(arrival_process(env, feed, front, router))
-    for replica in front:
-        env.process(engine_process(env, replica, feed))
+    if fed:  # other processes (sim.disagg's transfers) change replicas between engine events
+        env.process(arrival_process(env, feed, front, router))
+        for replica in front:
+            env.process(engine_process(env, replica, feed))
+    else:
+        dispatch = Dispatch(env, feed, front, router)
+        env.process(lazy_arrival_process(env, dispatch))
+        for replica in front:
+            env.process(engine_process(env, replica, feed, dispatch))
     for replica, own in fed:
         env.process(engine_process(env, replica, own))
     env.run()

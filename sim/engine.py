@@ -20,7 +20,10 @@ changes only at its last end.
 
 An arrival is processed before anything else due at the same instant (`ArrivalTimeout`): a
 request arriving exactly when an iteration ends is routed before that iteration's finishes are
-counted, and waits in the queue the next iteration is scheduled from.
+counted, and waits in the queue the next iteration is scheduled from. In a cluster whose only
+processes are the engines and the arrivals, arrivals are delivered lazily (`Dispatch`): each
+engine event first delivers the arrivals due by its instant, and an arrival is an event of its own
+only while a replica is idle (only it can wake one), with the same tables.
 """
 
 from __future__ import annotations
@@ -107,6 +110,30 @@ class ArrivalTimeout(simpy.Timeout):
         env.schedule(self, simpy.events.URGENT, delay)
 
 
+class Alarm:
+    """One process's timeouts as one SimPy event, re-armed for each wait: a new simpy.Timeout per
+    wait costs a bound-class call and an interpreted `__init__` (~4k instructions), re-arming a
+    fresh callback list and `env.schedule` (the same queue entry a Timeout makes, at the normal
+    priority). Invariant: armed at most once at a time (the process yields it, and re-arms it only
+    once it has been processed and resumed the process)."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.env = env
+        self.event: simpy.Timeout | None = None
+
+    def after(self, delay: float) -> simpy.Timeout:
+        """The event, due `delay` from now."""
+        event = self.event
+        if event is None:  # the first wait: a Timeout, processed later like any other
+            event = self.event = simpy.Timeout(self.env, delay)
+            return event
+        if delay < 0:
+            raise ValueError(f"negative delay {delay}")
+        event.callbacks = []  # processed: SimPy set them to None
+        self.env.schedule(event, simpy.events.NORMAL, delay)
+        return event
+
+
 class Replica:
     """One model replica in the SimPy model: a replica step (policies.replica_config.build_replica:
     its scheduler, a simulated executor and the iteration log) and the hooks of its engine process."""
@@ -160,32 +187,119 @@ class Replica:
             self.wakeup.succeed()
 
 
+class Dispatch:
+    """Routes the feed's arrivals to the replicas, each as the one-event-per-arrival model does it
+    at its own instant: `due` is the clock at which the next arrival is handled there (the
+    arrival time, reached by SimPy's sum of the previous one's clock and the delay between them).
+
+    Invariant (lazy delivery, `run_replicas`): an arrival due by the time of an engine event is
+    delivered before that event does anything (`deliver_due` at every resume). Between two
+    engine events nothing but arrivals changes a replica, so the router reads at delivery what it
+    would have read at the arrival's own instant. Only a delivery wakes an idle replica, at the
+    arrival's instant: while one is idle (`idle` > 0), `lazy_arrival_process` lands on every
+    arrival's `due`; while none is, it waits (`parked`), and arrivals cost no event of their own."""
+
+    def __init__(self, env: simpy.Environment, feed: ArrivalFeed, replicas: list[Replica],
+                 router: Router | None = None) -> None:
+        self.env = env
+        self.feed = feed
+        self.replicas = replicas
+        self.router = router
+        # the view of each replica the router declares it reads (policies.router.replica_views)
+        self.views = replica_views(router, [r.scheduler for r in replicas]) if router is not None else []
+        # a router handed the schedulers themselves may read any sequence's own fields: made exact
+        # here, the one place (replicas are between iterations at such an arrival: windows end before
+        # it, and the iteration after a window settles the batch today; this keeps it so if that changes)
+        self.whole = [r.scheduler for r in replicas] if router is not None and router.reads == SCHEDULER else []
+        # a user's router may answer anything: its answer is an object here (the compiled engine would
+        # otherwise check it is the int Router.route declares, before _replica_index could name it)
+        self.route: Callable[[Request, list], object] | None = router.route if router is not None else None
+        self.idle = 0  # replicas waiting for an arrival (engine_process)
+        self.parked: simpy.Event | None = None  # lazy_arrival_process waiting while none is idle
+        self.due = math.inf
+        self._clock = env.now
+        self._next_due()
+
+    def _next_due(self) -> None:
+        """`due` of the next arrival: its time as the clock of the arrival process that yields one
+        ArrivalTimeout per arrival reaches it (`clock + (arrival - clock)`, or the same instant)."""
+        feed = self.feed
+        if feed.next_index >= len(feed.requests):
+            self.due = math.inf
+            return
+        arrival, clock = feed.requests[feed.next_index].arrival, self._clock
+        self.due = clock + (arrival - clock) if arrival > clock else clock
+
+    def deliver_due(self, now: float) -> None:
+        """Route and deliver every arrival due by `now`, in order."""
+        while self.due <= now:
+            self._clock = self.due
+            self.deliver_next()
+            self._next_due()
+
+    def deliver_next(self) -> None:
+        """Route the feed's next request and hand it to the replica picked."""
+        feed, replicas, route = self.feed, self.replicas, self.route
+        request = feed.requests[feed.next_index]
+        feed.next_index += 1
+        for sched in self.whole:
+            sched.materialise()
+        answer = route(request, self.views) if route is not None else 0
+        i = answer if type(answer) is int else _replica_index(answer, self.router, request, len(replicas))
+        if not 0 <= i < len(replicas):
+            name = self.router.name if self.router is not None else "-"
+            raise RuntimeError(f"router {name} picked replica {i} of {len(replicas)} "
+                               f"(indices 0-{len(replicas) - 1}) for request {request.request_id}")
+        replicas[i].deliver(request)
+
+    def going_idle(self) -> None:
+        """A replica waits for an arrival: from now on arrivals land at their own instants."""
+        self.idle += 1
+        parked = self.parked
+        if parked is not None:
+            self.parked = None
+            parked.succeed()
+
+
 def arrival_process(env: simpy.Environment, feed: ArrivalFeed, replicas: list[Replica],
                     router: Router | None = None):
     """Each request enters a replica's waiting queue at its arrival time: the router's pick, or the
-    only replica."""
-    # the view of each replica the router declares it reads (policies.router.replica_views)
-    schedulers = replica_views(router, [r.scheduler for r in replicas]) if router is not None else []
-    # a router handed the schedulers themselves may read any sequence's own fields: made exact
-    # here, the one place (replicas are between iterations at such an arrival: windows end before
-    # it, and the iteration after a window settles the batch today; this keeps it so if that changes)
-    whole = [r.scheduler for r in replicas] if router is not None and router.reads == SCHEDULER else []
-    # a user's router may answer anything: its answer is an object here (the compiled engine would
-    # otherwise check it is the int Router.route declares, before _replica_index could name it)
-    route: Callable[[Request, list], object] | None = router.route if router is not None else None
+    only replica. One event per arrival (sim.dp's lockstep group, sim.disagg's pools)."""
+    dispatch = Dispatch(env, feed, replicas, router)
     while not feed.exhausted:
         request = feed.requests[feed.next_index]
         if request.arrival > env.now:
             yield ArrivalTimeout(env, request.arrival - env.now)
-        feed.next_index += 1
-        for sched in whole:
-            sched.materialise()
-        answer = route(request, schedulers) if route is not None else 0
-        i = answer if type(answer) is int else _replica_index(answer, router, request, len(replicas))
-        if not 0 <= i < len(replicas):
-            raise RuntimeError(f"router {router.name if router else '-'} picked replica {i} of {len(replicas)} "
-                               f"(indices 0-{len(replicas) - 1}) for request {request.request_id}")
-        replicas[i].deliver(request)
+        dispatch.deliver_next()
+
+
+def lazy_arrival_process(env: simpy.Environment, dispatch: Dispatch):
+    """The arrivals of `dispatch` that must be events of their own: while a replica is idle, each
+    at its instant (it may wake that replica); while none is, engines deliver them as they resume
+    (Dispatch.deliver_due) and this process waits until one goes idle."""
+    while dispatch.due != math.inf:
+        if dispatch.idle == 0:
+            parked = dispatch.parked = env.event()
+            yield parked
+            continue
+        if dispatch.due > env.now:
+            yield from _land(env, dispatch.due)
+        dispatch.deliver_due(env.now)
+
+
+def _land(env: simpy.Environment, at: float):
+    """Urgent timeouts reaching exactly `at` (> now). One usually does; when `at` is more than twice
+    the clock, now + (at - now) may round elsewhere: land on at / 2**k (in [now, 2 now], an exact
+    difference) and double from there (each double an exact sum)."""
+    now = env.now
+    if now + (at - now) == at or now <= 0:
+        yield ArrivalTimeout(env, at - now)
+        return
+    hops = [at]
+    while hops[-1] > 2 * now:
+        hops.append(hops[-1] / 2)
+    for hop in reversed(hops):
+        yield ArrivalTimeout(env, hop - env.now)
 
 
 def _replica_index(i: object, router: Router | None, request: Request, n: int) -> int:
@@ -196,8 +310,10 @@ def _replica_index(i: object, router: Router | None, request: Request, n: int) -
                        f"{request.request_id}: route() must return a replica index, an int in 0-{n - 1}")
 
 
-def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals):
-    """The serving loop: schedule, execute, apply; idle until an arrival when there is nothing to do."""
+def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals, dispatch: Dispatch | None = None):
+    """The serving loop: schedule, execute, apply; idle until an arrival when there is nothing to do.
+    With `dispatch` (lazy delivery), the arrivals due by each resume are delivered first. The
+    clock is read once per resume (`now`): nothing moves it in between."""
     sched = replica.scheduler
     step = replica.step
 
@@ -208,25 +324,35 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals):
     queued = None if step.routed else queued_by
 
     next_arrival = feed.next_arrival
+    alarm = Alarm(env)  # the process's waits
+    now = env.now
+    if dispatch is not None:
+        dispatch.deliver_due(now)
     while True:
         # let every arrival due at this instant land first: arrivals are urgent (ArrivalTimeout),
         # so only at the start can this process run before one; with none due the yield is spared
         arrival = next_arrival()
-        if arrival <= env.now:
-            yield env.timeout(0)
+        if arrival <= now:
+            yield alarm.after(0)
+            if dispatch is not None:
+                dispatch.deliver_due(now)
             arrival = next_arrival()
         if not sched.has_unfinished():
             if feed.exhausted:
                 return
-            replica.wakeup = env.event()
-            yield replica.wakeup
+            yield from _idle(env, replica, dispatch)
+            now = env.now
             continue
         if replica.fast_forward:
-            window = step.begin_window(env.now, arrival, queued)
+            window = step.begin_window(now, arrival, queued)
             if window is not None:
                 if step.routed:
                     replica.joined = []
-                yield from _advance(env, window.start, window.ends, window.durations)
+                for delay in _delays(window.start, window.ends, window.durations):
+                    yield alarm.after(delay)
+                now = env.now
+                if dispatch is not None:
+                    dispatch.deliver_due(now)
                 finished = step.complete_window(window, replica.joined or ())
                 replica.joined = None
                 if finished and replica.on_finish is not None:
@@ -234,21 +360,24 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals):
                 if replica.debug:  # checks the running batch's kept figures (and from now on its members' reads)
                     _check(sched)
                 if replica.on_progress is not None:
-                    replica.on_progress(env.now, len(sched.done))
+                    replica.on_progress(now, len(sched.done))
                 continue
-        it = step.begin(env.now)
+        it = step.begin(now)
         if it.idle:
             if it.plan.rejected or it.plan.preempted:  # the queues changed: look again
                 continue
             if feed.exhausted and not sched.running:
                 _fail_stuck(sched)
-            replica.wakeup = env.event()
-            yield replica.wakeup
+            yield from _idle(env, replica, dispatch)
+            now = env.now
             continue
         result = it.result
         assert result is not None  # not idle
-        yield env.timeout(result.duration)  # simulated time passes: the cost model's duration
-        finished = step.complete(it, env.now)  # arrivals due by now have landed (ArrivalTimeout)
+        yield alarm.after(result.duration)  # simulated time passes: the cost model's duration
+        now = env.now
+        if dispatch is not None:
+            dispatch.deliver_due(now)
+        finished = step.complete(it, now)  # arrivals due by now have landed (ArrivalTimeout)
         if finished and replica.on_finish is not None:
             replica.on_finish(finished)
         if replica.observer is not None:
@@ -256,14 +385,32 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals):
         if replica.debug:
             _check(sched)
         if replica.on_progress is not None:
-            replica.on_progress(env.now, len(sched.done))
+            replica.on_progress(now, len(sched.done))
+
+
+def _idle(env: simpy.Environment, replica: Replica, dispatch: Dispatch | None):
+    """Wait until an arrival wakes the replica (Replica.deliver)."""
+    replica.wakeup = env.event()
+    if dispatch is None:
+        yield replica.wakeup
+        return
+    dispatch.going_idle()
+    yield replica.wakeup
+    dispatch.idle -= 1
+    dispatch.deliver_due(env.now)
 
 
 def _advance(env: simpy.Environment, start: float, end_times: list[float], step_times: list[float]):
-    """Move the clock from `start` over the skipped iterations to exactly the time stepping would
-    reach: end_times[i] = end_times[i - 1] + step_times[i] (from `start`). One timeout usually
-    lands there; when float rounding makes that sum unreachable from `start` in one addition, land
-    on an earlier iteration's end and step the last ones."""
+    """Move the clock from `start` over the skipped iterations (see `_delays`)."""
+    for delay in _delays(start, end_times, step_times):
+        yield env.timeout(delay)
+
+
+def _delays(start: float, end_times: list[float], step_times: list[float]) -> list[float]:
+    """The timeouts that move the clock from `start` over the skipped iterations to exactly the
+    time stepping would reach: end_times[i] = end_times[i - 1] + step_times[i] (from `start`). One
+    timeout usually lands there; when float rounding makes that sum unreachable from `start` in
+    one addition, land on an earlier iteration's end and step the last ones."""
     for j in range(len(end_times) - 1, max(len(end_times) - 9, -1), -1):
         target = end_times[j]
         delay = target - start
@@ -272,12 +419,8 @@ def _advance(env: simpy.Environment, start: float, end_times: list[float], step_
         while start + delay > target:
             delay = math.nextafter(delay, -math.inf)
         if start + delay == target:
-            yield env.timeout(delay)
-            for d in step_times[j + 1:]:
-                yield env.timeout(d)
-            return
-    for d in step_times:
-        yield env.timeout(d)
+            return [delay, *step_times[j + 1:]]
+    return list(step_times)
 
 
 def _check(sched: Scheduler) -> None:
