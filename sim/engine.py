@@ -12,7 +12,7 @@ result is the same, bit for bit, as stepping them one by one (tests/test_sim.py 
 The window is the replica step's (policies/step.py `ReplicaStep.begin_window`: the scheduler's
 RepeatPlan, priced by the executor in one call, cut at the first stop condition, applied by the
 scheduler at once and logged); this module only moves the SimPy clock over its end times, landing
-exactly where stepping's additions would (`_advance`). With several replicas the router reads every
+exactly where stepping's additions would (`_delays`). With several replicas the router reads every
 replica at each arrival and must find it as stepping would have left it: a window ends before the
 next arrival anywhere, unless the router reads only outstanding counts (round-robin, random,
 least-loaded, prefix-affinity: it is handed policies.router.ReplicaCounts views), which a window
@@ -398,12 +398,6 @@ def _idle(env: simpy.Environment, replica: Replica, dispatch: Dispatch | None):
     yield replica.wakeup
     dispatch.idle -= 1
     dispatch.deliver_due(env.now)
-
-
-def _advance(env: simpy.Environment, start: float, end_times: list[float], step_times: list[float]):
-    """Move the clock from `start` over the skipped iterations (see `_delays`)."""
-    for delay in _delays(start, end_times, step_times):
-        yield env.timeout(delay)
 
 
 def _delays(start: float, end_times: list[float], step_times: list[float]) -> list[float]:

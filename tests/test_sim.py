@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from pagesim.cli import main as cli_main
 from sim.cost_model import ConstantCostModel
-from sim.engine import _advance
+from sim.engine import _delays
 from sim.run import SimConfig, run_simulation
 from traces import resolve_trace
 from traces.arrivals import apply_arrivals
@@ -126,7 +126,12 @@ def test_skip_ahead_lands_on_stepping_clock_when_one_addition_cannot():
     pd.testing.assert_frame_equal(a.iterations, b.iterations, check_exact=True)
     env = simpy.Environment(initial_time=3.8095823315433313)
     t1, d2 = 11.912270694552973, 0.02609149046945337  # t1 + d2 == 11.938362185022426
-    env.process(_advance(env, env.now, [t1, t1 + d2], [t1 - env.now, d2]))
+
+    def advance():
+        for delay in _delays(env.now, [t1, t1 + d2], [t1 - env.now, d2]):
+            yield env.timeout(delay)
+
+    env.process(advance())
     env.run()
     assert env.now == 11.938362185022426
 
