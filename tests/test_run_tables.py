@@ -111,3 +111,11 @@ def test_router_summary_equals_masking_each_replica():
         assert row["preemptions"] == int(mine.num_preemptions.sum())
         mean = float(done.normalized_latency.mean()) if len(done) else float("nan")
         assert row["mean_normalized_latency"] == mean or (mean != mean and row["mean_normalized_latency"] != row["mean_normalized_latency"])
+
+
+def test_iteration_table_with_an_empty_log_equals_the_logs_frames() -> None:
+    logs = [_log(1, 12), IterationLog(), _log(2, 30)]
+    want = pd.concat([log.frame().assign(replica=i) for i, log in enumerate(logs)], ignore_index=True)
+    got = _iteration_table([SimpleNamespace(log=_log(1, 12), index=0), SimpleNamespace(log=IterationLog(), index=1),
+                            SimpleNamespace(log=_log(2, 30), index=2)])
+    pd.testing.assert_frame_equal(got, want, check_exact=True)
