@@ -499,13 +499,7 @@ def _request_table(replicas: list[Replica]) -> pd.DataFrame:
         return request_frame(replicas[0].scheduler.done)
     groups = [g for r in replicas for g in r.scheduler.done]
     served = np.repeat(np.array([r.index for r in replicas], dtype=np.int64), [len(r.scheduler.done) for r in replicas])
-    # the ids sorted at once by numpy (not a key call per group); request_frame's own sort then finds them in order
-    order = np.argsort(np.array([g.request.request_id for g in groups], dtype=np.int64), kind="stable")
-    groups = [groups[i] for i in order.tolist()]
-    served_by = served[order]
-    requests = request_frame(groups)
-    requests["replica"] = served_by
-    return requests
+    return request_frame(groups, served)  # ordered by request_frame's one numpy sort of the ids
 
 
 def _release_done(replicas: list[Replica]) -> None:

@@ -119,3 +119,33 @@ def test_iteration_table_with_an_empty_log_equals_the_logs_frames() -> None:
     got = _iteration_table([SimpleNamespace(log=_log(1, 12), index=0), SimpleNamespace(log=IterationLog(), index=1),
                             SimpleNamespace(log=_log(2, 30), index=2)])
     pd.testing.assert_frame_equal(got, want, check_exact=True)
+
+
+def test_request_frame_orders_groups_by_id_whatever_their_order() -> None:
+    from policies.metrics import request_frame
+    from sim import run as sim_run
+
+    seen = {}
+    tables = sim_run._tables
+
+    def spy(replicas):  # the finished groups, before `_tables` releases them
+        groups = list(replicas[0].scheduler.done)
+        seen["where"] = {g.request.request_id: i for i, g in enumerate(groups)}  # each group's place in `done`
+        seen["frames"] = [request_frame(groups), request_frame(groups[::-1], np.arange(len(groups))[::-1]),
+                          request_frame(sorted(groups, key=lambda g: g.request.request_id))]
+        with pytest.raises(ValueError, match="replicas for"):
+            request_frame(groups, np.zeros(len(groups) - 1, dtype=np.int64))
+        return tables(replicas)
+
+    try:
+        sim_run._tables = spy
+        run_simulation(SimConfig(num_gpu_blocks=200), resolve_trace("multi-client", num_requests=80, rate=20.0, seed=3))
+    finally:
+        sim_run._tables = tables
+    plain, reversed_, in_order = seen["frames"]
+    assert plain.request_id.is_monotonic_increasing and len(plain) == 80
+    pd.testing.assert_frame_equal(plain, in_order, check_exact=True)
+    pd.testing.assert_frame_equal(reversed_.drop(columns="replica"), plain, check_exact=True)
+    # each row's `replica` is the value given beside its group: here the group's place in `done`
+    assert reversed_.columns[-1] == "replica"
+    assert reversed_.replica.tolist() == [seen["where"][i] for i in plain.request_id.tolist()]
