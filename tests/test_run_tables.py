@@ -149,3 +149,21 @@ def test_request_frame_orders_groups_by_id_whatever_their_order() -> None:
     # each row's `replica` is the value given beside its group: here the group's place in `done`
     assert reversed_.columns[-1] == "replica"
     assert reversed_.replica.tolist() == [seen["where"][i] for i in plain.request_id.tolist()]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stats_equal_pandas_mean_and_quantiles(seed: int) -> None:
+    from policies.metrics import _stats
+
+    rng = np.random.default_rng(seed)
+    for n in (1, 2, 3, 10, 101, 5000):
+        x = pd.Series(rng.lognormal(size=n) * 10.0 ** rng.integers(-4, 4))
+        x[rng.random(n) < 0.2 * seed] = np.nan  # some NaN (seed 0: none)
+        d = x.dropna()
+        want = ({"mean": float(d.mean()), "p50": float(d.quantile(0.5)), "p90": float(d.quantile(0.9)),
+                 "p99": float(d.quantile(0.99))} if len(d) else None)
+        got = _stats(x)
+        if want is None:
+            assert all(v != v for v in got.values())  # all NaN
+        else:
+            assert got == want  # bit for bit, not approximately
