@@ -277,23 +277,30 @@ def iteration_compositions(iterations: pd.DataFrame, block_size: int = 16) -> li
 _STATUS = ["finished", "aborted", "rejected"]  # request_frame's status values
 
 
-def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
+def request_frame(groups: Iterable[SequenceGroup], replica: np.ndarray | None = None) -> pd.DataFrame:
     """One row per request, ordered by request id. status: "finished", "rejected" (by the
     scheduler; reject_reason says why) or "aborted" (ended from outside, e.g. its client left; the
     reason in reject_reason). An aborted row keeps what happened before the abort: its first token
     time and TTFT when it got one, and output_len, the tokens it was given; latencies that need a
-    finish (tpot, e2e, normalized) are NaN for every row that did not finish.
+    finish (tpot, e2e, normalized) are NaN for every row that did not finish. `replica`, when given,
+    holds each group's replica (in the order of `groups`): a last `replica` column.
 
-    Each column's values are gathered in one pass over the groups, and read by numpy in one pass
-    each (`_ints`, `_floats`); text columns are built from their few distinct values (`_text`)."""
-    gs = sorted(groups, key=lambda g: g.request.request_id)
+    The groups are put in id order by one stable numpy sort of their ids (no key call per group);
+    each column's values are then gathered in one pass over them (in id order: the order they were
+    made in, which reads memory fastest), and read by numpy in one pass each (`_ints`, `_floats`);
+    text columns are built from their few distinct values (`_text`)."""
+    gs = list(groups)
+    ids = _ints([g.request.request_id for g in gs])
+    order = _id_order(ids)
+    if order is not None:
+        gs = [gs[i] for i in order.tolist()]
+        ids = ids[order]
     nan = float("nan")
-    ids, arrival, prompt, out, requested, n, beam = [], [], [], [], [], [], []
+    arrival, prompt, out, requested, n, beam = [], [], [], [], [], []
     first, finish, scheduled, preemptions, hits, status, reason = [], [], [], [], [], [], []
     client, priority, slo_ttft, slo_tpot = [], [], [], []
     for g in gs:
         r = g.request
-        ids.append(r.request_id)
         arrival.append(r.arrival)
         prompt.append(r.prompt_len)
         out.append(g.output_len)
@@ -321,8 +328,8 @@ def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
         e2e = np.where(finished, finishes - arrivals, nan)
         tpot = np.where(finished & (outs > 1), (finishes - firsts) / (outs - 1), nan)
         normalized = np.where(finished & (outs > 0), e2e / outs, nan)
-    return pd.DataFrame({
-        "request_id": _ints(ids),
+    columns = {
+        "request_id": ids,
         "arrival": arrivals,
         "prompt_len": _ints(prompt),
         "output_len": outs,
@@ -345,7 +352,21 @@ def request_frame(groups: Iterable[SequenceGroup]) -> pd.DataFrame:
         "priority": _ints(priority),
         "slo_ttft": _floats(slo_ttft),
         "slo_tpot": _floats(slo_tpot),
-    }, copy=False)  # the arrays are this frame's alone: no consolidating copy of each kind's columns
+    }
+    if replica is not None:
+        if len(replica) != len(gs):
+            raise ValueError(f"request_frame: {len(replica)} replicas for {len(gs)} groups")
+        replica = np.asarray(replica, dtype=np.int64)
+        columns["replica"] = replica if order is None else replica[order]
+    return pd.DataFrame(columns, copy=False)  # the arrays are this frame's alone: no consolidating copy
+
+
+def _id_order(ids: np.ndarray) -> np.ndarray | None:
+    """The stable order that sorts `ids` (as sorting the groups by id would), None when they are
+    in order already."""
+    if len(ids) < 2 or bool((ids[1:] >= ids[:-1]).all()):
+        return None
+    return np.argsort(ids, kind="stable")
 
 
 def _factorize(values: list[str]) -> tuple[list[str], np.ndarray]:
@@ -465,12 +486,19 @@ def backlog_in_windows(requests: pd.DataFrame, edges: np.ndarray) -> pd.DataFram
     return pd.DataFrame(waits, columns=requests.client.to_numpy()).T.groupby(level=0).any().T
 
 
+_PERCENTILES: Final = np.array([0.5, 0.9, 0.99]) * 100.0  # p50, p90, p99, as Series.quantile passes them on
+
+
 def _stats(x: pd.Series) -> dict[str, float]:
-    x = x.dropna()
-    if x.empty:
+    """Mean, p50, p90 and p99 of a float column's values (NaN skipped), the same bits as
+    Series.mean() and Series.quantile() give (a sum over the count; numpy's linear percentiles of
+    q * 100), in one pass over the values and one partition instead of four pandas calls."""
+    v = x.to_numpy(dtype=np.float64)
+    v = v[~np.isnan(v)]
+    if not len(v):
         return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
-    return {"mean": float(x.mean()), "p50": float(x.quantile(0.5)), "p90": float(x.quantile(0.9)),
-            "p99": float(x.quantile(0.99))}
+    p50, p90, p99 = np.percentile(v, _PERCENTILES).tolist()
+    return {"mean": float(v.sum() / len(v)), "p50": p50, "p90": p90, "p99": p99}
 
 
 def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float | None = None,
@@ -577,7 +605,9 @@ def latency_basis(summary: dict) -> str:
 
 def _client_summary(requests: pd.DataFrame, slo_ttft: float | None, slo_tpot: float | None) -> dict:
     """Per-client results and fairness, when the trace names more than one client."""
-    if "client" not in requests or requests.client.astype(object).fillna("").astype(str).nunique() < 2:
+    if "client" not in requests or requests.client.nunique(dropna=False) < 2:
+        return {}  # one value (or none): one client, whatever converting it to text gives
+    if requests.client.astype(object).fillna("").astype(str).nunique() < 2:
         return {}
     table, fairness = per_client(requests, slo_ttft, slo_tpot)
     return {"per_client": table.set_index("client").to_dict(orient="index"), "fairness": fairness}

@@ -111,3 +111,59 @@ def test_router_summary_equals_masking_each_replica():
         assert row["preemptions"] == int(mine.num_preemptions.sum())
         mean = float(done.normalized_latency.mean()) if len(done) else float("nan")
         assert row["mean_normalized_latency"] == mean or (mean != mean and row["mean_normalized_latency"] != row["mean_normalized_latency"])
+
+
+def test_iteration_table_with_an_empty_log_equals_the_logs_frames() -> None:
+    logs = [_log(1, 12), IterationLog(), _log(2, 30)]
+    want = pd.concat([log.frame().assign(replica=i) for i, log in enumerate(logs)], ignore_index=True)
+    got = _iteration_table([SimpleNamespace(log=_log(1, 12), index=0), SimpleNamespace(log=IterationLog(), index=1),
+                            SimpleNamespace(log=_log(2, 30), index=2)])
+    pd.testing.assert_frame_equal(got, want, check_exact=True)
+
+
+def test_request_frame_orders_groups_by_id_whatever_their_order() -> None:
+    from policies.metrics import request_frame
+    from sim import run as sim_run
+
+    seen = {}
+    tables = sim_run._tables
+
+    def spy(replicas):  # the finished groups, before `_tables` releases them
+        groups = list(replicas[0].scheduler.done)
+        seen["where"] = {g.request.request_id: i for i, g in enumerate(groups)}  # each group's place in `done`
+        seen["frames"] = [request_frame(groups), request_frame(groups[::-1], np.arange(len(groups))[::-1]),
+                          request_frame(sorted(groups, key=lambda g: g.request.request_id))]
+        with pytest.raises(ValueError, match="replicas for"):
+            request_frame(groups, np.zeros(len(groups) - 1, dtype=np.int64))
+        return tables(replicas)
+
+    try:
+        sim_run._tables = spy
+        run_simulation(SimConfig(num_gpu_blocks=200), resolve_trace("multi-client", num_requests=80, rate=20.0, seed=3))
+    finally:
+        sim_run._tables = tables
+    plain, reversed_, in_order = seen["frames"]
+    assert plain.request_id.is_monotonic_increasing and len(plain) == 80
+    pd.testing.assert_frame_equal(plain, in_order, check_exact=True)
+    pd.testing.assert_frame_equal(reversed_.drop(columns="replica"), plain, check_exact=True)
+    # each row's `replica` is the value given beside its group: here the group's place in `done`
+    assert reversed_.columns[-1] == "replica"
+    assert reversed_.replica.tolist() == [seen["where"][i] for i in plain.request_id.tolist()]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stats_equal_pandas_mean_and_quantiles(seed: int) -> None:
+    from policies.metrics import _stats
+
+    rng = np.random.default_rng(seed)
+    for n in (1, 2, 3, 10, 101, 5000):
+        x = pd.Series(rng.lognormal(size=n) * 10.0 ** rng.integers(-4, 4))
+        x[rng.random(n) < 0.2 * seed] = np.nan  # some NaN (seed 0: none)
+        d = x.dropna()
+        want = ({"mean": float(d.mean()), "p50": float(d.quantile(0.5)), "p90": float(d.quantile(0.9)),
+                 "p99": float(d.quantile(0.99))} if len(d) else None)
+        got = _stats(x)
+        if want is None:
+            assert all(v != v for v in got.values())  # all NaN
+        else:
+            assert got == want  # bit for bit, not approximately
