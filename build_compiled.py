@@ -42,6 +42,7 @@ MANIFEST, PACKAGES, module_path, source_hash = _guard.MANIFEST, _guard.PACKAGES,
 
 MODULES: tuple[str, ...] = (
     "policies.request",
+    "policies.least_loaded",
     "policies.memory",
     "policies.block_manager",
     "policies.plan",

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from policies.least_loaded import least_loaded
 from policies.plugins import check_option_types, load_plugin
 from policies.request import Request
 from policies.scheduler import Scheduler
@@ -187,14 +188,11 @@ class LeastLoadedRouter(Router):
         self._last = -1
 
     def route(self, request: Request, replicas: Sequence[Any]) -> int:
-        # _pick over every replica, from one list of counts: this runs at every arrival (the kept
-        # list read in place, and no exception raised when the least loaded lies before `first`)
+        # _pick over every replica, from one list of counts (the kept list read in place): this
+        # runs at every arrival, so the pick is the compiled kernel's (sim.engine.Dispatch calls it
+        # directly when `route` is this one)
         loads = replicas.loads if type(replicas) is ReplicaViews else replica_loads(replicas)
-        least = min(loads)
-        # tie order: the first least loaded from the one after the last pick, wrapping round
-        first = (self._last + 1) % len(loads)
-        best = loads.index(least, first) if least in loads[first:] else loads.index(least)
-        self._last = best
+        best = self._last = least_loaded(loads, self._last)
         return best
 
     def _pick(self, replicas: Sequence[Any], candidates: Sequence[int]) -> int:

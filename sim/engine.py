@@ -30,16 +30,19 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from heapq import heappush
 from itertools import accumulate
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import simpy
+from simpy.events import NORMAL
 
+from policies.least_loaded import least_loaded
 from policies.request import Request
-from policies.router import SCHEDULER, Router, replica_views
+from policies.router import SCHEDULER, LeastLoadedRouter, ReplicaViews, Router, replica_views
 from policies.scheduler import Scheduler
 from policies.step import ReplicaStep
 
@@ -113,13 +116,21 @@ class ArrivalTimeout(simpy.Timeout):
 class Alarm:
     """One process's timeouts as one SimPy event, re-armed for each wait: a new simpy.Timeout per
     wait costs a bound-class call and an interpreted `__init__` (~4k instructions), re-arming a
-    fresh callback list and `env.schedule` (the same queue entry a Timeout makes, at the normal
-    priority). Invariant: armed at most once at a time (the process yields it, and re-arms it only
-    once it has been processed and resumed the process)."""
+    fresh callback list and the queue entry a Timeout makes, at the normal priority. The entry is
+    pushed here as SimPy 4's `Environment.schedule` writes it (its interpreted call, and the
+    generic reads of the queue and the id counter, cost ~2k instructions a wait): SimPy is pinned
+    < 5 (pyproject.toml), and tests/test_simpy_internals.py fails if its queue changes. Invariant:
+    armed at most once at a time (the process yields it, and re-arms it only once it has been
+    processed and resumed the process)."""
 
     def __init__(self, env: simpy.Environment) -> None:
         self.env = env
         self.event: simpy.Timeout | None = None
+        # the environment's event queue and event ids (each made once, in Environment.__init__);
+        # Any: the entries are pushed as they are, not unboxed and boxed again by compiled code
+        self.queue: list[Any] = env._queue
+        self.eids: Iterator[Any] = env._eid
+        self.priority: Any = NORMAL
 
     def after(self, delay: float) -> simpy.Timeout:
         """The event, due `delay` from now."""
@@ -130,7 +141,8 @@ class Alarm:
         if delay < 0:
             raise ValueError(f"negative delay {delay}")
         event.callbacks = []  # processed: SimPy set them to None
-        self.env.schedule(event, simpy.events.NORMAL, delay)
+        # env.schedule(event, NORMAL, delay)
+        heappush(self.queue, (self.env._now + delay, self.priority, next(self.eids), event))
         return event
 
 
@@ -214,6 +226,15 @@ class Dispatch:
         # a user's router may answer anything: its answer is an object here (the compiled engine would
         # otherwise check it is the int Router.route declares, before _replica_index could name it)
         self.route: Callable[[Request, list], object] | None = router.route if router is not None else None
+        # a least-loaded router's own `route` (a subclass's override is called as any router's):
+        # its pick made here from the kept loads list, the same function and state (`_last`) as
+        # LeastLoadedRouter.route, without an interpreted call at every arrival
+        self.least: LeastLoadedRouter | None = None
+        self.loads: list[int] | None = None
+        views = self.views
+        if (isinstance(router, LeastLoadedRouter) and type(router).route is LeastLoadedRouter.route
+                and isinstance(views, ReplicaViews)):
+            self.least, self.loads = router, views.loads
         self.idle = 0  # replicas waiting for an arrival (engine_process)
         self.parked: simpy.Event | None = None  # lazy_arrival_process waiting while none is idle
         self.due = math.inf
@@ -244,8 +265,12 @@ class Dispatch:
         feed.next_index += 1
         for sched in self.whole:
             sched.materialise()
-        answer = route(request, self.views) if route is not None else 0
-        i = answer if type(answer) is int else _replica_index(answer, self.router, request, len(replicas))
+        least, loads = self.least, self.loads
+        if least is not None and loads is not None:  # LeastLoadedRouter.route, its pick in place
+            i = least._last = least_loaded(loads, least._last)
+        else:
+            answer = route(request, self.views) if route is not None else 0
+            i = answer if type(answer) is int else _replica_index(answer, self.router, request, len(replicas))
         if not 0 <= i < len(replicas):
             name = self.router.name if self.router is not None else "-"
             raise RuntimeError(f"router {name} picked replica {i} of {len(replicas)} "

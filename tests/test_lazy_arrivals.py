@@ -13,7 +13,7 @@ import simpy
 
 import sim.run
 from policies.request import Request
-from policies.router import ROUTERS, Router
+from policies.router import ROUTERS, LeastLoadedRouter, Router
 from policies.scheduler import Scheduler
 from sim.cluster import final_checks
 from sim.engine import _land, arrival_process, engine_process
@@ -74,3 +74,32 @@ def test_land_reaches_a_time_one_addition_cannot():
     env.process(_land(env, at))
     env.run()
     assert env.now == at
+
+
+class CountingLeastLoaded(LeastLoadedRouter):
+    """Least-loaded through its own `route` (an override): Dispatch calls it as any router's."""
+
+    name = "counting-least-loaded"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def route(self, request: Request, replicas: Sequence[int]) -> int:
+        self.calls += 1
+        return super().route(request, replicas)
+
+
+@pytest.mark.parametrize("rate", [400.0, 3.0])
+def test_least_loaded_picked_in_dispatch_is_its_route(monkeypatch, rate):
+    """Dispatch picks for LeastLoadedRouter itself (its kept loads, the same function and `_last`),
+    and calls an override's route: both give the same tables."""
+    monkeypatch.setitem(ROUTERS, CountingLeastLoaded.name, CountingLeastLoaded)
+    made = []
+    monkeypatch.setattr(sim.run, "make_router", lambda name, **kw: made.append(ROUTERS[name]()) or made[-1])
+    trace = resolve_trace("sharegpt-like", num_requests=300, rate=rate, seed=5)
+    plain = run_simulation(SimConfig(replicas=4, router="least-loaded"), trace)
+    least = made[-1]
+    counted = run_simulation(SimConfig(replicas=4, router=CountingLeastLoaded.name), trace)
+    pd.testing.assert_frame_equal(plain.requests, counted.requests, check_exact=True)
+    assert made[-1].calls == 300 and least._last == made[-1]._last

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagesim.cli import main as cli_main
+from policies.least_loaded import least_loaded
 from policies.registry import make_scheduler
 from policies.request import Request, SamplingParams
 from policies.router import (
@@ -440,3 +441,11 @@ def test_a_router_may_answer_a_numpy_integer():
     tr = resolve_trace("sharegpt-like", num_requests=5, rate=5.0, seed=0)
     cfg = SimConfig(replicas=2, router="tests.test_router:Answers", router_options={"answer": np.int64(1)})
     assert set(run_simulation(cfg, tr).requests.replica) == {1}
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(loads=st.lists(st.integers(0, 4), min_size=1, max_size=20), last=st.integers(-1, 25))
+def test_least_loaded_pick_is_the_first_least_loaded_after_the_last_pick(loads, last):
+    n = len(loads)
+    order = [(last + 1 + k) % n for k in range(n)]  # from the one after the last pick, wrapping round
+    assert least_loaded(loads, last) == next(i for i in order if loads[i] == min(loads))
