@@ -30,12 +30,16 @@ _INT_COLUMNS = ITERATION_COLUMNS[2:]
 # columns but num_seqs (_ROW_INTS; num_seqs = decode_tokens + prefill_seqs, derived when expanded)
 _ROW_INTS: Final = tuple(c for c in _INT_COLUMNS if c != "num_seqs")
 _ROW: Final = struct.Struct(f"q2d{len(_ROW_INTS)}q")
-_FIELDS: Final = 3 + len(_ROW_INTS)
+_FIELDS: Final = 21  # 3 + len(_ROW_INTS): a literal, so that the compiled kernel folds it
+_RECORD_BYTES: Final = 8 * _FIELDS  # a literal for the compiled kernel (_ROW.size is a generic lookup)
 # A window record (`add_window`): -steps (< 0: tells it from a row record), start, then what its
 # rows do not share with every window (see add_window): num_seqs, context tokens, waiting, token
 # states, internal fragmentation and free slots before its first iteration, prefix hits, block
 # size, and its last row's running, token states, internal fragmentation and free slots
 _WINDOW: Final = struct.Struct("qd12q")
+# the two packers, looked up once (a method called by name is looked up on every call)
+_PACK_ROW: Final = _ROW.pack_into
+_PACK_WINDOW: Final = _WINDOW.pack_into
 _W_SEQS, _W_CONTEXT, _W_WAITING, _W_STATES, _W_INTERNAL, _W_FREE, _W_HITS, _W_BLOCK, _W_LAST = range(2, 11)
 # the row record's slots a window record's numbers go to (the rest 0) when a block is expanded
 _W_INTO_ROW: Final = {"decode_tokens": _W_SEQS, "context_tokens": _W_CONTEXT, "waiting": _W_WAITING,
@@ -43,7 +47,7 @@ _W_INTO_ROW: Final = {"decode_tokens": _W_SEQS, "context_tokens": _W_CONTEXT, "w
                       "kv_free": _W_FREE, "prefix_hits": _W_HITS}
 _W_DST: Final = np.array([3 + _ROW_INTS.index(c) for c in _W_INTO_ROW])
 _W_SRC: Final = np.array(list(_W_INTO_ROW.values()))
-assert _ROW.size == 8 * _FIELDS and _WINDOW.size == 8 * (_W_LAST + 4) <= _ROW.size
+assert _FIELDS == 3 + len(_ROW_INTS) and _ROW.size == _RECORD_BYTES and _WINDOW.size == 8 * (_W_LAST + 4) <= _ROW.size
 _NARROW = (np.int8, np.int16, np.int32)  # IterationLog: tried in order when a block is sealed
 # (type, its least and greatest value) of each, read once: np.iinfo builds an object per call
 _NARROW_RANGES = tuple((t, int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in _NARROW)
@@ -81,7 +85,7 @@ class IterationLog:
         # before it is read, the slots a window's layout leaves out never read; zeroing it would
         # cost as much as packing the records)
         self._room = min(capacity, 65536)  # records the buffer holds (doubled when full)
-        self._records = np.empty(self._room * _ROW.size, dtype=np.uint8)
+        self._records = np.empty(self._room * _RECORD_BYTES, dtype=np.uint8)
         self._buffer = self._records.data  # what struct writes into (a memoryview)
         self._count = 0  # records in the block
         self._ends: list[float] = []       # per window row
@@ -101,13 +105,13 @@ class IterationLog:
             self._buffer = self._records.data
             self._room *= 2
         self._count += 1
-        return (self._count - 1) * _ROW.size
+        return (self._count - 1) * _RECORD_BYTES
 
     def add(self, start: float, duration: float, c: StepComposition, num_preempted: int,
             waiting: int, running: int, mem: MemoryBreakdown, prefix_hits: int) -> None:
         """One row: an iteration of composition `c`."""
         at = self._next_record()  # first: it may replace the buffer
-        _ROW.pack_into(self._buffer, at, 1, start, duration,
+        _PACK_ROW(self._buffer, at, 1, start, duration,
                        c.prefill_tokens, c.num_decode_seqs, c.decode_context_tokens + c.prefill_context_tokens,
                        num_preempted, c.swap_in_blocks, c.swap_out_blocks, waiting, running, mem.token_states,
                        mem.reserved, mem.internal_frag, mem.external_frag, mem.free, prefix_hits,
@@ -135,7 +139,7 @@ class IterationLog:
             waiting = 0
         states0 = res.states0
         at = self._next_record()
-        _WINDOW.pack_into(self._buffer, at, -steps, start, res.num_seqs, res.context_tokens, waiting, states0,
+        _PACK_WINDOW(self._buffer, at, -steps, start, res.num_seqs, res.context_tokens, waiting, states0,
                           res.allocated0 - states0, res.free0, prefix_hits, res.block_size,
                           res.last_running, res.last_states, res.last_internal, res.last_free)
         if len(durations) == steps:
