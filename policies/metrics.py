@@ -24,14 +24,30 @@ ITERATION_COLUMNS = (
 )
 _FLOAT_COLUMNS = ("start", "duration")
 _INT_COLUMNS = ITERATION_COLUMNS[2:]
-# IterationLog's record of a write, in C numbers: its rows, start, duration, the integer columns
-# (_INT_COLUMNS), then a window's block size and its last row's running, token states, internal
-# fragmentation and free slots (0 for other writes)
-_RECORD: Final = struct.Struct(f"q2d{len(_INT_COLUMNS)}q5q")
-_FIELDS: Final = 27  # 8-byte numbers in a record
-_RECORD_BYTES: Final = 8 * _FIELDS
-_BLOCK_SIZE: Final = 22  # the field of a window's block size (> 0: tells a window's record from others)
-assert _RECORD.size == _RECORD_BYTES and _BLOCK_SIZE == 3 + len(_INT_COLUMNS)
+# IterationLog's records, in C numbers, one layout per kind of write, in slots of 8 bytes (a record
+# takes _FIELDS slots whatever its kind: a window's leaves its last ones unwritten).
+# A row record (`add`'s row, or `add_many`'s k rows of zeros): k > 0, start, duration, the integer
+# columns but num_seqs (_ROW_INTS; num_seqs = decode_tokens + prefill_seqs, derived when expanded)
+_ROW_INTS: Final = tuple(c for c in _INT_COLUMNS if c != "num_seqs")
+_ROW: Final = struct.Struct(f"q2d{len(_ROW_INTS)}q")
+_FIELDS: Final = 21  # 3 + len(_ROW_INTS): a literal, so that the compiled kernel folds it
+_RECORD_BYTES: Final = 8 * _FIELDS  # a literal for the compiled kernel (_ROW.size is a generic lookup)
+# A window record (`add_window`): -steps (< 0: tells it from a row record), start, then what its
+# rows do not share with every window (see add_window): num_seqs, context tokens, waiting, token
+# states, internal fragmentation and free slots before its first iteration, prefix hits, block
+# size, and its last row's running, token states, internal fragmentation and free slots
+_WINDOW: Final = struct.Struct("qd12q")
+# the two packers, looked up once (a method called by name is looked up on every call)
+_PACK_ROW: Final = _ROW.pack_into
+_PACK_WINDOW: Final = _WINDOW.pack_into
+_W_SEQS, _W_CONTEXT, _W_WAITING, _W_STATES, _W_INTERNAL, _W_FREE, _W_HITS, _W_BLOCK, _W_LAST = range(2, 11)
+# the row record's slots a window record's numbers go to (the rest 0) when a block is expanded
+_W_INTO_ROW: Final = {"decode_tokens": _W_SEQS, "context_tokens": _W_CONTEXT, "waiting": _W_WAITING,
+                      "running": _W_SEQS, "kv_token_states": _W_STATES, "kv_internal_frag": _W_INTERNAL,
+                      "kv_free": _W_FREE, "prefix_hits": _W_HITS}
+_W_DST: Final = np.array([3 + _ROW_INTS.index(c) for c in _W_INTO_ROW])
+_W_SRC: Final = np.array(list(_W_INTO_ROW.values()))
+assert _FIELDS == 3 + len(_ROW_INTS) and _ROW.size == _RECORD_BYTES and _WINDOW.size == 8 * (_W_LAST + 4) <= _ROW.size
 _NARROW = (np.int8, np.int16, np.int32)  # IterationLog: tried in order when a block is sealed
 # (type, its least and greatest value) of each, read once: np.iinfo builds an object per call
 _NARROW_RANGES = tuple((t, int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in _NARROW)
@@ -43,14 +59,16 @@ class IterationLog:
     columns), whatever the storage.
 
     Writing packs C numbers and appends to flat lists, nothing more: every write is a record of k
-    rows packed into a byte buffer (struct: no Python object kept per number): a single row's
-    numbers (k = 1); a window's start, the values of its columns before its first iteration, its
-    block size and its last row's figures (read after its finishes); zeros for `add_many`'s rows,
-    written over by the columns given. A window's per-row numbers (its ends, durations and the
-    blocks each iteration opened) are appended to flat lists, and the rare irregular column
-    (waiting counts that change with arrivals) kept as an override. When a staging block reaches
-    `capacity` rows (or is read) its rows are expanded at once with numpy, in order (each record
-    copied to its rows by np.repeat, the windows' rows then computed from their per-row numbers by
+    rows packed into a byte buffer (struct: no Python object kept per number), in one of two
+    layouts of the same size (see _ROW and _WINDOW): a single row's numbers (k = 1), less num_seqs
+    (the sum of two others); a window's start and only the numbers its rows do not all share (its
+    columns before its first iteration, its block size and its last row's figures, read after its
+    finishes); zeros for `add_many`'s rows, written over by the columns given. A window's per-row
+    numbers (its ends, durations and the blocks each iteration opened) are appended to flat lists,
+    and the rare irregular column (waiting counts that change with arrivals) kept as an override.
+    When a staging block reaches `capacity` rows (or is read) its rows are expanded at once with
+    numpy, in order (the window records first rewritten in the row layout, then each column
+    repeated from the records' numbers, the windows' rows computed from their per-row numbers by
     cumsum and written through one mask: no row placed by index) and sealed: each integer column
     stored in the narrowest integer type that holds its values exactly (most counts fit in one or
     two bytes), floats as they are, so a million-request log holds ~40 bytes a row instead of
@@ -63,8 +81,9 @@ class IterationLog:
         self._base = 0  # rows sealed so far (the staging block's first row)
         self.rows = 0
         # the block's records: a buffer kept from block to block (a record has one row or more: a
-        # block holds at most `capacity` of them), left uninitialised (each record is written whole
-        # before it is read; zeroing it would cost as much as packing the records)
+        # block holds at most `capacity` of them), left uninitialised (each record is written
+        # before it is read, the slots a window's layout leaves out never read; zeroing it would
+        # cost as much as packing the records)
         self._room = min(capacity, 65536)  # records the buffer holds (doubled when full)
         self._records = np.empty(self._room * _RECORD_BYTES, dtype=np.uint8)
         self._buffer = self._records.data  # what struct writes into (a memoryview)
@@ -92,12 +111,11 @@ class IterationLog:
             waiting: int, running: int, mem: MemoryBreakdown, prefix_hits: int) -> None:
         """One row: an iteration of composition `c`."""
         at = self._next_record()  # first: it may replace the buffer
-        _RECORD.pack_into(self._buffer, at, 1, start, duration,
-                          c.num_prefill_seqs + c.num_decode_seqs, c.prefill_tokens, c.num_decode_seqs,
-                          c.decode_context_tokens + c.prefill_context_tokens, num_preempted, c.swap_in_blocks,
-                          c.swap_out_blocks, waiting, running, mem.token_states, mem.reserved, mem.internal_frag,
-                          mem.external_frag, mem.free, prefix_hits, c.num_prefill_seqs, c.prefill_attn_pairs,
-                          c.prefill_context_tokens, c.copy_blocks, 0, 0, 0, 0, 0)
+        _PACK_ROW(self._buffer, at, 1, start, duration,
+                       c.prefill_tokens, c.num_decode_seqs, c.decode_context_tokens + c.prefill_context_tokens,
+                       num_preempted, c.swap_in_blocks, c.swap_out_blocks, waiting, running, mem.token_states,
+                       mem.reserved, mem.internal_frag, mem.external_frag, mem.free, prefix_hits,
+                       c.num_prefill_seqs, c.prefill_attn_pairs, c.prefill_context_tokens, c.copy_blocks)
         self.rows += 1
         if self.rows - self._base >= self._capacity:
             self._seal()
@@ -119,12 +137,11 @@ class IterationLog:
         if not isinstance(waiting, int):
             self._waiting.append((self.rows - self._base, waiting))
             waiting = 0
-        b, states0 = res.num_seqs, res.states0
+        states0 = res.states0
         at = self._next_record()
-        _RECORD.pack_into(self._buffer, at, steps, start, 0.0,
-                          b, 0, b, res.context_tokens, 0, 0, 0, waiting, b, states0, 0, res.allocated0 - states0, 0,
-                          res.free0, prefix_hits, 0, 0, 0, 0,
-                          res.block_size, res.last_running, res.last_states, res.last_internal, res.last_free)
+        _PACK_WINDOW(self._buffer, at, -steps, start, res.num_seqs, res.context_tokens, waiting, states0,
+                          res.allocated0 - states0, res.free0, prefix_hits, res.block_size,
+                          res.last_running, res.last_states, res.last_internal, res.last_free)
         if len(durations) == steps:
             self._ends.extend(ends)
             self._durations.extend(durations)
@@ -144,7 +161,7 @@ class IterationLog:
             return  # no rows
         self._dense.append((self.rows - self._base, columns))
         at = self._next_record()
-        _RECORD.pack_into(self._buffer, at, k, *[0] * (_FIELDS - 1))  # zeros, written over
+        _ROW.pack_into(self._buffer, at, k, *[0] * (_FIELDS - 1))  # zeros, written over
         self.rows += k
         if self.rows - self._base >= self._capacity:
             self._seal()
@@ -165,15 +182,25 @@ class IterationLog:
         the buffer, which the next block reuses)."""
         records = self._records.view(np.int64)[:self._count * _FIELDS].reshape(-1, _FIELDS)
         k = records[:, 0]
-        rows = np.repeat(records, k, axis=0)  # each record's numbers in each of its rows
+        is_window = k < 0
+        windows = np.flatnonzero(is_window)
+        w = records[windows]  # a copy, in the window layout
+        if len(windows):
+            k = np.abs(k)
+            as_rows = np.zeros((len(windows), _FIELDS), dtype=np.int64)
+            as_rows[:, _W_DST] = w[:, _W_SRC]
+            records[windows] = as_rows  # the numbers all its rows start from, in the row layout
+        # each record's numbers in each of its rows: one copy of rows of a few dozen bytes (a
+        # column at a time costs several times the instructions)
+        rows = np.repeat(records, k, axis=0)
         times = rows.view(np.float64)
         cols: dict[str, np.ndarray] = {"start": times[:, 1], "duration": times[:, 2]}
-        for i, c in enumerate(_INT_COLUMNS):
+        for i, c in enumerate(_ROW_INTS):
             cols[c] = rows[:, 3 + i]
-        windows = np.flatnonzero(records[:, _BLOCK_SIZE])
+        cols["num_seqs"] = cols["decode_tokens"] + cols["prefill_seqs"]
         if len(windows):
-            w = records[windows]
-            self._expand_windows(cols, w, w.view(np.float64)[:, 1], rows[:, _BLOCK_SIZE] > 0)
+            first = (np.cumsum(k) - k)[windows]  # each window's first row in the block
+            self._expand_windows(cols, w, np.repeat(is_window, k), first)
         for p, values in self._waiting:
             cols["waiting"][p:p + len(values)] = values
         for pos, columns in self._dense:
@@ -182,40 +209,39 @@ class IterationLog:
                 cols[c][pos:pos + n] = given
         return cols
 
-    def _expand_windows(self, cols: dict[str, np.ndarray], w: np.ndarray, start: np.ndarray,
-                        rows: np.ndarray) -> None:
-        """Write the windows' rows (`rows`: a mask of them) from their records `w` and their per-row
-        numbers (see add_window and RepeatResult): row j (from 1) of a window of num_seqs b whose
-        iterations have taken `taken` blocks by its end holds j * b more context tokens and token
-        states, taken * block_size fewer free slots and taken * block_size - j * b more internal
-        fragmentation than its record says; its last row the figures read after its finishes."""
-        k = w[:, 0]
+    def _expand_windows(self, cols: dict[str, np.ndarray], w: np.ndarray, rows: np.ndarray,
+                        at: np.ndarray) -> None:
+        """Write the windows' rows (`rows`: a mask of them; `at`: each one's first row) from their
+        records `w` and their per-row numbers (see add_window and RepeatResult), over the numbers
+        every row of a window starts from (its record's): row j (from 1) of a window of num_seqs b
+        whose iterations have taken `taken` blocks by its end holds j * b more context tokens and
+        token states, taken * block_size fewer free slots and taken * block_size - j * b more
+        internal fragmentation; its last row the figures read after its finishes."""
+        k = -w[:, 0]
         m = len(self._durations)
         first = np.cumsum(k) - k  # each window's first row among the window rows
-        last = first + k - 1
         j = np.arange(m) - np.repeat(first, k) + 1  # each row's iteration in its window, from 1
-
-        def column(c: str) -> np.ndarray:  # the records' values of column c, on each window row
-            return np.repeat(w[:, 3 + _INT_COLUMNS.index(c)], k)
-
-        grown = column("num_seqs") * j
         taken = np.cumsum(_ints(self._opened))  # blocks taken by each row's end, from the first window's start
         taken -= np.repeat(np.concatenate(([0], taken))[first], k)  # from its window's start
-        slots = taken * np.repeat(w[:, _BLOCK_SIZE], k)
+        # the growth on every row of the block (0 off the windows): two masked writes, then whole
+        # columns added to (the masked writes cost several times a whole column's arithmetic)
+        grown = np.zeros(len(rows), dtype=np.int64)
+        grown[rows] = np.repeat(w[:, _W_SEQS], k) * j
+        slots = np.zeros(len(rows), dtype=np.int64)
+        slots[rows] = taken * np.repeat(w[:, _W_BLOCK], k)
+        cols["context_tokens"] += grown
+        cols["kv_token_states"] += grown
+        cols["kv_internal_frag"] += slots - grown
+        cols["kv_free"] -= slots
+        last = at + k - 1
+        for c, f in zip(("running", "kv_token_states", "kv_internal_frag", "kv_free"), range(_W_LAST, _W_LAST + 4)):
+            cols[c][last] = w[:, f]
         ends = _floats(self._ends)
         starts = np.empty(m)
         starts[1:] = ends[:-1]
-        starts[first] = start
-        running, states = column("running"), column("kv_token_states") + grown
-        internal, free = column("kv_internal_frag") + slots - grown, column("kv_free") - slots
-        running[last], states[last], internal[last], free[last] = w[:, _BLOCK_SIZE + 1:].T
+        starts[first] = w.view(np.float64)[:, 1]
         cols["start"][rows] = starts
         cols["duration"][rows] = _floats(self._durations)
-        cols["context_tokens"][rows] = column("context_tokens") + grown
-        cols["running"][rows] = running
-        cols["kv_token_states"][rows] = states
-        cols["kv_internal_frag"][rows] = internal
-        cols["kv_free"][rows] = free
 
     @classmethod
     def _compact(cls, col: np.ndarray) -> np.ndarray:

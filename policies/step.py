@@ -46,6 +46,7 @@ from typing import Protocol
 
 import numpy as np
 
+from policies.memory import MemoryBreakdown
 from policies.metrics import IterationLog
 from policies.plan import (
     DecodeStepPlan,
@@ -120,8 +121,9 @@ class Window:
     when `exhaustion`. Empty when that iteration preempted the whole batch (no time passes).
     Its log rows, written when it completes (the waiting column then counts the requests routed
     to the replica meanwhile): the first `steps` iterations are the plain decodes `repeat` says
-    (with `waiting`, the queue's length or one per iteration, and `prefix_hits`), then
-    `exhaustion_row`, one row (IterationLog.add's arguments). `decode`: a decode step's iteration,
+    (with `waiting`, the queue's length or one per iteration, and `prefix_hits`), then, when
+    `row_comp` is not None, one row of that composition (IterationLog.add's arguments, in fields
+    `row_*`: typed numbers, not a list of Python objects). `decode`: a decode step's iteration,
     begun (ReplicaStep._decode_step) and ended by complete_window. `finished`: the groups it
     finished, all at its last end (complete_window returns them)."""
 
@@ -133,7 +135,14 @@ class Window:
     repeat: RepeatResult | None = None
     waiting: int | list[int] = 0
     prefix_hits: int = 0
-    exhaustion_row: list | None = None
+    row_comp: StepComposition | None = None
+    row_start: float = 0.0
+    row_duration: float = 0.0
+    row_preempted: int = 0
+    row_waiting: int = 0
+    row_running: int = 0
+    row_memory: MemoryBreakdown | None = None
+    row_prefix_hits: int = 0
     decode: DecodeStepResult | None = None
     finished: list[SequenceGroup] = field(default_factory=list)
 
@@ -147,7 +156,10 @@ class Window:
         self.repeat = None
         self.waiting = 0
         self.prefix_hits = 0
-        self.exhaustion_row = None
+        self.row_comp = None
+        self.row_start = self.row_duration = 0.0
+        self.row_preempted = self.row_waiting = self.row_running = self.row_prefix_hits = 0
+        self.row_memory = None
         self.decode = None
         self.finished = []
 
@@ -269,8 +281,9 @@ class ReplicaStep:
             duration = res.exhaustion_duration
             end_x = end + duration  # the sum the scheduler finished its groups at
             waiting_x = len(sched.waiting) + (queued((end_x,))[0] if queued is not None else 0)
-            window.exhaustion_row = [end, duration, res.exhaustion, res.num_preempted, waiting_x,
-                                     len(sched.running), sched.memory(), sched.prefix_hits]
+            window.row_comp, window.row_start, window.row_duration = res.exhaustion, end, duration
+            window.row_preempted, window.row_waiting, window.row_running = res.num_preempted, waiting_x, len(sched.running)
+            window.row_memory, window.row_prefix_hits = sched.memory(), sched.prefix_hits
             ends.append(end_x)  # the log takes the plain decodes' rows from the first `steps`
             durations.append(duration)
         window.finished = sched.done[done0:]  # all at the window's last end (nothing is rejected in it)
@@ -301,7 +314,7 @@ class ReplicaStep:
             waiting += queued((end,))[0]
         window = Window(now, [end], [duration], False)
         # running, memory and prefix hits are read after the finishes (complete_window)
-        window.exhaustion_row = [now, duration, res.comp, 0, waiting, 0, None, 0]
+        window.row_comp, window.row_start, window.row_duration, window.row_waiting = res.comp, now, duration, waiting
         window.decode = res
         self._recent_duration = duration
         return window
@@ -315,23 +328,23 @@ class ReplicaStep:
         finished, as `complete` returns a step's."""
         sched = self.scheduler
         sched.departing = 0
-        res, x_row = window.repeat, window.exhaustion_row
-        decode = window.decode
+        res, decode = window.repeat, window.decode
         if decode is not None:  # the decode step's end: its finishes, then its row's columns after them
-            assert x_row is not None
             window.finished = sched.complete_decode_step(decode, window.ends[0])
-            x_row[5], x_row[6], x_row[7] = len(sched.running), sched.memory(), sched.prefix_hits
+            window.row_running, window.row_memory, window.row_prefix_hits = (
+                len(sched.running), sched.memory(), sched.prefix_hits)
         if res is not None:
             k, waiting = window.steps, window.waiting
             if joined:
                 base = [waiting] * k if isinstance(waiting, int) else waiting
                 waiting = [w + bisect_right(joined, e) for w, e in zip(base, window.ends)]
             self.log.add_window(window.start, window.ends, window.durations, k, res, waiting, window.prefix_hits)
-        if x_row is not None:
-            if joined:
-                x_row[4] += bisect_right(joined, window.ends[-1])
-            # its arguments named one by one: a starred call is a generic call in the compiled kernel
-            self.log.add(x_row[0], x_row[1], x_row[2], x_row[3], x_row[4], x_row[5], x_row[6], x_row[7])
+        comp, memory = window.row_comp, window.row_memory
+        if comp is not None:
+            assert memory is not None
+            waiting_x = window.row_waiting + (bisect_right(joined, window.ends[-1]) if joined else 0)
+            self.log.add(window.row_start, window.row_duration, comp, window.row_preempted, waiting_x,
+                         window.row_running, memory, window.row_prefix_hits)
         self.windows += 1
         self.skipped += len(window.ends)
         self.exhaustions += window.exhaustion

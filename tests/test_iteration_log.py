@@ -217,3 +217,14 @@ def test_a_window_whose_numbers_do_not_match_its_steps_is_refused() -> None:
     with pytest.raises(ValueError, match="3 steps"):
         log.add_window(0.0, [1.0, 2.0], [1.0, 1.0], 3, res, 0, 0)
     assert log.rows == 0
+
+
+def test_num_seqs_is_derived_for_written_rows_but_stays_as_given_by_columns() -> None:
+    """A row's num_seqs is stored as prefill_seqs + decode_tokens (`add`, `add_window`); rows given
+    as columns keep what they give, 0 when left out, whatever their other columns."""
+    log = IterationLog()
+    log.add(0.0, 1.0, StepComposition(num_prefill_seqs=2, num_decode_seqs=3), 0, 0, 5, MemoryBreakdown(0, 0, 0, 0, 0), 0)
+    log.add_many({"start": [1.0, 2.0], "duration": [1.0, 1.0], "decode_tokens": [4, 4], "prefill_seqs": 1})
+    log.add_many({"start": [3.0], "duration": [1.0], "decode_tokens": [4], "num_seqs": [9]})
+    assert log.column("num_seqs").tolist() == [5, 0, 0, 9]
+    assert log.column("decode_tokens").tolist() == [3, 4, 4, 4]
