@@ -25,7 +25,8 @@ Kept as the batch changes (never recomputed by walking it):
 - `size`, the members' context sum (`context()`: base + size * clock) and their seat demand;
 - the members by block residue: a member whose true count is c sits in bucket (c - clock) % bs,
   which a decode step leaves unchanged; the bucket of -(clock + r) % bs opens a block in r + 1,
-  r + 1 + bs, ... decode steps (`by_phase`);
+  r + 1 + bs, ... decode steps (`opening_bucket(r)`, `tables_opening_within`), and `counts` holds
+  each bucket's size;
 - the finish heap: (the clock at which a member samples its last token, seq id, sequence), with
   lazy deletion (an entry is live while its sequence is a member with that finish), for members
   whose remaining count the executor has told (`set_finish`); the others are `unknown`.
@@ -237,17 +238,6 @@ class RunningBatch:
             if (s.num_computed - s.anchor) % bs == q:  # phase_of(s), inlined: once per running group
                 out.append(s)
         return out
-
-    def by_phase(self) -> list[list[Sequence]]:
-        """by_phase[r]: the members opening a block in r + 1, r + 1 + bs, ... decode steps (the
-        bucket of -(clock + r) mod bs: the buckets from -clock mod bs downwards, wrapping)."""
-        q, buckets = -self.clock % self.bs, self.buckets
-        return buckets[q::-1] + buckets[:q:-1]
-
-    def opening_counts(self) -> list[int]:
-        """len(by_phase()[r]) for every r, from the kept counts."""
-        q, counts = -self.clock % self.bs, self.counts
-        return counts[q::-1] + counts[:q:-1]
 
     def phase_of(self, seq: Sequence) -> int:
         """The residue bucket of a member."""

@@ -724,7 +724,7 @@ class VllmScheduler(Scheduler):
 def _block_horizon(counts: list[int], q: int, num_seqs: int, free: int) -> int:
     """How many decode steps can take their new blocks from `free` blocks, when the running batch's
     residue buckets hold counts[.] sequences and bucket q opens a block next: bucket (q - r) mod bs
-    opens at steps r + 1, r + 1 + bs, ... (RunningBatch.opening_counts, read in place, not built);
+    opens at steps r + 1, r + 1 + bs, ... (RunningBatch.counts, read in place);
     every bs steps each of the `num_seqs` sequences opens exactly one, so whole periods are counted
     at once."""
     bs = len(counts)

@@ -53,7 +53,7 @@ def test_members_are_exact_once_materialised_and_figures_follow_joins_and_leaves
     bm.check_invariants(owed)
     # the context sum and the block-phase counts, without walking the members
     assert batch.context() == (3 + 11) + (4 + 11) + (5 + 11) + (9 + 6)
-    assert sum(batch.opening_counts()) == 4 and batch.demand == 4
+    assert sum(batch.counts) == 4 and batch.demand == 4
     first = groups[0].seqs[0]
     batch.leave(first)
     assert (first.num_computed, first.output_len, first.anchor) == (14, 12, -1)
