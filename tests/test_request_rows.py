@@ -159,10 +159,10 @@ def test_take_lets_the_groups_go_without_a_collection() -> None:
     was = gc.isenabled()
     gc.disable()
     try:
-        before = sum(isinstance(o, SequenceGroup) for o in gc.get_objects())
+        before = sum(type(o) is SequenceGroup for o in gc.get_objects())
         store = RequestRows()
         store.take(groups)
-        after = sum(isinstance(o, SequenceGroup) for o in gc.get_objects())
+        after = sum(type(o) is SequenceGroup for o in gc.get_objects())
     finally:
         if was:
             gc.enable()
@@ -178,9 +178,9 @@ def test_a_replica_hands_its_groups_over_as_it_runs(chunk: int) -> None:
     gc.collect()
     gc.disable()  # as a run (sim.cluster.gc_paused): what is freed is freed by reference counting
     try:
-        before = sum(isinstance(o, SequenceGroup) for o in gc.get_objects())
+        before = sum(type(o) is SequenceGroup for o in gc.get_objects())
         held, rows = _run_groups(SimConfig(num_gpu_blocks=300), trace, chunk)
-        alive = sum(isinstance(o, SequenceGroup) for o in gc.get_objects()) - before
+        alive = sum(type(o) is SequenceGroup for o in gc.get_objects()) - before
     finally:
         gc.enable()
     assert rows is not None and rows.rows + len(held) == 150 and rows.rows >= 150 - 2 * chunk - 16
