@@ -435,13 +435,14 @@ def _tables(replicas: list[Replica]) -> tuple[pd.DataFrame, pd.DataFrame]:
 
     The request table is built first, from the rows each replica kept (its finished groups were
     handed over and let go during the run: sim.engine Replica.hand_over) and those of the groups
-    it still holds, which are let go too: a million-request run's request objects took about a
-    gigabyte when they were all held to the end. One collection of the youngest generation then frees what other cycles the run left (a few
-    closures): with the collector paused for the run (gc_paused) it holds everything the run made
-    and nothing was promoted; it walks only the survivors, after the iteration table is built so
-    that the logs' lists of numbers are gone by then (23 M instructions instead of 49 M on 20,000
-    requests over 16 replicas); a full collection would also walk the caller's whole heap (a test
-    process or a calibration with a thousand short runs paid ~0.1-0.3 s per run for it)."""
+    it still holds, which are let go too (a million-request run's request objects are ~0.8 GB
+    when all are held to the end). One collection of the youngest generation then frees what
+    other cycles the run left (a few closures): with the collector paused for the run (gc_paused)
+    it holds everything the run made and nothing was promoted; it walks only the survivors, after
+    the iteration table is built so that the logs' lists of numbers are gone by then (~10 M
+    instructions on 20,000 requests over 16 replicas, 49 M before either); a full collection would
+    also walk the caller's whole heap (a test process or a calibration with a thousand short runs
+    paid ~0.1-0.3 s per run for it)."""
     requests = _request_table(replicas)
     iterations = _iteration_table(replicas)
     gc.collect(0)
