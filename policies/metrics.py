@@ -418,7 +418,7 @@ def rows_frame(stores: list[RequestRows], replica: np.ndarray | None = None) -> 
     order = _id_order(ids)
     scratch = np.empty(0 if order is None else len(ids), dtype=np.int64)  # room for a column's joined chunks
     numbers = {"request_id": ids if order is None else ids[order]}
-    for c in _GATHERED_INTS[1:]:
+    for c in _GATHERED_INTS[1:]:  # all but the ids, taken above
         numbers[c] = _in_order([p for s in stores for p in s._parts[c]], order, scratch, np.int64)
     for c in _GATHERED_FLOATS:
         numbers[c] = _in_order([p for s in stores for p in s._parts[c]], order, scratch.view(np.float64), np.float64)
