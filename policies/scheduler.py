@@ -99,6 +99,9 @@ class Scheduler(ABC):
         self.seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
         self.num_added = 0
+        # finished groups handed out of `done` (a simulator keeps their rows instead: sim.engine
+        # Replica.hand_over): accounted for, no longer held
+        self.released = 0
         self.num_preemptions = 0
         # groups a skip-ahead window has already finished whose last iteration the simulated
         # clock has not reached (written by the replica step that owns this scheduler): still
@@ -475,10 +478,11 @@ class Scheduler(ABC):
 
     # ---------------------------------------------------------------- checks
     def check_conservation(self) -> None:
-        """Every added request is waiting, running, swapped, finished or rejected, exactly once."""
+        """Every added request is waiting, running, swapped, finished or rejected, exactly once (the
+        finished ones handed out of `done` counted by `released`)."""
         ids = [g.group_id for q in (self.waiting, self.running, self.swapped, self.done) for g in q]
-        assert len(ids) == len(set(ids)) == self.num_added, \
-            f"{self.num_added} requests added but {len(set(ids))} accounted for ({len(ids)} entries)"
+        assert len(ids) == len(set(ids)) and len(ids) + self.released == self.num_added, \
+            f"{self.num_added} requests added but {len(set(ids))} accounted for ({len(ids)} entries, {self.released} released)"
         assert self.loads[self.load_slot] == self.outstanding, \
             f"kept outstanding count {self.loads[self.load_slot]} != {self.outstanding} (waiting + running + swapped + departing)"
         for g in self.done:

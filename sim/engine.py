@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from heapq import heappush
 from itertools import accumulate
 from typing import Any, Protocol
@@ -41,24 +40,34 @@ import simpy
 from simpy.events import NORMAL
 
 from policies.least_loaded import least_loaded
+from policies.metrics import RequestRows
 from policies.request import Request
 from policies.router import SCHEDULER, LeastLoadedRouter, ReplicaViews, Router, replica_views
 from policies.scheduler import Scheduler
 from policies.step import ReplicaStep
 
 
-@dataclass
 class ArrivalFeed:
-    """The requests of a trace in arrival order, delivered by `arrival_process`."""
+    """The requests of a trace in arrival order, delivered by `arrival_process` (or Dispatch).
+    A delivered request is let go (`pop_next`), to be freed with its group once that finishes:
+    invariant, requests[i] is None exactly for i < next_index."""
 
-    requests: list[Request]
-    next_index: int = 0
-
-    def __post_init__(self) -> None:
+    def __init__(self, requests: list[Request]) -> None:
+        self.requests: list[Request | None] = list(requests)
+        self.next_index = 0
         # plain floats, searched with bisect: windows ask about a few times at once, where numpy's
         # per-call cost dominates (bisect_right is searchsorted's side="right")
-        self.arrivals = [r.arrival for r in self.requests]
+        self.arrivals = [r.arrival for r in requests]
         self._queued: list[int] | None = None
+
+    def pop_next(self) -> Request:
+        """The next request, handed over (the feed holds it no more)."""
+        i = self.next_index
+        request = self.requests[i]
+        assert request is not None  # not delivered yet
+        self.requests[i] = None
+        self.next_index = i + 1
+        return request
 
     def arrived_by(self, times: Sequence[float]) -> list[int]:
         """How many requests have arrived at each time (an arrival at exactly t counts)."""
@@ -69,14 +78,16 @@ class ArrivalFeed:
         """How many of the requests not yet delivered arrive by each time and join `scheduler`'s
         waiting queue (those it refuses on arrival never wait). For a single replica's feed."""
         queued = self._queued
-        if queued is None:  # cumulative count of requests that would queue, first i requests
+        if queued is None:  # cumulative count of requests that would queue, first i requests (the
+            # delivered ones count 0: only differences from next_index on are read)
             refuse = scheduler.refusal_on_arrival
-            queued = self._queued = list(accumulate((refuse(r) is None for r in self.requests), initial=0))
+            queued = self._queued = list(accumulate((r is not None and refuse(r) is None for r in self.requests),
+                                                    initial=0))
         base, arrivals = queued[self.next_index], self.arrivals
         return [queued[bisect_right(arrivals, t)] - base for t in times]
 
     def next_arrival(self) -> float:
-        return self.requests[self.next_index].arrival if self.next_index < len(self.requests) else math.inf
+        return self.arrivals[self.next_index] if self.next_index < len(self.arrivals) else math.inf
 
     @property
     def exhausted(self) -> bool:
@@ -172,6 +183,18 @@ class Replica:
         self.joined: list[float] | None = None
         self.wakeup = env.event()
         self.on_progress = on_progress
+        # where the engine process hands the scheduler's finished groups over (sim.run); None: they
+        # stay in scheduler.done
+        self.rows: RequestRows | None = None
+
+    def hand_over(self) -> None:
+        """Move the scheduler's finished groups into `rows` (which lets them go) once a chunk of them
+        has gathered; called by the engine process between its steps, when nothing holds an index
+        into `done` (policies.step slices it within one call)."""
+        rows, sched = self.rows, self.scheduler
+        if rows is not None and len(sched.done) >= rows.chunk:
+            sched.released += len(sched.done)
+            rows.take(sched.done)
 
     # iterations scheduled one at a time; skip-ahead windows, the iterations they covered, and
     # the preempting iterations among those
@@ -248,7 +271,7 @@ class Dispatch:
         if feed.next_index >= len(feed.requests):
             self.due = math.inf
             return
-        arrival, clock = feed.requests[feed.next_index].arrival, self._clock
+        arrival, clock = feed.arrivals[feed.next_index], self._clock
         self.due = clock + (arrival - clock) if arrival > clock else clock
 
     def deliver_due(self, now: float) -> None:
@@ -260,9 +283,8 @@ class Dispatch:
 
     def deliver_next(self) -> None:
         """Route the feed's next request and hand it to the replica picked."""
-        feed, replicas, route = self.feed, self.replicas, self.route
-        request = feed.requests[feed.next_index]
-        feed.next_index += 1
+        replicas, route = self.replicas, self.route
+        request = self.feed.pop_next()
         for sched in self.whole:
             sched.materialise()
         least, loads = self.least, self.loads
@@ -292,9 +314,9 @@ def arrival_process(env: simpy.Environment, feed: ArrivalFeed, replicas: list[Re
     only replica. One event per arrival (sim.dp's lockstep group, sim.disagg's pools)."""
     dispatch = Dispatch(env, feed, replicas, router)
     while not feed.exhausted:
-        request = feed.requests[feed.next_index]
-        if request.arrival > env.now:
-            yield ArrivalTimeout(env, request.arrival - env.now)
+        arrival = feed.next_arrival()
+        if arrival > env.now:
+            yield ArrivalTimeout(env, arrival - env.now)
         dispatch.deliver_next()
 
 
@@ -382,10 +404,11 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals, dis
                 replica.joined = None
                 if finished and replica.on_finish is not None:
                     replica.on_finish(finished)
+                replica.hand_over()
                 if replica.debug:  # checks the running batch's kept figures (and from now on its members' reads)
                     _check(sched)
                 if replica.on_progress is not None:
-                    replica.on_progress(now, len(sched.done))
+                    replica.on_progress(now, len(sched.done) + sched.released)
                 continue
         it = step.begin(now)
         if it.idle:
@@ -405,12 +428,13 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals, dis
         finished = step.complete(it, now)  # arrivals due by now have landed (ArrivalTimeout)
         if finished and replica.on_finish is not None:
             replica.on_finish(finished)
+        replica.hand_over()
         if replica.observer is not None:
             replica.observer(it.start, result.duration, sched)
         if replica.debug:
             _check(sched)
         if replica.on_progress is not None:
-            replica.on_progress(now, len(sched.done))
+            replica.on_progress(now, len(sched.done) + sched.released)
 
 
 def _idle(env: simpy.Environment, replica: Replica, dispatch: Dispatch | None):

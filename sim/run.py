@@ -18,7 +18,7 @@ import simpy
 from policies.client_latency import ClientTerms, with_client_latencies
 from policies.dp_router import VllmDPRouter
 from policies.limits import CPU_BLOCK_BYTES, GPU_BLOCK_BYTES, REPLICA_BYTES, check_fits
-from policies.metrics import ITERATION_COLUMNS, IterationLog, request_frame, summarize
+from policies.metrics import ITERATION_COLUMNS, IterationLog, RequestRows, rows_frame, summarize
 from policies.queue_policy import QueuePolicy
 from policies.replica_config import ReplicaConfig, build_scheduler
 from policies.router import PrefixAffinityRouter, Router, make_router, reads_counts
@@ -359,7 +359,7 @@ def _simulate(cfg: SimConfig, trace: Trace, cost_model: CostModel | None, progre
         feed = ArrivalFeed(requests_from_trace(trace, configs[hardware[0]].max_model_len, cfg.n, cfg.beam_width))
         bar = _progress_bar(len(feed.requests)) if progress else None
         replicas: list[Replica] = []
-        tick = (lambda now, _: _tick(bar, now, sum(len(r.scheduler.done) for r in replicas))) if bar else None
+        tick = (lambda now, _: _tick(bar, now, _num_done(replicas))) if bar else None
         for i, hw in enumerate(hardware):
             # replica 0 keeps the run's seed, so that one replica is exactly the single-engine run
             seed = cfg.seed if i == 0 else np.random.SeedSequence([cfg.seed, i])
@@ -367,6 +367,7 @@ def _simulate(cfg: SimConfig, trace: Trace, cost_model: CostModel | None, progre
                                         routed=router is not None, counts_only=router is not None and reads_counts(router),
                                         fast_forward=cfg.fast_forward and not grouped, debug=cfg.debug,
                                         on_progress=tick, observer=observer, index=i))
+            replicas[-1].rows = RequestRows(_ROWS_CHUNK)  # finished groups handed over as the run goes
         if grouped:
             group_log = run_dp_group(env, feed, replicas, router, costs[cfg.hardware])
         else:
@@ -374,7 +375,7 @@ def _simulate(cfg: SimConfig, trace: Trace, cost_model: CostModel | None, progre
         if bar is not None:
             bar.close()
         num_in = len(feed.requests)
-        del feed  # it holds every Request: the finished groups keep what the table reads
+        del feed
         requests, iterations = _tables(replicas)
         if len(requests) != num_in:
             raise AssertionError(f"{num_in} requests in, {len(requests)} out")
@@ -432,17 +433,17 @@ def run_router(cfg: SimConfig) -> Router:
 def _tables(replicas: list[Replica]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Request and iteration tables of all replicas (one replica: exactly its own tables).
 
-    The request table is built first, and then the replicas' finished groups are released (each
-    scheduler's `done` emptied): a million-request run holds about a gigabyte of request objects,
-    which would otherwise stay alive beside its iteration table (gigabytes too) for nothing.
-    One collection of the youngest generation then frees what other cycles the run left (a few
-    closures): with the collector paused for the run (gc_paused) it holds everything the run made
-    and nothing was promoted; it walks only the survivors, after the iteration table is built so
-    that the logs' lists of numbers are gone by then (23 M instructions instead of 49 M on 20,000
-    requests over 16 replicas); a full collection would also walk the caller's whole heap (a test
-    process or a calibration with a thousand short runs paid ~0.1-0.3 s per run for it)."""
+    The request table is built first, from the rows each replica kept (its finished groups were
+    handed over and let go during the run: sim.engine Replica.hand_over) and those of the groups
+    it still holds, which are let go too (a million-request run's request objects are ~0.8 GB
+    when all are held to the end). One collection of the youngest generation then frees what
+    other cycles the run left (a few closures): with the collector paused for the run (gc_paused)
+    it holds everything the run made and nothing was promoted; it walks only the survivors, after
+    the iteration table is built so that the logs' lists of numbers are gone by then (~10 M
+    instructions on 20,000 requests over 16 replicas, 49 M before either); a full collection would
+    also walk the caller's whole heap (a test process or a calibration with a thousand short runs
+    paid ~0.1-0.3 s per run for it)."""
     requests = _request_table(replicas)
-    _release_done(replicas)
     iterations = _iteration_table(replicas)
     gc.collect(0)
     return requests, iterations
@@ -493,25 +494,33 @@ def _copy_parts(column: np.ndarray, at: int, parts: list[np.ndarray]) -> int:
 
 
 def _request_table(replicas: list[Replica]) -> pd.DataFrame:
-    """One request table over every replica's finished groups, in request id order (ids are
-    unique); with more than one replica, a `replica` column says which served each."""
-    if len(replicas) == 1:
-        return request_frame(replicas[0].scheduler.done)
-    groups = [g for r in replicas for g in r.scheduler.done]
-    served = np.repeat(np.array([r.index for r in replicas], dtype=np.int64), [len(r.scheduler.done) for r in replicas])
-    return request_frame(groups, served)  # ordered by request_frame's one numpy sort of the ids
-
-
-def _release_done(replicas: list[Replica]) -> None:
-    """Drop the replicas' finished groups (after the run's checks and its request table). A group
-    and its sequences refer to each other (`seqs`, `finished_seqs` and each sequence's `group`):
-    emptying the groups' lists breaks those cycles, so that dropping the groups frees them by
-    reference counting, at once and in order."""
+    """One request table over every replica's finished requests, in request id order (checked
+    unique); with more than one replica, a `replica` column says which served each. Each
+    replica's rows are those it kept during the run and then those of the groups left in its
+    scheduler's `done`, handed over here (and let go: RequestRows.take). The replicas' rows are
+    dropped with the table built: they would stay alive beside the iteration table for nothing."""
+    stores = []
     for r in replicas:
-        for group in r.scheduler.done:
-            group.seqs.clear()
-            group.finished_seqs.clear()
-        r.scheduler.done.clear()
+        rows = r.rows if r.rows is not None else RequestRows()
+        r.scheduler.released += len(r.scheduler.done)
+        rows.take(r.scheduler.done)
+        stores.append(rows)
+        r.rows = None
+    served = None
+    if len(replicas) > 1:
+        served = np.repeat(np.array([r.index for r in replicas], dtype=np.int64), [s.rows for s in stores])
+    table = rows_frame(stores, served)  # ordered by one numpy sort of the ids
+    ids = table.request_id.to_numpy()
+    if len(ids) > 1 and bool((ids[1:] == ids[:-1]).any()):
+        raise AssertionError(f"request {int(ids[1:][ids[1:] == ids[:-1]][0])} appears more than once in the run's "
+                             "request table")
+    return table
+
+
+# finished groups a replica holds before it hands them over to its rows (sim.engine Replica.hand_over):
+# freed during the run, their memory is reused by the groups made after them (callgrind, 20,000 requests
+# over 16 replicas: 1,024 costs 35 M instructions less than handing them all over at the end, 256 only 22 M less)
+_ROWS_CHUNK = 1024
 
 
 def _router_summary(router: Router, requests: pd.DataFrame, iterations: pd.DataFrame,
@@ -592,6 +601,11 @@ def _progress_bar(total: int):
     except ImportError:  # pragma: no cover - tqdm is a core dependency
         return None
     return tqdm(total=total, unit="req", desc="simulating", mininterval=0.5, leave=False)
+
+
+def _num_done(replicas: list[Replica]) -> int:
+    """Requests the replicas have finished (those still in `done` and those handed over)."""
+    return sum(len(r.scheduler.done) + r.scheduler.released for r in replicas)
 
 
 def _tick(bar, now: float, done: int) -> None:
