@@ -99,9 +99,7 @@ class Scheduler(ABC):
         self.seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
         self.num_added = 0
-        # finished groups handed out of `done` (a simulator keeps their rows instead: sim.engine
-        # Replica.hand_over): accounted for, no longer held
-        self.released = 0
+        self.released = 0  # groups handed out of `done` (release_done): accounted for, no longer held
         self.num_preemptions = 0
         # groups a skip-ahead window has already finished whose last iteration the simulated
         # clock has not reached (written by the replica step that owns this scheduler): still
@@ -230,6 +228,19 @@ class Scheduler(ABC):
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_done(self) -> int:
+        """Requests ended (finished, rejected or aborted): those in `done` and those handed out of it."""
+        return len(self.done) + self.released
+
+    def release_done(self) -> list[SequenceGroup]:
+        """Hand the groups in `done` out (a simulator keeps their rows instead: sim.engine
+        Replica.hand_over), counted in `released`; `done` is emptied in place."""
+        groups = self.done[:]
+        self.done.clear()
+        self.released += len(groups)
+        return groups
 
     def cached_prefix_tokens(self, request: Request) -> int:
         """Prompt tokens of `request` this replica's prefix cache could serve now (what a cache-aware

@@ -94,7 +94,7 @@ def final_checks(sched: Scheduler, num_requests: int) -> None:
     """Conservation at the end of every run: all requests accounted for (those still in `done` and
     those handed over to a replica's rows: `released`), no block leaked."""
     sched.check_conservation()
-    out = len(sched.done) + sched.released
+    out = sched.num_done
     if sched.has_unfinished() or out != num_requests:
         raise AssertionError(f"{num_requests} requests in, {out} out")
     sched.assert_drained()

@@ -164,7 +164,8 @@ class Replica:
     def __init__(self, env: simpy.Environment, step: ReplicaStep, fast_forward: bool = True, debug: bool = False,
                  on_progress: Callable[[float, int], None] | None = None,
                  observer: Callable[[float, float, Scheduler], None] | None = None,
-                 index: int = 0, on_finish: Callable[[list], None] | None = None) -> None:
+                 index: int = 0, on_finish: Callable[[list], None] | None = None,
+                 rows: RequestRows | None = None) -> None:
         self.env = env
         self.on_finish = on_finish  # sees the groups each iteration or window finishes, at its end
         self.index = index
@@ -183,9 +184,9 @@ class Replica:
         self.joined: list[float] | None = None
         self.wakeup = env.event()
         self.on_progress = on_progress
-        # where the engine process hands the scheduler's finished groups over (sim.run); None: they
-        # stay in scheduler.done
-        self.rows: RequestRows | None = None
+        # where the engine process hands the scheduler's finished groups over as the run goes (their
+        # objects let go); None: they stay in scheduler.done
+        self.rows = rows
 
     def hand_over(self) -> None:
         """Move the scheduler's finished groups into `rows` (which lets them go) once a chunk of them
@@ -193,8 +194,7 @@ class Replica:
         into `done` (policies.step slices it within one call)."""
         rows, sched = self.rows, self.scheduler
         if rows is not None and len(sched.done) >= rows.chunk:
-            sched.released += len(sched.done)
-            rows.take(sched.done)
+            rows.take(sched.release_done())
 
     # iterations scheduled one at a time; skip-ahead windows, the iterations they covered, and
     # the preempting iterations among those
@@ -408,7 +408,7 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals, dis
                 if replica.debug:  # checks the running batch's kept figures (and from now on its members' reads)
                     _check(sched)
                 if replica.on_progress is not None:
-                    replica.on_progress(now, len(sched.done) + sched.released)
+                    replica.on_progress(now, sched.num_done)
                 continue
         it = step.begin(now)
         if it.idle:
@@ -434,7 +434,7 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals, dis
         if replica.debug:
             _check(sched)
         if replica.on_progress is not None:
-            replica.on_progress(now, len(sched.done) + sched.released)
+            replica.on_progress(now, sched.num_done)
 
 
 def _idle(env: simpy.Environment, replica: Replica, dispatch: Dispatch | None):

@@ -366,8 +366,8 @@ def _simulate(cfg: SimConfig, trace: Trace, cost_model: CostModel | None, progre
             replicas.append(sim_replica(env, configs[hw], costs[hw], seed, cfg.beam_rank_decay, picks,
                                         routed=router is not None, counts_only=router is not None and reads_counts(router),
                                         fast_forward=cfg.fast_forward and not grouped, debug=cfg.debug,
-                                        on_progress=tick, observer=observer, index=i))
-            replicas[-1].rows = RequestRows(_ROWS_CHUNK)  # finished groups handed over as the run goes
+                                        on_progress=tick, observer=observer, index=i,
+                                        rows=RequestRows(_ROWS_CHUNK)))  # finished groups handed over as the run goes
         if grouped:
             group_log = run_dp_group(env, feed, replicas, router, costs[cfg.hardware])
         else:
@@ -502,8 +502,7 @@ def _request_table(replicas: list[Replica]) -> pd.DataFrame:
     stores = []
     for r in replicas:
         rows = r.rows if r.rows is not None else RequestRows()
-        r.scheduler.released += len(r.scheduler.done)
-        rows.take(r.scheduler.done)
+        rows.take(r.scheduler.release_done())
         stores.append(rows)
         r.rows = None
     served = None
@@ -605,7 +604,7 @@ def _progress_bar(total: int):
 
 def _num_done(replicas: list[Replica]) -> int:
     """Requests the replicas have finished (those still in `done` and those handed over)."""
-    return sum(len(r.scheduler.done) + r.scheduler.released for r in replicas)
+    return sum(r.scheduler.num_done for r in replicas)
 
 
 def _tick(bar, now: float, done: int) -> None:

@@ -32,9 +32,8 @@ def _run_groups(cfg: SimConfig, trace, chunk: int | None = None) -> tuple[list[S
     """The groups one simulated replica leaves in `done` (handing them over to rows of `chunk`, if given)."""
     env = simpy.Environment()
     config = cfg.replica()
-    replica = sim_replica(env, config, build_cost_model(cfg), cfg.seed)
-    if chunk is not None:
-        replica.rows = RequestRows(chunk)
+    replica = sim_replica(env, config, build_cost_model(cfg), cfg.seed,
+                          rows=RequestRows(chunk) if chunk is not None else None)
     feed = ArrivalFeed(requests_from_trace(trace, config.max_model_len, cfg.n, cfg.beam_width))
     run_replicas(env, feed, [replica], None)
     assert all(r is None for r in feed.requests)  # every request delivered and let go by the feed
