@@ -342,7 +342,7 @@ class VllmScheduler(Scheduler):
         """Admit or reject from the head of the queue while the budget lasts; `demand`: the running
         sequences' seat demand when the caller knows it (else summed only when needed)."""
         while self.waiting and budget[0] > 0:
-            group = self.waiting[0]
+            group: SequenceGroup = self.waiting[0]  # typed: the queue is Any (native reads below)
             answer = self._admission(group, budget[0], demand, now)
             demand = answer.demand
             if answer.verdict == REJECTED:
@@ -357,7 +357,8 @@ class VllmScheduler(Scheduler):
             self.waiting.popleft()
             if group.first_scheduled is None:
                 group.first_scheduled = now
-                self.policy.on_admitted(group, now)
+                if self._tells_admitted:
+                    self.policy.on_admitted(group, now)
 
     def _admission(self, group: SequenceGroup, left: int, demand: int | None, now: float) -> Admission:
         """The one admission rule, for the waiting group considered first, with `left` tokens of the
