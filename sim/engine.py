@@ -40,7 +40,7 @@ import numpy as np
 import simpy
 from simpy.events import NORMAL, URGENT
 
-from policies.least_loaded import least_loaded
+from policies.least_loaded import LeastLoaded
 from policies.request import Request
 from policies.router import SCHEDULER, LeastLoadedRouter, ReplicaViews, Router, replica_views
 from policies.scheduler import Scheduler
@@ -298,14 +298,14 @@ class Dispatch:
         # otherwise check it is the int Router.route declares, before _replica_index could name it)
         self.route: Callable[[Request, list], object] | None = router.route if router is not None else None
         # a least-loaded router's own `route` (a subclass's override is called as any router's):
-        # its pick made here from the kept loads list, the same function and state (`_last`) as
-        # LeastLoadedRouter.route, without an interpreted call at every arrival
-        self.least: LeastLoadedRouter | None = None
+        # its picker asked here with the kept loads list, as LeastLoadedRouter.route asks it,
+        # without an interpreted call at every arrival
+        self.picker: LeastLoaded | None = None
         self.loads: list[int] | None = None
         views = self.views
         if (isinstance(router, LeastLoadedRouter) and type(router).route is LeastLoadedRouter.route
                 and isinstance(views, ReplicaViews)):
-            self.least, self.loads = router, views.loads
+            self.picker, self.loads = router.picker, views.loads
         self.idle = 0  # replicas waiting for an arrival (engine_process)
         self.parked: simpy.Event | None = None  # lazy_arrival_process waiting while none is idle
         self.due = math.inf
@@ -336,9 +336,9 @@ class Dispatch:
         feed.next_index += 1
         for sched in self.whole:
             sched.materialise()
-        least, loads = self.least, self.loads
-        if least is not None and loads is not None:  # LeastLoadedRouter.route, its pick in place
-            i = least._last = least_loaded(loads, least._last)
+        picker, loads = self.picker, self.loads
+        if picker is not None and loads is not None:  # LeastLoadedRouter.route
+            i = picker.pick(loads)
         else:
             answer = route(request, self.views) if route is not None else 0
             i = answer if type(answer) is int else _replica_index(answer, self.router, request, len(replicas))
