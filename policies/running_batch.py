@@ -46,7 +46,7 @@ import heapq
 import warnings
 from collections.abc import Callable
 
-from policies.block_manager import PagedBlockManager
+from policies.block_manager import PagedBlockManager, table_of
 from policies.exact_reads import GUARDED, guard
 from policies.request import Sequence, SequenceGroup
 
@@ -82,7 +82,7 @@ class RunningBatch:
             guard(seq)
         q = (c - clock) % self.bs
         self.buckets[q].append(seq)
-        self.tables[q].append(self.bm.tables[seq.seq_id])  # the same list for as long as it is a member
+        self.tables[q].append(table_of(seq))  # the same list for as long as it is a member
         self.counts[q] += 1
         self.size += 1
         self.base += c - clock
@@ -92,7 +92,7 @@ class RunningBatch:
     def materialise(self, seq: Sequence) -> None:
         """Pay a member its owed decode steps: its counters, token ids and blocks' fill levels
         become exact; its anchor moves to the clock."""
-        self._pay(seq, self.bm.tables[seq.seq_id])
+        self._pay(seq, table_of(seq))
 
     def _pay(self, seq: Sequence, table: list[int]) -> None:
         """`materialise`, given the member's table."""
@@ -257,9 +257,9 @@ class RunningBatch:
         assert [len(t) for t in self.tables] == self.counts, "running batch: tables beside the buckets drifted"
         for q, b in enumerate(self.buckets):
             for s, table in zip(b, self.tables[q]):
-                assert table is self.bm.tables[s.seq_id], f"sequence {s.seq_id}: a table other than its own kept"
+                assert table is s.block_table, f"sequence {s.seq_id}: a table other than its own kept"
                 assert 0 <= s.anchor <= self.clock and self.phase_of(s) == q, f"sequence {s.seq_id}: wrong bucket"
-                assert self.bm.slots[s.seq_id] == s.num_computed, f"sequence {s.seq_id}: slots not owed with counters"
+                assert s.num_slots == s.num_computed, f"sequence {s.seq_id}: slots not owed with counters"
                 assert s.finish_at < 0 or s.finish_at > self.clock, f"sequence {s.seq_id}: finish passed"
         for s in self.unknown:
             assert s.anchor == self.clock and s.finish_at < 0, f"sequence {s.seq_id}: finish asked at another clock"

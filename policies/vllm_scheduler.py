@@ -17,7 +17,7 @@ from typing import Final
 
 from mypy_extensions import mypyc_attr
 
-from policies.block_manager import PagedBlockManager
+from policies.block_manager import PagedBlockManager, table_of
 from policies.memory import MemoryBreakdown
 from policies.plan import (
     DecodeStepPlan,
@@ -197,14 +197,13 @@ class VllmScheduler(Scheduler):
     def _emit(self, plan: StepPlan, seq: Sequence, n: int) -> None:
         # the plan carries the block manager's own table lists: valid until the next schedule()
         plan.seqs.append(ScheduledSeq(seq.seq_id, seq.group.group_id, seq.num_computed, n,
-                                      self.bm.tables[seq.seq_id], seq.num_computed + n == seq.num_tokens, seq))
+                                      table_of(seq), seq.num_computed + n == seq.num_tokens, seq))
 
     def _schedule_running(self, plan: StepPlan, budget: list[int]) -> bool:
         """Give running groups their tokens, preempting from the tail when blocks run out."""
         preempted = False
         bm = self.bm
-        blocks, tables, bm_slots = bm.pool.blocks, bm.tables, bm.slots
-        extend_own_block = bm.extend_own_block
+        blocks = bm.pool.blocks
         bs = self.block_size
         in_place = not bm.enable_prefix_caching  # else a filled block may need registering
         emit = plan.seqs.append
@@ -222,13 +221,13 @@ class VllmScheduler(Scheduler):
                 if n == 0:
                     continue
                 sid = seq.seq_id
-                table = tables[sid]
-                cur = bm_slots[sid]
+                table = table_of(seq)
+                cur = seq.num_slots
                 end = start + n
                 if in_place and cur % bs and cur < end <= len(table) * bs and blocks[table[-1]].ref_count == 1:
                     # a decode into the sequence's own partly filled block: append_slots' first
                     # case, checked here as it is most of the work of a step
-                    extend_own_block(sid, end, cur, table)
+                    bm.extend_own_block(seq, end, cur, table)
                 else:
                     while True:
                         copies = bm.append_slots(seq, n)
@@ -573,12 +572,11 @@ class VllmScheduler(Scheduler):
         bm.open_blocks(batch.opening_tables())
         bm.add_token_states(batch.size)
         step = StepPlan(block_size=self.block_size)
-        tables = bm.tables
         for s in finishing:
             sid = s.seq_id
             if bm.append_slots(s, 1) != []:  # plan_decode_step counted its block
                 raise AssertionError(f"sequence {sid}: no free block, or a shared one copied, in a decode step")
-            step.seqs.append(ScheduledSeq(sid, s.group.group_id, s.num_computed, 1, tables[sid], True, s))
+            step.seqs.append(ScheduledSeq(sid, s.group.group_id, s.num_computed, 1, table_of(s), True, s))
         num_continuing = batch.size
         context = batch.context() + num_continuing  # of the continuing sequences, with the new token
         self._schedule_waiting(step, [self.max_num_batched_tokens - num_batch], now, demand)
@@ -695,13 +693,13 @@ class VllmScheduler(Scheduler):
         preempt_plan = StepPlan(block_size=bs)
         running = self.running  # _preempt removes from its tail
         openers = batch.opening_in_order(running)  # in batch order
-        opening: list[int] = []  # openers' ids whose blocks are not taken yet: taken before any preemption
+        opening: list[list[int]] = []  # openers' tables whose blocks are not taken yet: taken before any preemption
         for s in openers:  # in batch order
             g = s.group
             if g.status != SeqStatus.RUNNING:
                 break  # preempted as the tail: everything after it is preempted too
             if bm.pool.num_free <= len(opening):  # this one finds no free block: preempt first
-                bm.open_decode_blocks(opening)
+                bm.open_blocks(opening)
                 opening = []
                 while not bm.pool.num_free and g.status == SeqStatus.RUNNING:
                     tail = running[-1]
@@ -709,9 +707,9 @@ class VllmScheduler(Scheduler):
                     self._preempt(tail, preempt_plan)
                 if g.status != SeqStatus.RUNNING:
                     break  # it was the tail: everything after it is preempted too
-            opening.append(s.seq_id)
+            opening.append(table_of(s))
         if opening:
-            bm.open_decode_blocks(opening)
+            bm.open_blocks(opening)
         survivors = batch.size
         bm.add_token_states(survivors)
         if self.policy.tracks_service:
