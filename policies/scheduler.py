@@ -103,7 +103,8 @@ class Scheduler(ABC):
         self.swapped: deque[SequenceGroup] = deque()
         self.done: list[SequenceGroup] = []
         self.seqs: dict[int, Sequence] = {}
-        self._seq_ids = itertools.count()
+        # the next sequence id (a counter's own __next__: compiled, next() looks the builtin up each call)
+        self._next_seq_id: Callable[[], int] = itertools.count().__next__
         self.num_added = 0
         self.num_preemptions = 0
         # groups a skip-ahead window has already finished whose last iteration the simulated
@@ -130,6 +131,7 @@ class Scheduler(ABC):
         self._tells_queued = not _base_hook(self.policy, "on_queued")
         self._tells_admitted = not _base_hook(self.policy, "on_admitted")
         self._tells_finished = not _base_hook(self.policy, "on_finished")
+        self._tells_served = bool(self.policy.tracks_service)  # read per window: kept
         # arrivals must see the policy's state as stepping leaves it (its declared `reads`)
         self.queues_by_state = self.policy.reads != REQUEST
         # a deque, or a queue ordered by the key (Any: compiled code checks declared types)
@@ -169,7 +171,7 @@ class Scheduler(ABC):
 
     # ---------------------------------------------------------------- life cycle
     def add_request(self, request: Request) -> SequenceGroup:
-        group = SequenceGroup(request, next(self._seq_ids))
+        group = SequenceGroup(request, self._next_seq_id())
         for s in group.seqs:
             self.seqs[s.seq_id] = s
         self.num_added += 1
@@ -392,7 +394,7 @@ class Scheduler(ABC):
         Pruned sequences (keep=False, no children) are dropped before any fork, so that their
         memory serves this step's forks (the contiguous baselines' spare chunks); a dropped parent
         with children continues as its first child (no copy)."""
-        if self.policy.tracks_service:
+        if self._tells_served:
             self._account_service(plan.seqs)
         return self._apply_outcomes(plan, result, now)
 
@@ -444,7 +446,7 @@ class Scheduler(ABC):
             if children:
                 group = seq.group
                 for j, tok in enumerate(children):
-                    child = Sequence(next(self._seq_ids), group, seq.prompt_len, seq.target_len,
+                    child = Sequence(self._next_seq_id(), group, seq.prompt_len, seq.target_len,
                                      None if seq.token_ids is None else list(seq.token_ids), seq.output_len)
                     child.num_computed = seq.num_computed
                     child.status = SeqStatus.RUNNING

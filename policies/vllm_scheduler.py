@@ -410,7 +410,8 @@ class VllmScheduler(Scheduler):
         copies = bm.append_slots(seq, n)
         if copies is None:  # can_allocate said OK, so this is a bookkeeping bug
             raise AssertionError(f"group {group.group_id}: blocks vanished during admission")
-        plan.copies.extend(copies)
+        if copies:
+            plan.copies.extend(copies)
         self._insert_running(group)
         self._emit(plan, seq, n)
 
@@ -561,7 +562,7 @@ class VllmScheduler(Scheduler):
         batch, bm = self._batch, self.bm
         if plan.seqs:
             batch.set_finishes(plan.seqs, plan.remaining)
-        batch_groups = list(self.running) if self.policy.tracks_service else None
+        batch_groups = list(self.running) if self._tells_served else None
         num_batch = batch.size
         demand = batch.demand
         finishing = self._in_batch_order(batch.finishing(ahead=1))  # their last token is this step's
@@ -649,7 +650,7 @@ class VllmScheduler(Scheduler):
         # not observable, only how many are taken and when)
         bm.open_blocks(batch.tables_opening_within(k))
         bm.add_token_states(k * b)
-        if self.policy.tracks_service:  # before the clock moves: a group reads as stepping's first call
+        if self._tells_served:  # before the clock moves: a group reads as stepping's first call
             self.policy.on_decoded(self.running, k)
         batch.clock += k
         # the log's record of the window: blocks opened by each step
@@ -712,7 +713,7 @@ class VllmScheduler(Scheduler):
             bm.open_blocks(opening)
         survivors = batch.size
         bm.add_token_states(survivors)
-        if self.policy.tracks_service:
+        if self._tells_served:
             self.policy.on_decoded(running, 1)
         batch.clock += 1
         comp = StepComposition(num_decode_seqs=survivors, decode_context_tokens=batch.context(),

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import simpy
-from simpy.events import NORMAL, URGENT
+from simpy.events import NORMAL, PENDING, URGENT
 
 from policies.least_loaded import LeastLoaded
 from policies.request import Request
@@ -139,9 +139,10 @@ class Alarm:
         self.env = env
         self.event = Wait()
         # the environment's event queue and event ids (each made once, in Environment.__init__);
-        # Any: the entries are pushed as they are, not unboxed and boxed again by compiled code
+        # Any: the entries are pushed as they are, not unboxed and boxed again by compiled code;
+        # the counter's own __next__ (compiled, next(counter) looks the builtin up at every call)
         self.queue: list[Any] = env._queue
-        self.eids: Iterator[Any] = env._eid
+        self.next_eid: Callable[[], Any] = env._eid.__next__
         self.priority: Any = NORMAL
 
     def after(self, delay: float) -> Wait:
@@ -151,7 +152,7 @@ class Alarm:
         event = self.event
         event.callbacks = []  # processed (or never armed): SimPy set them to None
         # env.schedule(event, NORMAL, delay)
-        heappush(self.queue, (self.env._now + delay, self.priority, next(self.eids), event))
+        heappush(self.queue, (self.env._now + delay, self.priority, self.next_eid(), event))
         return event
 
 
@@ -166,6 +167,7 @@ class Driven:
 
     def __init__(self, env: simpy.Environment, process: Iterator[Any]) -> None:
         self.process = process
+        self.next_event: Callable[[], Any] = process.__next__  # (next() is a builtin looked up, compiled)
         start = simpy.Event(env)  # Process's Initialize event
         start._ok, start._value, start.callbacks = True, None, [self]
         env.schedule(start, URGENT)
@@ -174,11 +176,14 @@ class Driven:
         self.resume()
 
     def resume(self) -> None:
-        event = next(self.process, None)
+        try:
+            event = self.next_event()
+        except StopIteration:
+            return
         if isinstance(event, Wait):  # its own alarm: a native store
             assert event.callbacks is not None  # pending (Alarm.after)
             event.callbacks.append(self)
-        elif event is not None:
+        else:
             callbacks: list[Any] = event.callbacks
             callbacks.append(self)
 
@@ -190,7 +195,9 @@ def run_to_end(env: simpy.Environment) -> None:
     here stops a run early (`StopSimulation` needs `until`, which this does not take)."""
     queue: list[Any] = env._queue  # Environment.step's pop, as tests/test_simpy_internals.py pins
     while queue:
-        entry: Any = heappop(queue)
+        # (time, priority, id, event), as Environment.schedule pushes it: typed, its items read
+        # natively (a generic index each otherwise)
+        entry: tuple[Any, Any, Any, Any] = heappop(queue)
         env._now = entry[0]
         event = entry[3]
         if isinstance(event, Wait):  # an alarm (native reads; it never fails)
@@ -266,8 +273,9 @@ class Replica:
         group = self.scheduler.add_request(request)
         if self.joined is not None and group.rejected is None:
             self.joined.append(request.arrival)
-        if not self.wakeup.triggered:
-            self.wakeup.succeed()
+        wakeup = self.wakeup
+        if wakeup._value is PENDING:  # not triggered (`triggered` is an interpreted property)
+            wakeup.succeed()
 
 
 class Dispatch:

@@ -79,6 +79,7 @@ def test_environment_step_is_what_run_to_end_does():
                  "for callback in callbacks:", "callback(event)",
                  "if not event._ok and not hasattr(event, '_defused'):"):
         assert line in step
+    assert "return self._value is not PENDING" in inspect.getsource(simpy.Event.triggered.fget)  # Replica.deliver
     init = inspect.getsource(simpy.events.Initialize.__init__)
     assert "env.schedule(self, URGENT)" in init and "self._ok = True" in init
 
