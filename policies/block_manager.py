@@ -288,6 +288,14 @@ class CpuBlockPool:
             self.free_ids.append(b)
 
 
+def table_of(seq: Sequence) -> list[int]:
+    """The sequence's device block table (it must hold one)."""
+    table = seq.block_table
+    if table is None:
+        raise KeyError(f"sequence {seq.seq_id} has no block table")
+    return table
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -341,8 +349,12 @@ def _block_content(seq: Sequence, start: int, end: int) -> tuple[object, ...] | 
 class PagedBlockManager:
     """Per-sequence block tables over a `BlockPool`, with fork, copy-on-write, swap and prefix caching.
 
-    Invariant per sequence: `slots[seq_id]` is the number of token positions the table covers with
-    written (or being written) slots, and len(table) == ceil(slots / block_size).
+    A sequence holding device blocks keeps its own table and slot count (`Sequence.block_table`,
+    `Sequence.num_slots`: read and written here without a lookup by seq id, several per sequence
+    per admission); the manager keeps who holds one (`holders`), and `tables` / `slots` give them
+    by seq id to readers. Invariant per holder: `num_slots` is the number of token positions its
+    table covers with written (or being written) slots, and len(table) == ceil(num_slots /
+    block_size); a sequence not in `holders` has no table (None) and no slots (0).
     """
 
     def __init__(self, num_gpu_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0,
@@ -361,8 +373,7 @@ class PagedBlockManager:
         self.cpu = CpuBlockPool(num_cpu_blocks)
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
-        self.tables: dict[int, list[int]] = {}
-        self.slots: dict[int, int] = {}
+        self.holders: dict[int, Sequence] = {}  # the sequences with a device table, by seq id
         self.cpu_tables: dict[int, list[int]] = {}
         self.cpu_slots: dict[int, int] = {}
         self.prefix_queries = 0  # full prompt blocks looked up
@@ -373,8 +384,18 @@ class PagedBlockManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
+    @property
+    def tables(self) -> dict[int, list[int]]:
+        """Every device table by seq id (a new dict of the holders' own lists, for readers)."""
+        return {sid: table_of(s) for sid, s in self.holders.items()}
+
+    @property
+    def slots(self) -> dict[int, int]:
+        """Every holder's slot count by seq id (a new dict, for readers)."""
+        return {sid: s.num_slots for sid, s in self.holders.items()}
+
     def block_table(self, seq_id: int) -> list[int]:
-        return self.tables[seq_id]
+        return table_of(self.holders[seq_id])
 
     def blocks_for(self, num_tokens: int) -> int:
         return _cdiv(num_tokens, self.block_size)
@@ -492,7 +513,7 @@ class PagedBlockManager:
 
     def _take_prefix(self, seq: Sequence) -> int:
         hits, _ = self._lookup_prefix(seq)
-        table = self.tables[seq.seq_id]
+        table = table_of(seq)
         for i in range(hits):
             block = self.pool.blocks[self.pool.cached[seq.block_hashes[i]]]
             self.pool.touch(block)
@@ -505,20 +526,21 @@ class PagedBlockManager:
     def allocate(self, seq: Sequence) -> int:
         """Start a table for a waiting sequence; with prefix caching, map its longest cached prefix.
         Returns the number of tokens found cached (already computed)."""
-        if seq.seq_id in self.tables:
+        if seq.block_table is not None:
             raise AssertionError(f"sequence {seq.seq_id} already has a block table")
-        self.tables[seq.seq_id] = []
+        seq.block_table = []
+        self.holders[seq.seq_id] = seq
         cached = self._take_prefix(seq) if self.enable_prefix_caching else 0
-        self.slots[seq.seq_id] = cached
+        seq.num_slots = cached
         return cached
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> int:
         """Free blocks the sequence needs to cover `num_new_tokens` more positions."""
-        cur = self.slots[seq.seq_id]
+        cur = seq.num_slots
         new_total = seq.num_computed + num_new_tokens
         if new_total <= cur:
             return 0
-        table = self.tables[seq.seq_id]
+        table = table_of(seq)
         need = _cdiv(new_total, self.block_size) - len(table)
         if cur % self.block_size and self.pool.blocks[table[-1]].ref_count > 1:
             need += 1
@@ -527,17 +549,16 @@ class PagedBlockManager:
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """Cover positions [0, num_computed + num_new_tokens) with slots. Returns the copy-on-write
         copies (src, dst) to perform first, or None (and changes nothing) if blocks ran out."""
-        sid = seq.seq_id
-        cur = self.slots[sid]
+        cur = seq.num_slots
         new_total = seq.num_computed + num_new_tokens
         if new_total <= cur:
             return []
         bs = self.block_size
-        table = self.tables[sid]
+        table = table_of(seq)
         blocks = self.pool.blocks
         if cur % bs and new_total <= len(table) * bs and blocks[table[-1]].ref_count == 1:
             # the common decode case: the token lands in the sequence's own partly filled block
-            self.extend_own_block(sid, new_total)
+            self.extend_own_block(seq, new_total, cur, table)
             if self.enable_prefix_caching and new_total % bs == 0:
                 self._register_full_blocks(seq, len(table) - 1, len(table))
             return []
@@ -564,24 +585,19 @@ class PagedBlockManager:
             blocks[table[i]].filled = bs
         blocks[table[last]].filled = new_total - last * bs
         self.pool.used_filled += new_total - cur
-        self.slots[sid] = new_total
+        seq.num_slots = new_total
         if self.enable_prefix_caching:
             self._register_full_blocks(seq, first, new_total // bs)
         return copies
 
-    def extend_own_block(self, seq_id: int, new_total: int, cur: int | None = None,
-                         table: list[int] | None = None) -> None:
+    def extend_own_block(self, seq: Sequence, new_total: int, cur: int, table: list[int]) -> None:
         """`append_slots`' common decode case without its checks, for a scheduler's inner loop: the
         caller knows the sequence's last block is partly filled, its own (ref_count 1), and holds
         positions up to `new_total` (and that no full block needs registering for prefix caching).
-        `cur` and `table`, when given, are the sequence's slots and table (read already)."""
-        if cur is None:
-            cur = self.slots[seq_id]
-        if table is None:
-            table = self.tables[seq_id]
+        `cur` and `table`: the sequence's slots and table (read already)."""
         self.pool.used_filled += new_total - cur
         self.pool.blocks[table[-1]].filled += new_total - cur
-        self.slots[seq_id] = new_total
+        seq.num_slots = new_total
 
     # ---------------------------------------------- decodes applied in bulk (simulator skip-ahead)
     # A window of certain decode steps is applied at once: the blocks the running sequences open are
@@ -592,13 +608,12 @@ class PagedBlockManager:
     def open_decode_blocks(self, seq_ids: Iterable[int]) -> None:
         """Append one fresh block to each sequence's table, in order (the caller has counted them
         against the free blocks)."""
-        tables = self.tables
-        sids = seq_ids if isinstance(seq_ids, list) else list(seq_ids)  # by index: compiled, no iterator
-        self.open_blocks([tables[sids[i]] for i in range(len(sids))])
+        holders = self.holders
+        self.open_blocks([table_of(holders[sid]) for sid in seq_ids])
 
     def open_blocks(self, tables: list[list[int]]) -> None:
-        """`open_decode_blocks` given the tables themselves (`tables[seq_id]`, as a running batch
-        holds its members'): no lookup by seq id per block."""
+        """`open_decode_blocks` given the tables themselves (the sequences' `block_table`, as a
+        running batch holds its members'): no lookup by seq id per block."""
         # typed Any so that compiled code moves the pool's int objects as they are (an item read as
         # an int is boxed again when stored: an allocation for every id above 256)
         ids: list[Any] = self.pool.take_ids(len(tables))
@@ -613,12 +628,11 @@ class PagedBlockManager:
         """Sequences whose tables cover `k` decoded tokens beyond `num_computed` (single sequences
         that own their blocks): fill those blocks and move their slots on by k. The caller then
         moves the sequences' own counters."""
-        tables = self.tables
         for s in seqs:
-            self.settle_decode(s, tables[s.seq_id], k)
+            self.settle_decode(s, table_of(s), k)
 
     def settle_decode(self, seq: Sequence, table: list[int], k: int) -> None:
-        """`settle_decodes` for one sequence, given its table (`tables[seq_id]`)."""
+        """`settle_decodes` for one sequence, given its table (`seq.block_table`)."""
         bs = self.block_size
         blocks = self.pool.blocks
         c = seq.num_computed
@@ -629,7 +643,7 @@ class PagedBlockManager:
             blocks[table[last]].filled = c + k - last * bs
         else:
             blocks[table[-1]].filled += k
-        self.slots[seq.seq_id] = c + k
+        seq.num_slots = c + k
 
     def register_decoded(self, seq: Sequence, before: int) -> None:
         """Name (prefix caching) the full blocks a sequence filled in decode steps applied in bulk,
@@ -638,7 +652,7 @@ class PagedBlockManager:
         self._register_full_blocks(seq, before // bs, seq.num_computed // bs)
 
     def _register_full_blocks(self, seq: Sequence, start: int, stop: int) -> None:
-        table = self.tables[seq.seq_id]
+        table = table_of(seq)
         for i in range(start, stop):
             h = self._block_hash(seq, i)
             if h is None:
@@ -647,12 +661,14 @@ class PagedBlockManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (reference counts rise)."""
-        table = self.tables[parent.seq_id]
+        table = table_of(parent)
+        if child.block_table is not None:
+            raise AssertionError(f"sequence {child.seq_id} already has a block table")
         share, blocks = self.pool.share, self.pool.blocks
         for b in table:
             share(blocks[b])
-        self.tables[child.seq_id] = list(table)
-        self.slots[child.seq_id] = self.slots[parent.seq_id]
+        child.block_table, child.num_slots = list(table), parent.num_slots
+        self.holders[child.seq_id] = child
         child.block_hashes = list(parent.block_hashes)  # the blocks before the fork point: shared content
         child.fork_origins(parent)
 
@@ -669,11 +685,10 @@ class PagedBlockManager:
                 self.cpu.release(c)
 
     def _free_device(self, seq: Sequence) -> None:
-        sid = seq.seq_id
-        table = self.tables.get(sid)  # get and del, not pop(sid, None): a generic call compiled
+        table = seq.block_table
         if table is not None:
-            del self.tables[sid]
-            del self.slots[sid]  # a table's slots are kept with it
+            seq.block_table, seq.num_slots = None, 0
+            del self.holders[seq.seq_id]
             self.pool.release_table(table)
 
     def free_group(self, group: SequenceGroup) -> None:
@@ -684,7 +699,7 @@ class PagedBlockManager:
     def _group_gpu_blocks(self, group: SequenceGroup) -> list[int]:
         seen: dict[int, None] = {}
         for s in group.seqs:
-            for b in self.tables.get(s.seq_id, ()):
+            for b in s.block_table or ():
                 seen[b] = None
         return list(seen)
 
@@ -696,14 +711,14 @@ class PagedBlockManager:
         mapping: dict[int, int] = {}
         for s in group.seqs:
             cpu_table = []
-            for b in self.tables[s.seq_id]:
+            for b in table_of(s):
                 if b not in mapping:
                     mapping[b] = self.cpu.take()
                 else:
                     self.cpu.share(mapping[b])
                 cpu_table.append(mapping[b])
             self.cpu_tables[s.seq_id] = cpu_table
-            self.cpu_slots[s.seq_id] = self.slots[s.seq_id]
+            self.cpu_slots[s.seq_id] = s.num_slots
             self._free_device(s)
         return list(mapping.items())
 
@@ -740,8 +755,8 @@ class PagedBlockManager:
             n = self.cpu_slots.pop(s.seq_id)
             for i, b in enumerate(table):
                 self.pool.set_filled(self.pool.blocks[b], min(self.block_size, n - i * self.block_size))
-            self.tables[s.seq_id] = table
-            self.slots[s.seq_id] = n
+            s.block_table, s.num_slots = table, n
+            self.holders[s.seq_id] = s
         return list(mapping.items())
 
     # ---------------------------------------------------------------- accounting
@@ -762,8 +777,10 @@ class PagedBlockManager:
         owed = owed or {}
         made = len(self.pool.blocks)
         refs = [0] * made  # blocks never taken have none, and the pool checks they are free
-        for sid, table in self.tables.items():
-            assert len(table) == _cdiv(self.slots[sid] + owed.get(sid, 0), self.block_size), \
+        for sid, s in self.holders.items():
+            table = s.block_table
+            assert s.seq_id == sid and table is not None, f"seq {sid}: held without a table"
+            assert len(table) == _cdiv(s.num_slots + owed.get(sid, 0), self.block_size), \
                 f"seq {sid}: table/slots mismatch"
             for b in table:
                 assert 0 <= b < made, f"seq {sid}: block {b} in its table was never taken"
@@ -781,8 +798,8 @@ class PagedBlockManager:
     def assert_empty(self) -> None:
         """At the end of a run: no table left, every block free (cached blocks may remain)."""
         self.check_invariants()
-        assert not self.tables and not self.cpu_tables, f"leaked tables: {list(self.tables)[:5]}"
+        assert not self.holders and not self.cpu_tables, f"leaked tables: {list(self.holders)[:5]}"
         assert self.pool.num_free == self.num_gpu_blocks, "blocks leaked"
 
     def used_blocks(self, seqs: Iterable[Sequence]) -> int:
-        return len({b for s in seqs for b in self.tables.get(s.seq_id, ())})
+        return len({b for s in seqs for b in s.block_table or ()})

@@ -151,10 +151,12 @@ class Sequence:
         "anchor",
         "batch",
         "block_hashes",
+        "block_table",
         "cum_logprob",
         "finish_at",
         "group",
         "num_computed",
+        "num_slots",
         "origins",
         "output_len",
         "prompt_len",
@@ -186,6 +188,11 @@ class Sequence:
         self.anchor = -1
         self.finish_at = -1
         self.batch: DecodeClock | None = None  # the running batch it is a member of (anchor >= 0)
+        # its device blocks, the paged block manager's (policies/block_manager.py): the table (None
+        # while it holds none) and how many token positions it covers (owed with num_computed
+        # while a running-batch member)
+        self.block_table: list[int] | None = None
+        self.num_slots = 0
 
     @property
     def num_tokens(self) -> int:

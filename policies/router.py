@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.least_loaded import least_loaded
+from policies.least_loaded import LeastLoaded
 from policies.plugins import check_option_types, load_plugin
 from policies.request import Request
 from policies.scheduler import Scheduler
@@ -185,19 +185,16 @@ class LeastLoadedRouter(Router):
     reads = COUNTS
 
     def __init__(self) -> None:
-        self._last = -1
+        # the picks and the last one (compiled: sim.engine.Dispatch calls `picker.pick` itself when
+        # `route` is this one, at every arrival)
+        self.picker = LeastLoaded()
 
     def route(self, request: Request, replicas: Sequence[Any]) -> int:
-        # _pick over every replica, from one list of counts (the kept list read in place): this
-        # runs at every arrival, so the pick is the compiled kernel's (sim.engine.Dispatch calls it
-        # directly when `route` is this one)
-        loads = replicas.loads if type(replicas) is ReplicaViews else replica_loads(replicas)
-        best = self._last = least_loaded(loads, self._last)
-        return best
+        # every replica, from one list of counts (the kept list read in place)
+        return self.picker.pick(replicas.loads if type(replicas) is ReplicaViews else replica_loads(replicas))
 
     def _pick(self, replicas: Sequence[Any], candidates: Sequence[int]) -> int:
-        n = len(replicas)
-        return min(candidates, key=lambda i: (outstanding(replicas[i]), (i - self._last - 1) % n))
+        return self.picker.pick_among(replica_loads(replicas), candidates)
 
 
 def prefix_keys(request: Request, block: int) -> tuple[int, ...]:
@@ -237,14 +234,15 @@ class _MatchRouter(LeastLoadedRouter):
     def route(self, request: Request, replicas: Sequence[Any]) -> int:
         matches = self._matches(request, replicas)
         best = max(matches, default=0)
-        least = min(outstanding(r) for r in replicas)
-        fits = [i for i, m in enumerate(matches) if m == best and outstanding(replicas[i]) <= least + self.max_imbalance]
+        loads = replica_loads(replicas)
+        least = min(loads)
+        fits = [i for i, m in enumerate(matches) if m == best and loads[i] <= least + self.max_imbalance]
         if best > 0 and fits:
-            i = self._pick(replicas, fits)
+            i = self.picker.pick_among(loads, fits)
             self.affinity_hits += 1
         else:
-            i = self._pick(replicas, range(len(replicas)))
-        self._last = i
+            i = self.picker.pick(loads)
+        self.picker.last = i
         self._routed(request, i)
         return i
 

@@ -42,11 +42,11 @@ together).
 
 from __future__ import annotations
 
-import heapq
 import warnings
 from collections.abc import Callable
+from heapq import heappop, heappush  # module globals: `heapq.x` is a generic attribute read compiled
 
-from policies.block_manager import PagedBlockManager
+from policies.block_manager import PagedBlockManager, table_of
 from policies.exact_reads import GUARDED, guard
 from policies.request import Sequence, SequenceGroup
 
@@ -82,7 +82,7 @@ class RunningBatch:
             guard(seq)
         q = (c - clock) % self.bs
         self.buckets[q].append(seq)
-        self.tables[q].append(self.bm.tables[seq.seq_id])  # the same list for as long as it is a member
+        self.tables[q].append(table_of(seq))  # the same list for as long as it is a member
         self.counts[q] += 1
         self.size += 1
         self.base += c - clock
@@ -92,7 +92,7 @@ class RunningBatch:
     def materialise(self, seq: Sequence) -> None:
         """Pay a member its owed decode steps: its counters, token ids and blocks' fill levels
         become exact; its anchor moves to the clock."""
-        self._pay(seq, self.bm.tables[seq.seq_id])
+        self._pay(seq, table_of(seq))
 
     def _pay(self, seq: Sequence, table: list[int]) -> None:
         """`materialise`, given the member's table."""
@@ -170,7 +170,7 @@ class RunningBatch:
         for s, r in zip(seqs, remaining):
             if s.anchor >= 0 and s.finish_at < 0:
                 s.finish_at = clock + r
-                heapq.heappush(heap, (clock + r, s.seq_id, s))
+                heappush(heap, (clock + r, s.seq_id, s))
         self.unknown = [s for s in self.unknown if s.finish_at < 0]
 
     def first_finish(self) -> float:
@@ -180,7 +180,7 @@ class RunningBatch:
             at, _, s = heap[0]
             if s.anchor >= 0 and s.finish_at == at:
                 return at - self.clock
-            heapq.heappop(heap)  # stale: its sequence left, or finishes at another time now
+            heappop(heap)  # stale: its sequence left, or finishes at another time now
         return float("inf")
 
     def finishing(self, ahead: int = 0) -> list[Sequence]:
@@ -189,7 +189,7 @@ class RunningBatch:
         heap, clock = self.heap, self.clock + ahead
         out: list[Sequence] = []
         while heap and heap[0][0] <= clock:
-            at, _, s = heapq.heappop(heap)
+            at, _, s = heappop(heap)
             if s.anchor >= 0 and s.finish_at == at and s not in out:
                 out.append(s)
         return out
@@ -220,7 +220,7 @@ class RunningBatch:
             if j == r:
                 part = len(cycle)
             if counts[q]:
-                cycle.extend(tables[q])
+                cycle += tables[q]  # PySequence_InPlaceConcat compiled: cheaper than extend's PyList_SetSlice
             q = q - 1 if q else bs - 1
         return cycle if k <= bs else cycle * (k // bs) + cycle[:part]
 
@@ -257,9 +257,9 @@ class RunningBatch:
         assert [len(t) for t in self.tables] == self.counts, "running batch: tables beside the buckets drifted"
         for q, b in enumerate(self.buckets):
             for s, table in zip(b, self.tables[q]):
-                assert table is self.bm.tables[s.seq_id], f"sequence {s.seq_id}: a table other than its own kept"
+                assert table is s.block_table, f"sequence {s.seq_id}: a table other than its own kept"
                 assert 0 <= s.anchor <= self.clock and self.phase_of(s) == q, f"sequence {s.seq_id}: wrong bucket"
-                assert self.bm.slots[s.seq_id] == s.num_computed, f"sequence {s.seq_id}: slots not owed with counters"
+                assert s.num_slots == s.num_computed, f"sequence {s.seq_id}: slots not owed with counters"
                 assert s.finish_at < 0 or s.finish_at > self.clock, f"sequence {s.seq_id}: finish passed"
         for s in self.unknown:
             assert s.anchor == self.clock and s.finish_at < 0, f"sequence {s.seq_id}: finish asked at another clock"

@@ -55,6 +55,12 @@ def _insort_by_arrival(running: list[SequenceGroup], group: SequenceGroup) -> No
     running.insert(lo, group)
 
 
+def _base_hook(policy: QueuePolicy, name: str) -> bool:
+    """Whether the policy's hook `name` is QueuePolicy's own no-op (not overridden by its class
+    nor set on the instance): calling it would change nothing."""
+    return getattr(getattr(policy, name), "__func__", None) is getattr(QueuePolicy, name)
+
+
 def remove_group(groups: list[SequenceGroup], group: SequenceGroup) -> None:
     """`groups.remove(group)` (a group equals only itself), the tail tried first (a preemption's
     victim): compiled, a pointer comparison per element instead of a rich comparison."""
@@ -97,7 +103,8 @@ class Scheduler(ABC):
         self.swapped: deque[SequenceGroup] = deque()
         self.done: list[SequenceGroup] = []
         self.seqs: dict[int, Sequence] = {}
-        self._seq_ids = itertools.count()
+        # the next sequence id (a counter's own __next__: compiled, next() looks the builtin up each call)
+        self._next_seq_id: Callable[[], int] = itertools.count().__next__
         self.num_added = 0
         self.released = 0  # groups handed out of `done` (release_done): accounted for, no longer held
         self.num_preemptions = 0
@@ -121,6 +128,11 @@ class Scheduler(ABC):
             p.key is QueuePolicy.key or self.policy.reads == STATE)
         self._admits_all = p.admit is QueuePolicy.admit
         self._wakes = p.wake_time is not QueuePolicy.wake_time
+        # the hooks to call: not the base no-ops (a generic call each, several per request)
+        self._tells_queued = not _base_hook(self.policy, "on_queued")
+        self._tells_admitted = not _base_hook(self.policy, "on_admitted")
+        self._tells_finished = not _base_hook(self.policy, "on_finished")
+        self._tells_served = bool(self.policy.tracks_service)  # read per window: kept
         # arrivals must see the policy's state as stepping leaves it (its declared `reads`)
         self.queues_by_state = self.policy.reads != REQUEST
         # a deque, or a queue ordered by the key (Any: compiled code checks declared types)
@@ -160,7 +172,7 @@ class Scheduler(ABC):
 
     # ---------------------------------------------------------------- life cycle
     def add_request(self, request: Request) -> SequenceGroup:
-        group = SequenceGroup(request, next(self._seq_ids))
+        group = SequenceGroup(request, self._next_seq_id())
         for s in group.seqs:
             self.seqs[s.seq_id] = s
         self.num_added += 1
@@ -175,7 +187,8 @@ class Scheduler(ABC):
     def _enqueue(self, group: SequenceGroup, front: bool = False) -> None:
         """Queue a group to wait: in the policy's key order, or with FCFS-like policies at the back
         (an arrival) or the front (`front`: a preempted group, as vLLM requeues it)."""
-        self.policy.on_queued(group)
+        if self._tells_queued:
+            self.policy.on_queued(group)
         if not self.fifo_queue:  # a queue that orders itself (see QueuePolicy.new_queue)
             self.waiting.push(group, front)
         elif front:
@@ -288,7 +301,8 @@ class Scheduler(ABC):
         self.loads[self.load_slot] -= 1
         if plan is not None:  # it was queued (not refused on arrival): the policy saw it arrive
             plan.rejected.append((group.group_id, reason))
-            self.policy.on_finished(group)
+            if self._tells_finished:
+                self.policy.on_finished(group)
 
     def _finish_group(self, group: SequenceGroup, now: float) -> None:
         """A running group whose last sequence finished leaves the batch."""
@@ -297,7 +311,8 @@ class Scheduler(ABC):
         remove_group(self.running, group)
         self.done.append(group)
         self.loads[self.load_slot] -= 1
-        self.policy.on_finished(group)
+        if self._tells_finished:
+            self.policy.on_finished(group)
 
     def abort(self, group_id: int, now: float, reason: str = "aborted") -> SequenceGroup | None:
         """End an unfinished request from outside (its client went away, the server shuts down).
@@ -393,7 +408,7 @@ class Scheduler(ABC):
         Pruned sequences (keep=False, no children) are dropped before any fork, so that their
         memory serves this step's forks (the contiguous baselines' spare chunks); a dropped parent
         with children continues as its first child (no copy)."""
-        if self.policy.tracks_service:
+        if self._tells_served:
             self._account_service(plan.seqs)
         return self._apply_outcomes(plan, result, now)
 
@@ -445,7 +460,7 @@ class Scheduler(ABC):
             if children:
                 group = seq.group
                 for j, tok in enumerate(children):
-                    child = Sequence(next(self._seq_ids), group, seq.prompt_len, seq.target_len,
+                    child = Sequence(self._next_seq_id(), group, seq.prompt_len, seq.target_len,
                                      None if seq.token_ids is None else list(seq.token_ids), seq.output_len)
                     child.num_computed = seq.num_computed
                     child.status = SeqStatus.RUNNING

@@ -249,7 +249,7 @@ class ReplicaStep:
         # the ends add in order, as stepping's clock does (and as numpy's cumsum did); a loop, as
         # list(accumulate(...)) is a generic iterator compiled. A list is the executor's own, new at
         # each call (RepeatExecutor): kept, not copied
-        durations: list[float] = priced.tolist() if isinstance(priced, np.ndarray) else priced
+        durations: list[float] = priced if isinstance(priced, list) else priced.tolist()
         ends: list[float] = []
         end = now
         for d in durations:

@@ -17,7 +17,7 @@ from typing import Final
 
 from mypy_extensions import mypyc_attr
 
-from policies.block_manager import PagedBlockManager
+from policies.block_manager import PagedBlockManager, table_of
 from policies.memory import MemoryBreakdown
 from policies.plan import (
     DecodeStepPlan,
@@ -197,14 +197,13 @@ class VllmScheduler(Scheduler):
     def _emit(self, plan: StepPlan, seq: Sequence, n: int) -> None:
         # the plan carries the block manager's own table lists: valid until the next schedule()
         plan.seqs.append(ScheduledSeq(seq.seq_id, seq.group.group_id, seq.num_computed, n,
-                                      self.bm.tables[seq.seq_id], seq.num_computed + n == seq.num_tokens, seq))
+                                      table_of(seq), seq.num_computed + n == seq.num_tokens, seq))
 
     def _schedule_running(self, plan: StepPlan, budget: list[int]) -> bool:
         """Give running groups their tokens, preempting from the tail when blocks run out."""
         preempted = False
         bm = self.bm
-        blocks, tables, bm_slots = bm.pool.blocks, bm.tables, bm.slots
-        extend_own_block = bm.extend_own_block
+        blocks = bm.pool.blocks
         bs = self.block_size
         in_place = not bm.enable_prefix_caching  # else a filled block may need registering
         emit = plan.seqs.append
@@ -222,13 +221,13 @@ class VllmScheduler(Scheduler):
                 if n == 0:
                     continue
                 sid = seq.seq_id
-                table = tables[sid]
-                cur = bm_slots[sid]
+                table = table_of(seq)
+                cur = seq.num_slots
                 end = start + n
                 if in_place and cur % bs and cur < end <= len(table) * bs and blocks[table[-1]].ref_count == 1:
                     # a decode into the sequence's own partly filled block: append_slots' first
                     # case, checked here as it is most of the work of a step
-                    extend_own_block(sid, end, cur, table)
+                    bm.extend_own_block(seq, end, cur, table)
                 else:
                     while True:
                         copies = bm.append_slots(seq, n)
@@ -342,7 +341,7 @@ class VllmScheduler(Scheduler):
         """Admit or reject from the head of the queue while the budget lasts; `demand`: the running
         sequences' seat demand when the caller knows it (else summed only when needed)."""
         while self.waiting and budget[0] > 0:
-            group = self.waiting[0]
+            group: SequenceGroup = self.waiting[0]  # typed: the queue is Any (native reads below)
             answer = self._admission(group, budget[0], demand, now)
             demand = answer.demand
             if answer.verdict == REJECTED:
@@ -357,7 +356,8 @@ class VllmScheduler(Scheduler):
             self.waiting.popleft()
             if group.first_scheduled is None:
                 group.first_scheduled = now
-                self.policy.on_admitted(group, now)
+                if self._tells_admitted:
+                    self.policy.on_admitted(group, now)
 
     def _admission(self, group: SequenceGroup, left: int, demand: int | None, now: float) -> Admission:
         """The one admission rule, for the waiting group considered first, with `left` tokens of the
@@ -410,7 +410,8 @@ class VllmScheduler(Scheduler):
         copies = bm.append_slots(seq, n)
         if copies is None:  # can_allocate said OK, so this is a bookkeeping bug
             raise AssertionError(f"group {group.group_id}: blocks vanished during admission")
-        plan.copies.extend(copies)
+        if copies:
+            plan.copies.extend(copies)
         self._insert_running(group)
         self._emit(plan, seq, n)
 
@@ -561,7 +562,7 @@ class VllmScheduler(Scheduler):
         batch, bm = self._batch, self.bm
         if plan.seqs:
             batch.set_finishes(plan.seqs, plan.remaining)
-        batch_groups = list(self.running) if self.policy.tracks_service else None
+        batch_groups = list(self.running) if self._tells_served else None
         num_batch = batch.size
         demand = batch.demand
         finishing = self._in_batch_order(batch.finishing(ahead=1))  # their last token is this step's
@@ -572,12 +573,11 @@ class VllmScheduler(Scheduler):
         bm.open_blocks(batch.opening_tables())
         bm.add_token_states(batch.size)
         step = StepPlan(block_size=self.block_size)
-        tables = bm.tables
         for s in finishing:
             sid = s.seq_id
             if bm.append_slots(s, 1) != []:  # plan_decode_step counted its block
                 raise AssertionError(f"sequence {sid}: no free block, or a shared one copied, in a decode step")
-            step.seqs.append(ScheduledSeq(sid, s.group.group_id, s.num_computed, 1, tables[sid], True, s))
+            step.seqs.append(ScheduledSeq(sid, s.group.group_id, s.num_computed, 1, table_of(s), True, s))
         num_continuing = batch.size
         context = batch.context() + num_continuing  # of the continuing sequences, with the new token
         self._schedule_waiting(step, [self.max_num_batched_tokens - num_batch], now, demand)
@@ -650,7 +650,7 @@ class VllmScheduler(Scheduler):
         # not observable, only how many are taken and when)
         bm.open_blocks(batch.tables_opening_within(k))
         bm.add_token_states(k * b)
-        if self.policy.tracks_service:  # before the clock moves: a group reads as stepping's first call
+        if self._tells_served:  # before the clock moves: a group reads as stepping's first call
             self.policy.on_decoded(self.running, k)
         batch.clock += k
         # the log's record of the window: blocks opened by each step
@@ -694,13 +694,13 @@ class VllmScheduler(Scheduler):
         preempt_plan = StepPlan(block_size=bs)
         running = self.running  # _preempt removes from its tail
         openers = batch.opening_in_order(running)  # in batch order
-        opening: list[int] = []  # openers' ids whose blocks are not taken yet: taken before any preemption
+        opening: list[list[int]] = []  # openers' tables whose blocks are not taken yet: taken before any preemption
         for s in openers:  # in batch order
             g = s.group
             if g.status != SeqStatus.RUNNING:
                 break  # preempted as the tail: everything after it is preempted too
             if bm.pool.num_free <= len(opening):  # this one finds no free block: preempt first
-                bm.open_decode_blocks(opening)
+                bm.open_blocks(opening)
                 opening = []
                 while not bm.pool.num_free and g.status == SeqStatus.RUNNING:
                     tail = running[-1]
@@ -708,12 +708,12 @@ class VllmScheduler(Scheduler):
                     self._preempt(tail, preempt_plan)
                 if g.status != SeqStatus.RUNNING:
                     break  # it was the tail: everything after it is preempted too
-            opening.append(s.seq_id)
+            opening.append(table_of(s))
         if opening:
-            bm.open_decode_blocks(opening)
+            bm.open_blocks(opening)
         survivors = batch.size
         bm.add_token_states(survivors)
-        if self.policy.tracks_service:
+        if self._tells_served:
             self.policy.on_decoded(running, 1)
         batch.clock += 1
         comp = StepComposition(num_decode_seqs=survivors, decode_context_tokens=batch.context(),

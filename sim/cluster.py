@@ -20,7 +20,16 @@ from policies.replica_config import ReplicaConfig, build_replica
 from policies.router import Router
 from policies.scheduler import Scheduler
 from sim.cost_model import CostModel
-from sim.engine import ArrivalFeed, Dispatch, Replica, arrival_process, engine_process, lazy_arrival_process
+from sim.engine import (
+    ArrivalFeed,
+    Dispatch,
+    Driven,
+    Replica,
+    arrival_process,
+    engine_process,
+    lazy_arrival_process,
+    run_to_end,
+)
 from sim.executor import BeamPicks, SimulatedExecutor
 
 
@@ -45,15 +54,15 @@ def run_replicas(env: simpy.Environment, feed: ArrivalFeed, front: list[Replica]
     if fed:  # other processes (sim.disagg's transfers) change replicas between engine events
         env.process(arrival_process(env, feed, front, router))
         for replica in front:
-            env.process(engine_process(env, replica, feed))
+            Driven(env, engine_process(env, replica, feed))
     else:
         dispatch = Dispatch(env, feed, front, router)
         env.process(lazy_arrival_process(env, dispatch))
         for replica in front:
-            env.process(engine_process(env, replica, feed, dispatch))
+            Driven(env, engine_process(env, replica, feed, dispatch))
     for replica, own in fed:
-        env.process(engine_process(env, replica, own))
-    env.run()
+        Driven(env, engine_process(env, replica, own))
+    run_to_end(env)  # env.run(), the engines resumed natively
     for replica in front + [r for r, _ in fed]:
         final_checks(replica.scheduler, replica.scheduler.num_added)
 

@@ -31,15 +31,15 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
-from heapq import heappush
+from heapq import heappop, heappush
 from itertools import accumulate
 from typing import Any, Protocol
 
 import numpy as np
 import simpy
-from simpy.events import NORMAL
+from simpy.events import NORMAL, PENDING, URGENT
 
-from policies.least_loaded import least_loaded
+from policies.least_loaded import LeastLoaded
 from policies.metrics import RequestRows
 from policies.request import Request
 from policies.router import SCHEDULER, LeastLoadedRouter, ReplicaViews, Router, replica_views
@@ -124,8 +124,20 @@ class ArrivalTimeout(simpy.Timeout):
         env.schedule(self, simpy.events.URGENT, delay)
 
 
+class Wait:
+    """The event an Alarm puts in SimPy's queue: shaped as a SimPy event where `Environment.step`
+    and `Process._resume` read one (`callbacks`, `_ok`, `_value`: a pending event that succeeds
+    with None), a native object so that Alarm, `Driven` and `run_to_end` set and read it without
+    generic attribute calls (~500 instructions a wait). Nothing but its process waits on it."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Any] | None = None
+        self._ok = True
+        self._value: Any = None
+
+
 class Alarm:
-    """One process's timeouts as one SimPy event, re-armed for each wait: a new simpy.Timeout per
+    """One process's timeouts as one event (a Wait), re-armed for each wait: a new simpy.Timeout per
     wait costs a bound-class call and an interpreted `__init__` (~4k instructions), re-arming a
     fresh callback list and the queue entry a Timeout makes, at the normal priority. The entry is
     pushed here as SimPy 4's `Environment.schedule` writes it (its interpreted call, and the
@@ -136,25 +148,91 @@ class Alarm:
 
     def __init__(self, env: simpy.Environment) -> None:
         self.env = env
-        self.event: simpy.Timeout | None = None
+        self.event = Wait()
         # the environment's event queue and event ids (each made once, in Environment.__init__);
-        # Any: the entries are pushed as they are, not unboxed and boxed again by compiled code
+        # Any: the entries are pushed as they are, not unboxed and boxed again by compiled code;
+        # the counter's own __next__ (compiled, next(counter) looks the builtin up at every call)
         self.queue: list[Any] = env._queue
-        self.eids: Iterator[Any] = env._eid
+        self.next_eid: Callable[[], Any] = env._eid.__next__
         self.priority: Any = NORMAL
 
-    def after(self, delay: float) -> simpy.Timeout:
+    def after(self, delay: float) -> Wait:
         """The event, due `delay` from now."""
-        event = self.event
-        if event is None:  # the first wait: a Timeout, processed later like any other
-            event = self.event = simpy.Timeout(self.env, delay)
-            return event
         if delay < 0:
             raise ValueError(f"negative delay {delay}")
-        event.callbacks = []  # processed: SimPy set them to None
+        event = self.event
+        event.callbacks = []  # processed (or never armed): SimPy set them to None
         # env.schedule(event, NORMAL, delay)
-        heappush(self.queue, (self.env._now + delay, self.priority, next(self.eids), event))
+        heappush(self.queue, (self.env._now + delay, self.priority, self.next_eid(), event))
         return event
+
+
+class Driven:
+    """A process (a generator of SimPy events, as `env.process` takes) resumed by `run_to_end` with
+    a native call instead of SimPy's interpreted `Process._resume` (~2.5k instructions an event).
+    Started as `Process` starts one (an urgent event at the current instant, from the same id
+    counter), resumed with each event it yields, in the same order. Not an event itself: nothing
+    can wait for it to end, and an exception it raises leaves `run_to_end` as it is (SimPy would
+    raise a copy of it). Invariant: the generator yields only pending events that succeed, and
+    ignores what they carry (the engine process waits on its alarm and its wakeup events)."""
+
+    def __init__(self, env: simpy.Environment, process: Iterator[Any]) -> None:
+        self.process = process
+        self.next_event: Callable[[], Any] = process.__next__  # (next() is a builtin looked up, compiled)
+        start = simpy.Event(env)  # Process's Initialize event
+        start._ok, start._value, start.callbacks = True, None, [self]
+        env.schedule(start, URGENT)
+
+    def __call__(self, event: Any) -> None:  # any other caller of the event's callbacks
+        self.resume()
+
+    def resume(self) -> None:
+        try:
+            event = self.next_event()
+        except StopIteration:
+            return
+        if isinstance(event, Wait):  # its own alarm: a native store
+            assert event.callbacks is not None  # pending (Alarm.after)
+            event.callbacks.append(self)
+        else:
+            callbacks: list[Any] = event.callbacks
+            callbacks.append(self)
+
+
+def run_to_end(env: simpy.Environment) -> None:
+    """`env.run()`: every event in order, each event's callbacks called as `Environment.step` calls
+    them, a failed event not defused raised as it raises it, and `Driven` processes resumed by a
+    native call (with the interpreted `step`, ~5k instructions an event to ~1.5k compiled). Nothing
+    here stops a run early (`StopSimulation` needs `until`, which this does not take)."""
+    queue: list[Any] = env._queue  # Environment.step's pop, as tests/test_simpy_internals.py pins
+    while queue:
+        # (time, priority, id, event), as Environment.schedule pushes it: typed, its items read
+        # natively (a generic index each otherwise)
+        entry: tuple[Any, Any, Any, Any] = heappop(queue)
+        env._now = entry[0]
+        event = entry[3]
+        if isinstance(event, Wait):  # an alarm (native reads; it never fails)
+            callbacks = event.callbacks
+            event.callbacks = None
+            assert callbacks is not None  # armed once per push (Alarm's invariant)
+            _call_back(callbacks, event)
+            continue
+        callbacks = event.callbacks
+        event.callbacks = None
+        _call_back(callbacks, event)
+        if not event._ok and not hasattr(event, "_defused"):
+            exc = type(event._value)(*event._value.args)
+            exc.__cause__ = event._value
+            raise exc
+
+
+def _call_back(callbacks: list[Any], event: Any) -> None:
+    """An event's callbacks called in order, a Driven process's natively."""
+    for callback in callbacks:
+        if isinstance(callback, Driven):
+            callback.resume()
+        else:
+            callback(event)
 
 
 class Replica:
@@ -218,8 +296,9 @@ class Replica:
         group = self.scheduler.add_request(request)
         if self.joined is not None and group.rejected is None:
             self.joined.append(request.arrival)
-        if not self.wakeup.triggered:
-            self.wakeup.succeed()
+        wakeup = self.wakeup
+        if wakeup._value is PENDING:  # not triggered (`triggered` is an interpreted property)
+            wakeup.succeed()
 
 
 class Dispatch:
@@ -250,14 +329,14 @@ class Dispatch:
         # otherwise check it is the int Router.route declares, before _replica_index could name it)
         self.route: Callable[[Request, list], object] | None = router.route if router is not None else None
         # a least-loaded router's own `route` (a subclass's override is called as any router's):
-        # its pick made here from the kept loads list, the same function and state (`_last`) as
-        # LeastLoadedRouter.route, without an interpreted call at every arrival
-        self.least: LeastLoadedRouter | None = None
+        # its picker asked here with the kept loads list, as LeastLoadedRouter.route asks it,
+        # without an interpreted call at every arrival
+        self.picker: LeastLoaded | None = None
         self.loads: list[int] | None = None
         views = self.views
         if (isinstance(router, LeastLoadedRouter) and type(router).route is LeastLoadedRouter.route
                 and isinstance(views, ReplicaViews)):
-            self.least, self.loads = router, views.loads
+            self.picker, self.loads = router.picker, views.loads
         self.idle = 0  # replicas waiting for an arrival (engine_process)
         self.parked: simpy.Event | None = None  # lazy_arrival_process waiting while none is idle
         self.due = math.inf
@@ -287,9 +366,9 @@ class Dispatch:
         request = self.feed.pop_next()
         for sched in self.whole:
             sched.materialise()
-        least, loads = self.least, self.loads
-        if least is not None and loads is not None:  # LeastLoadedRouter.route, its pick in place
-            i = least._last = least_loaded(loads, least._last)
+        picker, loads = self.picker, self.loads
+        if picker is not None and loads is not None:  # LeastLoadedRouter.route
+            i = picker.pick(loads)
         else:
             answer = route(request, self.views) if route is not None else 0
             i = answer if type(answer) is int else _replica_index(answer, self.router, request, len(replicas))
@@ -360,7 +439,8 @@ def _replica_index(i: object, router: Router | None, request: Request, n: int) -
 def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals, dispatch: Dispatch | None = None):
     """The serving loop: schedule, execute, apply; idle until an arrival when there is nothing to do.
     With `dispatch` (lazy delivery), the arrivals due by each resume are delivered first. The
-    clock is read once per resume (`now`): nothing moves it in between."""
+    clock is read once per resume (`now`): nothing moves it in between (read as `env._now`, as
+    Alarm reads it: `env.now` is an interpreted property, ~600 instructions a read)."""
     sched = replica.scheduler
     step = replica.step
 
@@ -372,7 +452,7 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals, dis
 
     next_arrival = feed.next_arrival
     alarm = Alarm(env)  # the process's waits
-    now = env.now
+    now = env._now
     if dispatch is not None:
         dispatch.deliver_due(now)
     while True:
@@ -388,7 +468,7 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals, dis
             if feed.exhausted:
                 return
             yield from _idle(env, replica, dispatch)
-            now = env.now
+            now = env._now
             continue
         if replica.fast_forward:
             window = step.begin_window(now, arrival, queued)
@@ -397,7 +477,7 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals, dis
                     replica.joined = []
                 for delay in _delays(window.start, window.ends, window.durations):
                     yield alarm.after(delay)
-                now = env.now
+                now = env._now
                 if dispatch is not None:
                     dispatch.deliver_due(now)
                 finished = step.complete_window(window, replica.joined or ())
@@ -417,12 +497,12 @@ def engine_process(env: simpy.Environment, replica: Replica, feed: Arrivals, dis
             if feed.exhausted and not sched.running:
                 _fail_stuck(sched)
             yield from _idle(env, replica, dispatch)
-            now = env.now
+            now = env._now
             continue
         result = it.result
         assert result is not None  # not idle
         yield alarm.after(result.duration)  # simulated time passes: the cost model's duration
-        now = env.now
+        now = env._now
         if dispatch is not None:
             dispatch.deliver_due(now)
         finished = step.complete(it, now)  # arrivals due by now have landed (ArrivalTimeout)

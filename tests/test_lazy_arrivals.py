@@ -92,7 +92,7 @@ class CountingLeastLoaded(LeastLoadedRouter):
 
 @pytest.mark.parametrize("rate", [400.0, 3.0])
 def test_least_loaded_picked_in_dispatch_is_its_route(monkeypatch, rate):
-    """Dispatch picks for LeastLoadedRouter itself (its kept loads, the same function and `_last`),
+    """Dispatch picks for LeastLoadedRouter itself (its kept loads, the router's own picker),
     and calls an override's route: both give the same tables."""
     monkeypatch.setitem(ROUTERS, CountingLeastLoaded.name, CountingLeastLoaded)
     made = []
@@ -102,4 +102,4 @@ def test_least_loaded_picked_in_dispatch_is_its_route(monkeypatch, rate):
     least = made[-1]
     counted = run_simulation(SimConfig(replicas=4, router=CountingLeastLoaded.name), trace)
     pd.testing.assert_frame_equal(plain.requests, counted.requests, check_exact=True)
-    assert made[-1].calls == 300 and least._last == made[-1]._last
+    assert made[-1].calls == 300 and least.picker.last == made[-1].picker.last

@@ -1096,3 +1096,35 @@ def test_fcfs_is_another_name_for_vllm() -> None:
     assert type(sched) is type(make_scheduler("vllm", 64, 16)) and sched.policy.name == "fcfs"
     with pytest.raises(ValueError, match=r"unknown policy 'fcfz'; known: vllm"):
         make_scheduler("fcfz", 64, 16)
+
+
+@pytest.mark.parametrize("on_instance", [False, True])
+def test_a_hook_overridden_by_class_or_instance_is_called(on_instance):
+    """The scheduler skips only QueuePolicy's own no-op hooks: one a subclass defines, or one set
+    on the instance, is called for every group (queued, preempted back, admitted, finished)."""
+    from policies.queue_policy import QueuePolicy
+
+    seen: list[tuple[str, int]] = []
+
+    class Logging(QueuePolicy):
+        if not on_instance:
+            def on_queued(self, group):
+                seen.append(("queued", group.group_id))
+
+            def on_admitted(self, group, now):
+                seen.append(("admitted", group.group_id))
+
+            def on_finished(self, group):
+                seen.append(("finished", group.group_id))
+
+    policy = Logging()
+    if on_instance:
+        policy.on_queued = lambda group: seen.append(("queued", group.group_id))
+        policy.on_admitted = lambda group, now: seen.append(("admitted", group.group_id))
+        policy.on_finished = lambda group: seen.append(("finished", group.group_id))
+    sched = VllmScheduler(num_gpu_blocks=64, block_size=4, policy=policy)
+    run_to_completion(sched, [req(i, 8, 5, arrival=0.0) for i in range(3)])
+    for kind in ("queued", "admitted", "finished"):
+        assert sorted(g for k, g in seen if k == kind) == [0, 1, 2]
+    plain = VllmScheduler(num_gpu_blocks=64, block_size=4)
+    assert not (plain._tells_queued or plain._tells_admitted or plain._tells_finished)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagesim.cli import main as cli_main
-from policies.least_loaded import least_loaded
+from policies.least_loaded import LeastLoaded, least_loaded
 from policies.registry import make_scheduler
 from policies.request import Request, SamplingParams
 from policies.router import (
@@ -449,3 +449,17 @@ def test_least_loaded_pick_is_the_first_least_loaded_after_the_last_pick(loads, 
     n = len(loads)
     order = [(last + 1 + k) % n for k in range(n)]  # from the one after the last pick, wrapping round
     assert least_loaded(loads, last) == next(i for i in order if loads[i] == min(loads))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(loads=st.lists(st.integers(0, 4), min_size=1, max_size=20), last=st.integers(-1, 25), data=st.data())
+def test_least_loaded_picker_among_candidates_is_the_old_min_over_them(loads, last, data):
+    """LeastLoaded.pick_among: the least loaded candidate, ties to the first after `last` (the
+    min by (load, distance after last) that _pick took before), and `pick` remembers its pick."""
+    n = len(loads)
+    candidates = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True))
+    picker = LeastLoaded()
+    picker.last = last
+    expected = min(candidates, key=lambda i: (loads[i], (i - last - 1) % n))
+    assert picker.pick_among(loads, candidates) == expected and picker.last == last
+    assert picker.pick(loads) == least_loaded(loads, last) == picker.last
