@@ -368,32 +368,34 @@ class VtcPolicy(QueuePolicy):
 
 class KeyedQueue:
     """A waiting queue ordered by a key fixed at queueing (a heap: push and popleft in O(log n));
-    `[0]` is the smallest. Keys must be unique (they end with the group id)."""
+    `[0]` is the smallest. Keys must be unique (they end with the group id). An entry is the key's
+    items followed by the group, flat, so that the heap compares the keys' first items directly (not
+    two tuples holding them); the unique key decides before the group is reached."""
 
     def __init__(self, key: Any) -> None:
         self.key = key
-        self.heap: list[tuple[tuple, SequenceGroup]] = []
+        self.heap: list[tuple] = []
 
     def push(self, group: SequenceGroup, front: bool = False) -> None:
-        heapq.heappush(self.heap, (self.key(group), group))
+        heapq.heappush(self.heap, (*self.key(group), group))
 
     def __getitem__(self, i: int) -> SequenceGroup:
         if i != 0:
             raise IndexError("KeyedQueue gives only its head, [0]")
-        return self.heap[0][1]
+        return self.heap[0][-1]
 
     def popleft(self) -> SequenceGroup:
-        return heapq.heappop(self.heap)[1]
+        return heapq.heappop(self.heap)[-1]
 
     def __len__(self) -> int:
         return len(self.heap)
 
     def __iter__(self) -> Iterator[SequenceGroup]:
-        return (g for _, g in self.heap)
+        return (entry[-1] for entry in self.heap)
 
     def candidates(self) -> list[SequenceGroup]:
         """The group that comes first until something arrives: the head (keys are fixed)."""
-        return [self.heap[0][1]]
+        return [self.heap[0][-1]]
 
 
 class ReorderingQueue:

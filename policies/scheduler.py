@@ -126,6 +126,9 @@ class Scheduler(ABC):
         # change while groups wait (reads "state")
         self._running_by_arrival = p.running_key is QueuePolicy.running_key and (
             p.key is QueuePolicy.key or self.policy.reads == STATE)
+        # otherwise the running batch's key: the base running_key is the policy's key then, so that is
+        # what insertion calls (one call a probe, not two); a policy's own running_key as it is
+        self._running_key = self.policy.key if p.running_key is QueuePolicy.running_key else self.policy.running_key
         self._admits_all = p.admit is QueuePolicy.admit
         self._wakes = p.wake_time is not QueuePolicy.wake_time
         # the hooks to call: not the base no-ops (a generic call each, several per request)
@@ -287,7 +290,7 @@ class Scheduler(ABC):
         if self._running_by_arrival:
             _insort_by_arrival(self.running, group)
         else:
-            bisect.insort(self.running, group, key=self.policy.running_key)
+            bisect.insort(self.running, group, key=self._running_key)
 
     def _reject(self, group: SequenceGroup, reason: str, plan: StepPlan | None, now: float) -> None:
         """End a group that will never run (recorded in the plan, if it was being scheduled)."""
