@@ -55,7 +55,8 @@ SIM_TESTS ?= tests/test_policies_unit.py tests/test_repeat_plan.py tests/test_si
 	tests/test_fastpath_fuzz.py tests/test_compiled.py tests/test_cost_model.py tests/test_router.py tests/test_disagg.py \
 	tests/test_calibrated.py tests/test_profiled.py tests/test_bad_input.py tests/test_adversarial_inputs.py \
 	tests/test_request_runs.py tests/test_fairness.py tests/test_emulate.py tests/test_analysis.py \
-	tests/test_decode_step_arrivals.py tests/test_on_finish.py tests/test_per_client.py
+	tests/test_decode_step_arrivals.py tests/test_on_finish.py tests/test_per_client.py tests/test_request_rows.py \
+	tests/test_lazy_arrivals.py tests/test_simpy_internals.py tests/test_iteration_log.py tests/test_running_batch.py
 test-compiled: compiled $(FULL_OK)
 	PAGESIM_COMPILED=1 $(BIN)/python -m pytest $(SIM_TESTS) -p no:cacheprovider -rs -n $(TEST_JOBS) --dist loadfile
 
