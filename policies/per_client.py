@@ -93,6 +93,14 @@ class ClientQueues:
         self.size -= 1
         return group
 
+    def remove(self, group: SequenceGroup) -> None:
+        """Take `group` out (Scheduler.abort of a waiting request)."""
+        q = self.queues.get(group.request.client)
+        if q is None or group not in q:
+            raise ValueError(f"group {group.group_id} is not waiting")
+        q.remove(group)
+        self.size -= 1
+
     def candidates(self) -> list[SequenceGroup]:
         """The groups that could come first while counters change: each client's head."""
         return [q[0] for q in self.queues.values() if q]

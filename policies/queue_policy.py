@@ -118,7 +118,8 @@ class QueuePolicy:
     def new_queue(self) -> Any:
         """The waiting queue: a deque in arrival order under the base key (kept by the scheduler:
         arrivals at the back, preempted groups at the front), else a queue with the methods the
-        scheduler uses (len, iter, [0], popleft, push(group, front), and optionally candidates()):
+        scheduler uses (len, iter, [0], popleft, push(group, front), remove(group) when a waiting request is
+        aborted, and optionally candidates()):
         a heap on a key fixed at queueing, or for reads "state" one that finds the smallest key at
         each read (a policy may give a faster one of its own here)."""
         if type(self).key is QueuePolicy.key:
@@ -366,36 +367,43 @@ class VtcPolicy(QueuePolicy):
         self.active[c] = self.active.get(c, 1) - 1
 
 
-class KeyedQueue:
-    """A waiting queue ordered by a key fixed at queueing (a heap: push and popleft in O(log n));
-    `[0]` is the smallest. Keys must be unique (they end with the group id). An entry is the key's
-    items followed by the group, flat, so that the heap compares the keys' first items directly (not
-    two tuples holding them); the unique key decides before the group is reached."""
+class KeyedQueue(list):
+    """A waiting queue ordered by a key fixed at queueing: a heap (push and popleft in O(log n)),
+    kept in the list itself so that len() and truth, which the scheduler asks at every step, are C
+    calls; `[0]` is the smallest group, and iterating gives the groups (in heap order). Keys must be
+    unique (they end with the group id). An entry is the key's items followed by the group, flat,
+    so that the heap compares the keys' first items directly (not two tuples holding them); the
+    unique key decides before the group is reached."""
 
     def __init__(self, key: Any) -> None:
+        super().__init__()
         self.key = key
-        self.heap: list[tuple] = []
 
     def push(self, group: SequenceGroup, front: bool = False) -> None:
-        heapq.heappush(self.heap, (*self.key(group), group))
+        heapq.heappush(self, (*self.key(group), group))
 
-    def __getitem__(self, i: int) -> SequenceGroup:
+    def __getitem__(self, i: int) -> SequenceGroup:  # type: ignore[override]
         if i != 0:
             raise IndexError("KeyedQueue gives only its head, [0]")
-        return self.heap[0][-1]
+        return list.__getitem__(self, 0)[-1]
 
     def popleft(self) -> SequenceGroup:
-        return heapq.heappop(self.heap)[-1]
+        return heapq.heappop(self)[-1]
 
-    def __len__(self) -> int:
-        return len(self.heap)
+    def __iter__(self) -> Iterator[SequenceGroup]:  # type: ignore[override]
+        return (entry[-1] for entry in list.__iter__(self))
 
-    def __iter__(self) -> Iterator[SequenceGroup]:
-        return (entry[-1] for entry in self.heap)
+    def remove(self, group: SequenceGroup) -> None:  # type: ignore[override]
+        """Take `group` out (Scheduler.abort of a waiting request): O(n)."""
+        kept = [entry for entry in list.__iter__(self) if entry[-1] is not group]
+        if len(kept) == len(self):
+            raise ValueError(f"group {group.group_id} is not waiting")
+        list.__setitem__(self, slice(None), kept)
+        heapq.heapify(self)
 
     def candidates(self) -> list[SequenceGroup]:
         """The group that comes first until something arrives: the head (keys are fixed)."""
-        return [self.heap[0][-1]]
+        return [list.__getitem__(self, 0)[-1]]
 
 
 class ReorderingQueue:
@@ -422,6 +430,10 @@ class ReorderingQueue:
 
     def popleft(self) -> SequenceGroup:
         return self.groups.pop(self._best())
+
+    def remove(self, group: SequenceGroup) -> None:
+        """Take `group` out (Scheduler.abort of a waiting request)."""
+        self.groups.remove(group)
 
     def __len__(self) -> int:
         return len(self.groups)

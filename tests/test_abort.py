@@ -96,3 +96,28 @@ def test_abort_on_a_contiguous_scheduler():
         sched.abort(g.group_id, 1.0)
     sched.check_conservation()
     assert sched.memory().free == 64 * 16
+
+
+@pytest.mark.parametrize("policy", ["vllm", "sjf", "priority", "edf", "vtc", "srpt"])
+def test_abort_a_waiting_request_under_every_queue(policy):
+    # the waiting queue is a deque (vllm), a heap on a fixed key (sjf, priority, edf), one FIFO per
+    # client (vtc) or a queue re-read as keys change: each must let an aborted request out, and the
+    # rest still come out in the policy's order
+    sched = make_scheduler(policy, 14, 16, max_num_seqs=1)
+    ex = ToyExecutor(sched)
+    for i in range(4):
+        sched.add_request(_req(i, out=3 + i, arrival=0.1 * i))
+    before = [g.group_id for g in sched.waiting]
+    assert sched.abort(2, 0.5, "aborted: client disconnected").group_id == 2
+    assert sched.abort(2, 0.5) is None
+    assert sorted(g.group_id for g in sched.waiting) == sorted(i for i in before if i != 2)
+    assert len(sched.waiting) == 3
+    order = []
+    t = 1.0
+    while sched.has_unfinished():
+        _step(sched, ex, t)
+        t += 1.0
+        order.extend(g.group_id for g in sched.done if g.group_id not in order and g.group_id != 2)
+    assert sorted(order) == [0, 1, 3]
+    assert {g.group_id: g.aborted for g in sched.done} == {0: False, 1: False, 2: True, 3: False}
+    _whole(sched)
