@@ -40,11 +40,12 @@ def tiny():
     return model.config, model.weights
 
 
-def _engine(tiny, num_blocks=32, max_num_seqs=8, seed=0) -> AsyncEngine:
+def _engine(tiny, num_blocks=32, max_num_seqs=8, seed=0, policy="vllm", **options) -> AsyncEngine:
     config, weights = tiny
     runner = ModelRunner(config, weights, "cpu", dtype=torch.float32, num_gpu_blocks=num_blocks, block_size=16,
                          attention="torch")
-    replica = build_live_replica(ReplicaConfig(num_blocks, 16, max_num_seqs=max_num_seqs), runner,
+    replica = build_live_replica(ReplicaConfig(num_blocks, 16, max_num_seqs=max_num_seqs, policy=policy,
+                                               policy_options=options), runner,
                                  [config.eos_token_id], seed=seed)
     engine = AsyncEngine(replica)
     engine.start()
@@ -79,8 +80,12 @@ def test_requests_stream_every_token_once_and_land_in_the_tables(tiny):
     _pool_whole(engine)
 
 
-def test_abort_running_and_waiting_frees_blocks(tiny):
-    engine = _engine(tiny, max_num_seqs=1)  # one runs, the other waits
+# the waiting queue a deque (vllm), a heap (sjf: a predictor that needs no output length; priority), one
+# FIFO a client (vtc): an abort takes the waiting request out of each
+@pytest.mark.parametrize("policy, options", [("vllm", {}), ("sjf", {"predictor": "fitted"}), ("vtc", {}),
+                                             ("priority", {})])
+def test_abort_running_and_waiting_frees_blocks(tiny, policy, options):
+    engine = _engine(tiny, max_num_seqs=1, policy=policy, **options)  # one runs, the other waits
     running = _submit(engine, range(5, 40), max_tokens=200)
     waiting = _submit(engine, range(7, 30), max_tokens=200)
     assert running.first.wait(60)
