@@ -5,7 +5,7 @@ the shared contract in policies/): a row per request, a row per iteration, and a
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Final
 
 import numpy as np
@@ -645,12 +645,9 @@ def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float 
     has_slo = slo_ttft is not None or slo_tpot is not None or any(
         c in requests and requests[c].notna().any() for c in ("slo_ttft", "slo_tpot"))
     busy = float(iterations.duration.sum()) if len(iterations) else 0.0
-    weights = iterations.duration.to_numpy() if busy else None
-
-    def time_avg(x: np.ndarray) -> float:
-        return float(np.average(x, weights=weights)) if busy else float("nan")
-
-    token_state_fraction, kv_usage = _kv_time_averages(iterations, time_avg)
+    time_avg = _TimeAverage(iterations.duration.to_numpy()) if busy else None
+    nan = float("nan")
+    token_state_fraction, kv_usage = _kv_time_averages(iterations, time_avg) if time_avg is not None else (nan, nan)
     return {
         "num_requests": len(requests),
         "num_finished": len(done),
@@ -673,7 +670,7 @@ def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float 
         "slo": {"ttft": slo_ttft, "tpot": slo_tpot},
         "num_preemptions": int(requests.num_preemptions.sum()),
         "num_iterations": len(iterations),
-        "mean_batched_seqs": time_avg(iterations.num_seqs.to_numpy()) if busy else 0.0,
+        "mean_batched_seqs": time_avg(iterations.num_seqs.to_numpy()) if time_avg is not None else 0.0,
         # the vLLM paper's Figure 2 measure: the share of allocated KV slots holding token states
         "kv_token_state_fraction": token_state_fraction,
         "kv_usage": kv_usage,
@@ -683,12 +680,33 @@ def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float 
     }
 
 
-def _kv_time_averages(iterations: pd.DataFrame, time_avg: Callable[[np.ndarray], float]) -> tuple[float, float]:
+class _TimeAverage:
+    """`np.average(x, weights=weights)` of columns, bit for bit (numpy's: the products summed, over
+    the weights' float64 sum), each product written into an array given or one scratch array kept
+    for every call: np.average makes a new one per call (96 MB at a million requests, each of them
+    pages the process touches for the first time)."""
+
+    def __init__(self, weights: np.ndarray) -> None:
+        self.weights = weights
+        self.total = weights.sum(dtype=np.float64)
+        self.scratch: np.ndarray | None = None
+
+    def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> float:
+        if out is None:
+            if self.scratch is None:
+                self.scratch = np.empty(len(self.weights), dtype=np.float64)
+            out = self.scratch
+        np.multiply(x, self.weights, out=out, dtype=np.float64)
+        return float(out.sum() / self.total)
+
+
+def _kv_time_averages(iterations: pd.DataFrame, time_avg: _TimeAverage) -> tuple[float, float]:
     """`time_avg` of the share of allocated KV slots holding token states, and of the share of
-    the cache allocated (each denominator at least 1). Computed in place on at most two arrays
-    beside the table: a million-request run has ~12 million iterations (96 MB a column), and
-    a sub-frame of the five KV columns with its temporaries was a gigabyte at the run's peak. The
-    integer counts are below 2**53, so float sums and quotients equal the integer ones divided."""
+    the cache allocated (each denominator at least 1). Computed in place on two arrays beside the
+    table (the shares' products written over them): a million-request run has ~12 million
+    iterations (96 MB a column), and a sub-frame of the five KV columns with its temporaries was a
+    gigabyte at the run's peak. The integer counts are below 2**53, so float sums and quotients
+    equal the integer ones divided."""
     states, reserved, internal, external, free = [iterations[c].to_numpy() for c in (
         "kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag", "kv_free")]
     allocated = states + reserved
@@ -696,12 +714,12 @@ def _kv_time_averages(iterations: pd.DataFrame, time_avg: Callable[[np.ndarray],
     allocated += external
     share = np.maximum(allocated, 1, dtype=np.float64)
     np.divide(states, share, out=share)
-    token_state_fraction = time_avg(share)
+    token_state_fraction = time_avg(share, out=share)
     np.add(allocated, free, out=share)
     np.maximum(share, 1, out=share)
     np.divide(allocated, share, out=share)
     del allocated
-    return token_state_fraction, time_avg(share)
+    return token_state_fraction, time_avg(share, out=share)
 
 
 def _client_latency_summary(done: pd.DataFrame) -> dict:
