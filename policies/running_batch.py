@@ -31,11 +31,11 @@ Kept as the batch changes (never recomputed by walking it):
   lazy deletion (an entry is live while its sequence is a member with that finish), for members
   whose remaining count the executor has told (`set_finish`); the others are `unknown`.
 
-Each bucket's members' block tables (the block manager's own lists) are kept beside it, in its
-order (`tables`): a window opens blocks and a member settles without a lookup by seq id.
+A member's block table is its own (`Sequence.block_table`, the block manager's list): a window
+opens blocks and a member settles without a lookup by seq id.
 
-Invariants (`check`): every member has anchor >= 0 and is in exactly one bucket, its table at the
-same index of `tables`; bucket sizes sum to size; base is the sum over members of (stored
+Invariants (`check`): every member has anchor >= 0 and is in exactly one bucket; bucket sizes
+sum to size; base is the sum over members of (stored
 num_computed - anchor); a member's stored num_computed equals its slots in the block manager (owed
 together).
 """
@@ -63,7 +63,6 @@ class RunningBatch:
         self.base = 0     # sum over members of (stored num_computed - anchor)
         self.demand = 0   # the members' groups' seq_demand
         self.buckets: list[list[Sequence]] = [[] for _ in range(self.bs)]
-        self.tables: list[list[list[int]]] = [[] for _ in range(self.bs)]  # buckets[q][i]'s table at [q][i]
         self.counts = [0] * self.bs  # len(buckets[q]), kept so that windows read no list sizes
         self.heap: list[tuple[int, int, Sequence]] = []
         self.unknown: list[Sequence] = []  # members whose finish the executor has not told yet
@@ -82,7 +81,6 @@ class RunningBatch:
             guard(seq)
         q = (c - clock) % self.bs
         self.buckets[q].append(seq)
-        self.tables[q].append(table_of(seq))  # the same list for as long as it is a member
         self.counts[q] += 1
         self.size += 1
         self.base += c - clock
@@ -92,13 +90,9 @@ class RunningBatch:
     def materialise(self, seq: Sequence) -> None:
         """Pay a member its owed decode steps: its counters, token ids and blocks' fill levels
         become exact; its anchor moves to the clock."""
-        self._pay(seq, table_of(seq))
-
-    def _pay(self, seq: Sequence, table: list[int]) -> None:
-        """`materialise`, given the member's table."""
         k = self.clock - seq.anchor
         if k:
-            self.bm.settle_decode(seq, table, k)
+            self.bm.settle_decode(seq, table_of(seq), k)
             seq.num_computed += k
             seq.output_len += k
             seq.cum_logprob = 0.0  # as on_step_done: simulated tokens have no log-probability
@@ -111,11 +105,9 @@ class RunningBatch:
     def leave(self, seq: Sequence) -> None:
         """Materialise a member and drop it (it finishes, is preempted or stepped again)."""
         q = (seq.num_computed - seq.anchor) % self.bs  # its bucket (phase_of), unchanged by paying it
-        i = self.buckets[q].index(seq)
-        self._pay(seq, self.tables[q][i])
+        self.materialise(seq)
         c = seq.num_computed
-        self.buckets[q].pop(i)
-        self.tables[q].pop(i)
+        self.buckets[q].remove(seq)
         self.counts[q] -= 1
         self.size -= 1
         self.base -= c - seq.anchor
@@ -130,10 +122,9 @@ class RunningBatch:
         unchanged: a member's stored count less its anchor does not move). Only at an iteration
         boundary, where every member's table covers exactly the clock. O(1) when nothing is owed."""
         if self.exact_at != self.clock and self.size:
-            for q in range(self.bs):
-                bucket, tables = self.buckets[q], self.tables[q]
-                for i in range(len(bucket)):
-                    self._pay(bucket[i], tables[i])
+            for bucket in self.buckets:
+                for s in bucket:
+                    self.materialise(s)
         self.exact_at = self.clock
 
     def guard_reads(self) -> None:
@@ -148,15 +139,12 @@ class RunningBatch:
 
     def release_all(self) -> None:
         """Materialise every member and empty the batch (a stepped iteration reads them all)."""
-        for q in range(self.bs):
-            bucket, tables = self.buckets[q], self.tables[q]
-            for i in range(len(bucket)):
-                s = bucket[i]
-                self._pay(s, tables[i])
+        for bucket in self.buckets:
+            for s in bucket:
+                self.materialise(s)
                 s.anchor = s.finish_at = -1
                 s.batch = None
             bucket.clear()
-            tables.clear()
         self.size = self.base = self.demand = 0
         self.counts = [0] * self.bs
         self.heap.clear()
@@ -205,13 +193,13 @@ class RunningBatch:
         return self.buckets[-(self.clock + steps) % self.bs]
 
     def opening_tables(self, steps: int = 0) -> list[list[int]]:
-        """The tables of `opening_bucket(steps)`, in its order (the batch's own list: read only)."""
-        return self.tables[-(self.clock + steps) % self.bs]
+        """The tables of `opening_bucket(steps)`, in its order (the members' own lists)."""
+        return [table_of(s) for s in self.buckets[-(self.clock + steps) % self.bs]]
 
     def tables_opening_within(self, k: int) -> list[list[int]]:
         """The tables of the members opening a block in each of the next `k` decode steps: step
         1's bucket first, each in bucket order (the order stepping takes their blocks)."""
-        bs, counts, tables = self.bs, self.counts, self.tables
+        bs, counts, buckets = self.bs, self.counts, self.buckets
         cycle: list[list[int]] = []  # steps 1 .. min(k, bs); every bs steps the same buckets open again
         r = k % bs
         part = 0  # len(cycle) over the first r steps
@@ -220,7 +208,8 @@ class RunningBatch:
             if j == r:
                 part = len(cycle)
             if counts[q]:
-                cycle += tables[q]  # PySequence_InPlaceConcat compiled: cheaper than extend's PyList_SetSlice
+                for s in buckets[q]:
+                    cycle.append(table_of(s))
             q = q - 1 if q else bs - 1
         return cycle if k <= bs else cycle * (k // bs) + cycle[:part]
 
@@ -254,10 +243,8 @@ class RunningBatch:
         assert {id(s) for s in seen} == {id(s) for s in members}, "running batch: members differ from the running ones"
         assert sum(s.num_computed - s.anchor for s in seen) == self.base, "running batch: context base drifted"
         assert sum(self.demand_of(s.group) for s in seen) == self.demand, "running batch: seat demand drifted"
-        assert [len(t) for t in self.tables] == self.counts, "running batch: tables beside the buckets drifted"
         for q, b in enumerate(self.buckets):
-            for s, table in zip(b, self.tables[q]):
-                assert table is s.block_table, f"sequence {s.seq_id}: a table other than its own kept"
+            for s in b:
                 assert 0 <= s.anchor <= self.clock and self.phase_of(s) == q, f"sequence {s.seq_id}: wrong bucket"
                 assert s.num_slots == s.num_computed, f"sequence {s.seq_id}: slots not owed with counters"
                 assert s.finish_at < 0 or s.finish_at > self.clock, f"sequence {s.seq_id}: finish passed"
