@@ -150,10 +150,14 @@ def client_columns(requests: pd.DataFrame, first_sent: np.ndarray, last_sent: np
     return requests.assign(**columns)
 
 
+CLIENT_ITERATION_COLUMNS = ("start", "duration", "replica")  # what with_client_latencies reads of the iterations
+
+
 def with_client_latencies(requests: pd.DataFrame, iterations: pd.DataFrame | None,
                           terms: ClientTerms | None) -> pd.DataFrame:
     """`requests` with the client's TTFT, time per output token, E2E and normalized latency
-    (`CLIENT_COLUMNS`) beside the server's; unchanged (the same object) when `terms` is None."""
+    (`CLIENT_COLUMNS`) beside the server's; unchanged (the same object) when `terms` is None.
+    `iterations` needs only the columns CLIENT_ITERATION_COLUMNS names (`replica` where there is one)."""
     if terms is None:
         return requests
     return client_columns(requests, *client_timestamps(requests, iterations, terms.output_lag_steps), terms)

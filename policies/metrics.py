@@ -632,10 +632,15 @@ def _stats(x: pd.Series) -> dict[str, float]:
     return {"mean": float(v.sum() / len(v)), "p50": p50, "p90": p90, "p99": p99}
 
 
+_KV_COLUMNS = ("kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag", "kv_free")
+SUMMARY_COLUMNS = ("duration", "num_seqs", *_KV_COLUMNS)  # the iteration columns summarize reads
+
+
 def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float | None = None,
               slo_tpot: float | None = None) -> dict:
     """The headline numbers. Throughput is over the span from the first arrival to the last
-    finish; goodput counts finished requests meeting both SLOs (null when no SLO applies)."""
+    finish; goodput counts finished requests meeting both SLOs (null when no SLO applies).
+    `iterations` needs only the columns SUMMARY_COLUMNS names."""
     finished = requests.status == "finished"
     done = requests if finished.all() else requests[finished]  # no copy of a table where all finished
     start = float(requests.arrival.min()) if len(requests) else 0.0
@@ -707,8 +712,7 @@ def _kv_time_averages(iterations: pd.DataFrame, time_avg: _TimeAverage) -> tuple
     iterations (96 MB a column), and a sub-frame of the five KV columns with its temporaries was a
     gigabyte at the run's peak. The integer counts are below 2**53, so float sums and quotients
     equal the integer ones divided."""
-    states, reserved, internal, external, free = [iterations[c].to_numpy() for c in (
-        "kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag", "kv_free")]
+    states, reserved, internal, external, free = [iterations[c].to_numpy() for c in _KV_COLUMNS]
     allocated = states + reserved
     allocated += internal
     allocated += external

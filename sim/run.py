@@ -15,22 +15,23 @@ import numpy as np
 import pandas as pd
 import simpy
 
-from policies.client_latency import ClientTerms, with_client_latencies
+from policies.client_latency import CLIENT_ITERATION_COLUMNS, ClientTerms, with_client_latencies
 from policies.dp_router import VllmDPRouter
 from policies.limits import CPU_BLOCK_BYTES, GPU_BLOCK_BYTES, REPLICA_BYTES, check_fits
-from policies.metrics import ITERATION_COLUMNS, IterationLog, RequestRows, rows_frame, summarize
+from policies.metrics import SUMMARY_COLUMNS, RequestRows, rows_frame, summarize
 from policies.queue_policy import QueuePolicy
 from policies.replica_config import ReplicaConfig, build_scheduler
 from policies.router import PrefixAffinityRouter, Router, make_router, reads_counts
 from policies.scheduler import Scheduler
 from policies.trace_requests import requests_from_trace
-from sim.cluster import gc_paused, return_freed_memory, run_replicas, sim_replica
+from sim.cluster import gc_paused, run_replicas, sim_replica
 from sim.contract_check import Deciders, check_contract
 from sim.cost_model import CostModel, RooflineCostModel
 from sim.disagg import run_disaggregated
 from sim.dp import run_dp_group
 from sim.engine import ArrivalFeed, Replica
 from sim.executor import load_beam_picks
+from sim.iteration_table import IterationTable
 from sim.specs import get_hardware, get_model, kv_capacity_blocks
 from traces.trace import Trace
 
@@ -200,11 +201,20 @@ def _check_cache_memory(cfg: SimConfig) -> None:
 
 @dataclass
 class SimResult:
+    """A run's tables and summary. The iteration table is built when `iterations` is first read
+    (a run leaves it as the logs' pieces: sim.iteration_table), then kept."""
+
     requests: pd.DataFrame
-    iterations: pd.DataFrame
+    _iterations: pd.DataFrame | IterationTable
     summary: dict[str, Any]
     config: SimConfig
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def iterations(self) -> pd.DataFrame:
+        if isinstance(self._iterations, IterationTable):
+            self._iterations = self._iterations.frame()
+        return self._iterations
 
 
 def build_cost_model(cfg: SimConfig) -> CostModel:
@@ -376,10 +386,14 @@ def _simulate(cfg: SimConfig, trace: Trace, cost_model: CostModel | None, progre
             bar.close()
         num_in = len(feed.requests)
         del feed
-        requests, iterations = _tables(replicas)
+        requests, table = _tables(replicas)
         if len(requests) != num_in:
             raise AssertionError(f"{num_in} requests in, {len(requests)} out")
-        requests = with_client_latencies(requests, iterations, run_client_terms(costs.values()))
+        # the summaries read a few of the iteration table's columns: only those are built
+        terms = run_client_terms(costs.values())
+        iterations = table.frame({*SUMMARY_COLUMNS, *(_ROUTER_COLUMNS if router is not None else ()),
+                                  *(CLIENT_ITERATION_COLUMNS if terms is not None else ())} & set(table.names))
+        requests = with_client_latencies(requests, iterations, terms)
         summary = summarize(requests, iterations, cfg.slo_ttft, cfg.slo_tpot)
     first = configs[hardware[0]]  # every replica's: summary["router"]["replicas"]
     summary["num_gpu_blocks"] = first.num_gpu_blocks
@@ -402,7 +416,7 @@ def _simulate(cfg: SimConfig, trace: Trace, cost_model: CostModel | None, progre
         extra["dp_group"] = group_log.frame()
     summary["trace"] = trace.name
     summary["config"] = cfg.to_dict()
-    return SimResult(requests, iterations, summary, cfg, extra)
+    return SimResult(requests, table, summary, cfg, extra)
 
 
 def _replica_hardware(cfg: SimConfig, cost_model: CostModel | None) -> list[str]:
@@ -430,67 +444,29 @@ def run_router(cfg: SimConfig) -> Router:
     return make_router(cfg.router, **opts)
 
 
-def _tables(replicas: list[Replica]) -> tuple[pd.DataFrame, pd.DataFrame]:
+def _tables(replicas: list[Replica]) -> tuple[pd.DataFrame, IterationTable]:
     """Request and iteration tables of all replicas (one replica: exactly its own tables).
 
     The request table is built first, from the rows each replica kept (its finished groups were
     handed over and let go during the run: sim.engine Replica.hand_over) and those of the groups
     it still holds, which are let go too (a million-request run's request objects are ~0.8 GB
-    when all are held to the end). One collection of the youngest generation then frees what
-    other cycles the run left (a few closures): with the collector paused for the run (gc_paused)
-    it holds everything the run made and nothing was promoted; it walks only the survivors, after
-    the iteration table is built so that the logs' lists of numbers are gone by then (~10 M
-    instructions on 20,000 requests over 16 replicas, 49 M before either); a full collection would
-    also walk the caller's whole heap (a test process or a calibration with a thousand short runs
-    paid ~0.1-0.3 s per run for it)."""
+    when all are held to the end). The iteration table takes the logs' pieces and builds a column
+    when it is read (sim.iteration_table). One collection of the youngest generation then frees
+    what other cycles the run left (a few closures): with the collector paused for the run
+    (gc_paused) it holds everything the run made and nothing was promoted; it walks only the
+    survivors, after the logs have handed their pieces over so that their lists of numbers are
+    gone by then (~10 M instructions on 20,000 requests over 16 replicas, 49 M before either); a
+    full collection would also walk the caller's whole heap (a test process or a calibration with
+    a thousand short runs paid ~0.1-0.3 s per run for it)."""
     requests = _request_table(replicas)
     iterations = _iteration_table(replicas)
     gc.collect(0)
     return requests, iterations
 
 
-def _iteration_table(replicas: list[Replica]) -> pd.DataFrame:
-    """The replicas' iteration logs as one table (one replica: exactly its log's frame; more: a
-    `replica` column says whose). Each column is allocated once, and the logs are handed over one
-    at a time (`pop_parts`) and copied into their rows: a spent log's pieces are dropped, and their
-    memory handed back, before the next log's staging block is expanded, so that at most one log's
-    expansion is alive at a time and its memory is reused by the next one's (a fresh page costs a
-    fault: on 20,000 requests over 16 replicas, expanding every log before copying any touched
-    ~60 MB of new pages). A million-request run's table is 2 GB, its logs half a gigabyte: holding
-    both at once was the run's peak."""
-    logs = [r.log for r in replicas]
-    total = sum(log.rows for log in logs)
-    columns = {"iteration": np.empty(total, dtype=np.int64)}
-    columns.update((c, np.empty(total, dtype=IterationLog.dtype(c))) for c in ITERATION_COLUMNS)
-    at = freed = 0
-    for log in logs:
-        rows = log.rows
-        columns["iteration"][at:at + rows] = np.arange(rows)
-        for c in ITERATION_COLUMNS:
-            freed += _copy_parts(columns[c], at, log.pop_parts(c))
-        at += rows
-        if freed >= _TRIM_BYTES:
-            return_freed_memory()
-            freed = 0
-    if len(replicas) > 1:
-        columns["replica"] = np.repeat(np.array([r.index for r in replicas], dtype=np.int64),
-                                       [log.rows for log in logs])
-    return pd.DataFrame(columns, copy=False)
-
-
-# the logs' bytes handed over between two returns of freed memory to the system: enough to bound a
-# million-request run's peak, few enough that a small run's freed pages are reused rather than
-# returned and faulted in again
-_TRIM_BYTES = 64 << 20
-
-
-def _copy_parts(column: np.ndarray, at: int, parts: list[np.ndarray]) -> int:
-    """Write `parts` (pieces of one log's column, oldest first, perhaps narrower) into `column` from
-    row `at` on (widened as np.concatenate widens them: the same values); their bytes."""
-    for part in parts:
-        column[at:at + len(part)] = part
-        at += len(part)
-    return sum(part.nbytes for part in parts)
+def _iteration_table(replicas: list[Replica]) -> IterationTable:
+    """The replicas' iteration logs as one table, built as it is read (their logs emptied)."""
+    return IterationTable([r.log for r in replicas], [r.index for r in replicas])
 
 
 def _request_table(replicas: list[Replica]) -> pd.DataFrame:
@@ -520,6 +496,9 @@ def _request_table(replicas: list[Replica]) -> pd.DataFrame:
 # freed during the run, their memory is reused by the groups made after them (callgrind, 20,000 requests
 # over 16 replicas: 1,024 costs 35 M instructions less than handing them all over at the end, 256 only 22 M less)
 _ROWS_CHUNK = 1024
+
+
+_ROUTER_COLUMNS = ("replica", "duration")  # what _router_summary reads of the iterations
 
 
 def _router_summary(router: Router, requests: pd.DataFrame, iterations: pd.DataFrame,

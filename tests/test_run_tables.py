@@ -2,6 +2,7 @@
 table a column at a time from the logs' pieces, the KV time averages without a sub-frame; each equal to what the
 straightforward construction gives."""
 
+import pickle
 from types import SimpleNamespace
 
 import numpy as np
@@ -9,7 +10,15 @@ import pandas as pd
 import pytest
 
 from benchmarks.bench_sim import PEAK_TARGET_MB, _peak_vs_target, _per_request
-from policies.metrics import ITERATION_COLUMNS, IterationLog, _kv_time_averages, _TimeAverage, summarize
+from policies.metrics import (
+    ITERATION_COLUMNS,
+    SUMMARY_COLUMNS,
+    IterationLog,
+    _kv_time_averages,
+    _TimeAverage,
+    summarize,
+)
+from sim.iteration_table import IterationTable
 from sim.run import SimConfig, _iteration_table, run_simulation
 from traces import resolve_trace
 
@@ -40,11 +49,51 @@ def test_pop_parts_hands_the_column_over() -> None:
 @pytest.mark.parametrize("replicas", [1, 3])
 def test_iteration_table_equals_the_logs_frames(replicas: int) -> None:
     frames = [_log(i, 10 + 7 * i).frame() for i in range(replicas)]
-    got = _iteration_table([SimpleNamespace(log=_log(i, 10 + 7 * i), index=i) for i in range(replicas)])
+    got = _iteration_table([SimpleNamespace(log=_log(i, 10 + 7 * i), index=i) for i in range(replicas)]).frame()
     want = pd.concat([f.assign(replica=i) for i, f in enumerate(frames)], ignore_index=True)
     if replicas == 1:
         want = want.drop(columns="replica")  # one replica: exactly its log's frame
     pd.testing.assert_frame_equal(got, want)
+
+
+def _eager(logs: list[IterationLog]) -> pd.DataFrame:
+    """The straightforward table: each log's frame, one after another, `replica` saying whose."""
+    return pd.concat([log.frame().assign(replica=i) for i, log in enumerate(logs)], ignore_index=True)
+
+
+def test_iteration_table_builds_a_column_when_read_and_keeps_it() -> None:
+    want = _eager([_log(i, 9 + 11 * i) for i in range(3)])
+    logs = [_log(i, 9 + 11 * i) for i in range(3)]
+    table = IterationTable(logs, [0, 1, 2])
+    assert all(log.rows and not log._sealed for log in logs)  # the logs handed their pieces over
+    assert len(table) == len(want)
+    part = table.frame(["kv_free", "duration", "replica"])
+    assert list(part.columns) == ["duration", "kv_free", "replica"]  # in the table's order
+    pd.testing.assert_frame_equal(part, want[["duration", "kv_free", "replica"]], check_exact=True)
+    assert table.column("kv_free") is table.column("kv_free")  # built once
+    full = table.frame()
+    pd.testing.assert_frame_equal(full, want, check_exact=True)
+    assert np.shares_memory(full.kv_free.to_numpy(), part.kv_free.to_numpy())  # the same array in both frames
+    with pytest.raises(KeyError, match=r"no column 'kv_used'.*kv_free"):
+        table.column("kv_used")
+
+
+def test_iteration_table_pickles_before_its_columns_are_built() -> None:
+    want = _eager([_log(i, 30) for i in range(2)])
+    table = IterationTable([_log(i, 30) for i in range(2)], [0, 1])
+    table.column("start")
+    again = pickle.loads(pickle.dumps(table))
+    pd.testing.assert_frame_equal(again.frame(), want, check_exact=True)
+
+
+def test_a_run_builds_its_iteration_table_when_read() -> None:
+    trace = resolve_trace("sharegpt-like", num_requests=80, rate=30, seed=4)
+    res = run_simulation(SimConfig(replicas=2, router="least-loaded"), trace)
+    assert isinstance(res._iterations, IterationTable)  # the summary read its columns, nothing built the frame
+    frame = res.iterations
+    assert res.iterations is frame and len(frame) == res.summary["num_iterations"]
+    assert list(frame.columns) == ["iteration", *ITERATION_COLUMNS, "replica"]
+    assert summarize(res.requests, frame) == summarize(res.requests, frame[list(SUMMARY_COLUMNS)])
 
 
 def test_kv_time_averages_equal_the_sub_frame_formulation() -> None:
@@ -117,7 +166,7 @@ def test_iteration_table_with_an_empty_log_equals_the_logs_frames() -> None:
     logs = [_log(1, 12), IterationLog(), _log(2, 30)]
     want = pd.concat([log.frame().assign(replica=i) for i, log in enumerate(logs)], ignore_index=True)
     got = _iteration_table([SimpleNamespace(log=_log(1, 12), index=0), SimpleNamespace(log=IterationLog(), index=1),
-                            SimpleNamespace(log=_log(2, 30), index=2)])
+                            SimpleNamespace(log=_log(2, 30), index=2)]).frame()
     pd.testing.assert_frame_equal(got, want, check_exact=True)
 
 
