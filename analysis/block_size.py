@@ -58,7 +58,7 @@ def block_size_sweep(trace: Trace, base: SimConfig, block_sizes: Sequence[int] =
 def _block_size_run(cfg: SimConfig, timed: Trace, rate: float) -> dict:
     cost = build_cost_model(cfg)
     res = run_simulation(cfg, timed, cost_model=cost)
-    s, it = res.summary, res.iterations
+    s, it = res.summary, res.iteration_columns(["duration", "kv_token_states", "kv_internal_frag"])
     busy = it.duration.sum()
     allocated = it[["kv_token_states", "kv_internal_frag"]].sum(axis=1).clip(lower=1)
     seqs, ctx = REFERENCE_DECODE

@@ -55,9 +55,9 @@ def _sweep_run(cfg: SimConfig, timed: Trace, rate: float, with_memory: bool,
     row = {"policy": cfg.policy, "rate": rate, **({"seed": cfg.seed} if tag_seed else {}), **headline(res.summary)}
     if not with_memory:
         return row, None
-    it = res.iterations
-    kv = it[["kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag"]]
-    return row, (kv.mul(it.duration, axis=0).sum() / max(it.duration.sum(), 1e-12)).to_dict()
+    memory = ["kv_token_states", "kv_reserved", "kv_internal_frag", "kv_external_frag"]
+    it = res.iteration_columns(["duration", *memory])
+    return row, (it[memory].mul(it.duration, axis=0).sum() / max(it.duration.sum(), 1e-12)).to_dict()
 
 
 def headline(s: dict) -> dict:

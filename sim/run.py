@@ -216,6 +216,16 @@ class SimResult:
             self._iterations = self._iterations.frame()
         return self._iterations
 
+    def iteration_columns(self, names: Iterable[str]) -> pd.DataFrame:
+        """Only the iteration table's columns `names` (in the table's order), without building the
+        rest: what a study that reads a few of them needs (a KeyError names a column there is not)."""
+        if isinstance(self._iterations, IterationTable):
+            return self._iterations.frame(names)
+        wanted = set(names)
+        if missing := wanted - set(self._iterations.columns):
+            raise KeyError(f"the iteration table has no column {sorted(missing)[0]!r}")
+        return self._iterations[[c for c in self._iterations.columns if c in wanted]]
+
 
 def build_cost_model(cfg: SimConfig) -> CostModel:
     """The roofline model of cfg.model on cfg.hardware, or the profiled model in cfg.profile (which

@@ -216,3 +216,16 @@ def test_stats_equal_pandas_mean_and_quantiles(seed: int) -> None:
             assert all(v != v for v in got.values())  # all NaN
         else:
             assert got == want  # bit for bit, not approximately
+
+
+def test_a_result_gives_some_iteration_columns_without_the_rest() -> None:
+    trace = resolve_trace("sharegpt-like", num_requests=60, rate=30, seed=5)
+    res = run_simulation(SimConfig(), trace)
+    some = res.iteration_columns(["kv_free", "start"])
+    assert isinstance(res._iterations, IterationTable) and list(some.columns) == ["start", "kv_free"]
+    pd.testing.assert_frame_equal(some, res.iterations[["start", "kv_free"]], check_exact=True)
+    pd.testing.assert_frame_equal(res.iteration_columns(["kv_free", "start"]), some)  # read from the built frame
+    with pytest.raises(KeyError, match="kv_used"):
+        run_simulation(SimConfig(), trace).iteration_columns(["kv_used"])  # from the logs' pieces
+    with pytest.raises(KeyError, match="kv_used"):
+        res.iteration_columns(["kv_used"])  # from the built frame
