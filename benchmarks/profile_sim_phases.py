@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 # sim.run's steps of one run, in order (module attributes: each is wrapped while the run lasts)
 PHASES = ("requests_from_trace", "run_replicas", "_request_table", "_iteration_table", "with_client_latencies",
-          "summarize", "_router_summary")
+          "summarize", "_columns", "_router_summary")
 
 
 def _usage() -> tuple[float, float, float, int]:

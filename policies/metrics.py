@@ -5,8 +5,8 @@ the shared contract in policies/): a row per request, a row per iteration, and a
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
-from typing import Final
+from collections.abc import Callable, Iterable
+from typing import Final, Protocol
 
 import numpy as np
 import pandas as pd
@@ -636,11 +636,33 @@ _KV_COLUMNS = ("kv_token_states", "kv_reserved", "kv_internal_frag", "kv_externa
 SUMMARY_COLUMNS = ("duration", "num_seqs", *_KV_COLUMNS)  # the iteration columns summarize reads
 
 
-def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float | None = None,
+class ColumnBlocks(Protocol):
+    """An iteration table that keeps its columns in blocks of rows (sim.iteration_table's)."""
+
+    def __len__(self) -> int: ...
+
+    def column(self, c: str) -> np.ndarray: ...
+
+    def blocks(self, names: Iterable[str]) -> Iterable[tuple[np.ndarray, ...]]: ...
+
+
+def _blocks(iterations: pd.DataFrame | ColumnBlocks, names: tuple[str, ...]) -> Iterable[tuple[np.ndarray, ...]]:
+    """Columns `names` of the iteration table in blocks of the same rows (a frame: one block)."""
+    if isinstance(iterations, pd.DataFrame):
+        return [tuple(iterations[c].to_numpy() for c in names)]
+    return iterations.blocks(names)
+
+
+def _column(iterations: pd.DataFrame | ColumnBlocks, c: str) -> np.ndarray:
+    return iterations[c].to_numpy() if isinstance(iterations, pd.DataFrame) else iterations.column(c)
+
+
+def summarize(requests: pd.DataFrame, iterations: pd.DataFrame | ColumnBlocks, slo_ttft: float | None = None,
               slo_tpot: float | None = None) -> dict:
     """The headline numbers. Throughput is over the span from the first arrival to the last
     finish; goodput counts finished requests meeting both SLOs (null when no SLO applies).
-    `iterations` needs only the columns SUMMARY_COLUMNS names."""
+    `iterations`: a frame holding (at least) the columns SUMMARY_COLUMNS names, or a table that
+    keeps its columns in blocks (a run's: only the durations are built whole)."""
     finished = requests.status == "finished"
     done = requests if finished.all() else requests[finished]  # no copy of a table where all finished
     start = float(requests.arrival.min()) if len(requests) else 0.0
@@ -649,8 +671,8 @@ def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float 
     num_ok = int(meets_slo(done, slo_ttft, slo_tpot).sum())
     has_slo = slo_ttft is not None or slo_tpot is not None or any(
         c in requests and requests[c].notna().any() for c in ("slo_ttft", "slo_tpot"))
-    busy = float(iterations.duration.sum()) if len(iterations) else 0.0
-    time_avg = _TimeAverage(iterations.duration.to_numpy()) if busy else None
+    durations = _column(iterations, "duration")
+    time_avg = _TimeAverage(durations) if len(durations) and durations.sum() else None
     nan = float("nan")
     token_state_fraction, kv_usage = _kv_time_averages(iterations, time_avg) if time_avg is not None else (nan, nan)
     return {
@@ -675,7 +697,8 @@ def summarize(requests: pd.DataFrame, iterations: pd.DataFrame, slo_ttft: float 
         "slo": {"ttft": slo_ttft, "tpot": slo_tpot},
         "num_preemptions": int(requests.num_preemptions.sum()),
         "num_iterations": len(iterations),
-        "mean_batched_seqs": time_avg(iterations.num_seqs.to_numpy()) if time_avg is not None else 0.0,
+        "mean_batched_seqs": time_avg.of_blocks(_blocks(iterations, ("num_seqs",)), np.copyto)
+        if time_avg is not None else 0.0,
         # the vLLM paper's Figure 2 measure: the share of allocated KV slots holding token states
         "kv_token_state_fraction": token_state_fraction,
         "kv_usage": kv_usage,
@@ -698,32 +721,57 @@ class _TimeAverage:
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> float:
         if out is None:
-            if self.scratch is None:
-                self.scratch = np.empty(len(self.weights), dtype=np.float64)
-            out = self.scratch
+            out = self._scratch()
         np.multiply(x, self.weights, out=out, dtype=np.float64)
         return float(out.sum() / self.total)
 
+    def of_blocks(self, blocks: Iterable[tuple[np.ndarray, ...]], fill: Callable[..., object]) -> float:
+        """The average of the column that `fill(out, *block)` writes block by block into the
+        scratch array (each block's rows in turn: a float64 slice of the block's length)."""
+        out, at = self._scratch(), 0
+        for block in blocks:
+            n = len(block[0])
+            fill(out[at:at + n], *block)
+            at += n
+        return self(out, out=out)  # float64(x) * w is x * w with x cast: the same bits
 
-def _kv_time_averages(iterations: pd.DataFrame, time_avg: _TimeAverage) -> tuple[float, float]:
+    def _scratch(self) -> np.ndarray:
+        if self.scratch is None:
+            self.scratch = np.empty(len(self.weights), dtype=np.float64)
+        return self.scratch
+
+
+def _kv_time_averages(iterations: pd.DataFrame | ColumnBlocks, time_avg: _TimeAverage) -> tuple[float, float]:
     """`time_avg` of the share of allocated KV slots holding token states, and of the share of
-    the cache allocated (each denominator at least 1). Computed in place on two arrays beside the
-    table (the shares' products written over them): a million-request run has ~12 million
-    iterations (96 MB a column), and a sub-frame of the five KV columns with its temporaries was a
-    gigabyte at the run's peak. The integer counts are below 2**53, so float sums and quotients
-    equal the integer ones divided."""
-    states, reserved, internal, external, free = [iterations[c].to_numpy() for c in _KV_COLUMNS]
-    allocated = states + reserved
+    the cache allocated (each denominator at least 1). Computed block by block into the scratch
+    array (a million-request run has ~12 million iterations: 96 MB a column, and a sub-frame of
+    the five KV columns with its temporaries was a gigabyte at the run's peak; a run's table keeps
+    them in narrow blocks). The integer counts are below 2**53, so float sums and quotients equal
+    the integer ones divided."""
+    token_state_fraction = time_avg.of_blocks(_blocks(iterations, _KV_COLUMNS), _token_state_share)
+    return token_state_fraction, time_avg.of_blocks(_blocks(iterations, _KV_COLUMNS), _allocated_share)
+
+
+def _allocated(states: np.ndarray, reserved: np.ndarray, internal: np.ndarray, external: np.ndarray) -> np.ndarray:
+    allocated = states.astype(np.int64)  # int64 sums whatever the blocks' types
+    allocated += reserved
     allocated += internal
     allocated += external
-    share = np.maximum(allocated, 1, dtype=np.float64)
-    np.divide(states, share, out=share)
-    token_state_fraction = time_avg(share, out=share)
-    np.add(allocated, free, out=share)
-    np.maximum(share, 1, out=share)
-    np.divide(allocated, share, out=share)
-    del allocated
-    return token_state_fraction, time_avg(share, out=share)
+    return allocated
+
+
+def _token_state_share(out: np.ndarray, states: np.ndarray, reserved: np.ndarray, internal: np.ndarray,
+                       external: np.ndarray, free: np.ndarray) -> None:
+    np.maximum(_allocated(states, reserved, internal, external), 1, out=out, dtype=np.float64)
+    np.divide(states, out, out=out)
+
+
+def _allocated_share(out: np.ndarray, states: np.ndarray, reserved: np.ndarray, internal: np.ndarray,
+                     external: np.ndarray, free: np.ndarray) -> None:
+    allocated = _allocated(states, reserved, internal, external)
+    np.add(allocated, free, out=out)  # summed in int64, then cast
+    np.maximum(out, 1, out=out)
+    np.divide(allocated, out, out=out)
 
 
 def _client_latency_summary(done: pd.DataFrame) -> dict:

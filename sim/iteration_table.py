@@ -9,7 +9,7 @@ and a column is built when something reads it (SimResult.iterations builds them 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -29,7 +29,8 @@ class IterationTable:
     more than one log, a `replica` column naming whose (one log: exactly its frame).
 
     Invariants: the logs are emptied when the table is made (their pieces are held here, numpy
-    arrays only, so a table pickles); a column is built at most once, is kept, and is the same
+    arrays only, so a table pickles); every column's pieces split the rows alike (`_splits`: a
+    log's blocks, one log after another); a column is built at most once, is kept, and is the same
     array in every frame returned; its pieces are dropped when it is built."""
 
     def __init__(self, logs: list[IterationLog], replicas: list[int]) -> None:
@@ -37,7 +38,11 @@ class IterationTable:
             raise ValueError(f"IterationTable: {len(logs)} logs for {len(replicas)} replica indices")
         self._rows = [log.rows for log in logs]
         self._replicas = replicas
-        self._pieces = {c: [log.pop_parts(c) for log in logs] for c in ITERATION_COLUMNS}
+        self._pieces = {c: [] for c in ITERATION_COLUMNS}
+        for log in logs:
+            for c in ITERATION_COLUMNS:
+                self._pieces[c] += log.pop_parts(c)
+        self._splits = [len(piece) for piece in self._pieces[ITERATION_COLUMNS[0]]]
         self._built: dict[str, np.ndarray] = {}
         self._freed = 0  # pieces' bytes dropped since memory was last handed back
         self.names = ("iteration", *ITERATION_COLUMNS, *(("replica",) if len(logs) > 1 else ()))
@@ -60,6 +65,18 @@ class IterationTable:
             self.column(c)  # an unknown name fails here
         return pd.DataFrame({c: self._built[c] for c in self.names if c in wanted}, copy=False)
 
+    def blocks(self, names: Iterable[str]) -> Iterator[tuple[np.ndarray, ...]]:
+        """The columns `names` block by block (the same rows in each; in order): what has not been
+        built as its pieces (perhaps narrower than the column's type), what has as slices of it.
+        Reads that go row-wise through a few columns need no whole column of each."""
+        names = list(names)
+        pieces = [self._pieces.get(c) if c not in self._built else None for c in names]
+        built = [self.column(c) if p is None else None for c, p in zip(names, pieces)]
+        at = 0
+        for i, n in enumerate(self._splits):
+            yield tuple(p[i] if p is not None else b[at:at + n] for p, b in zip(pieces, built))
+            at += n
+
     def _build(self, c: str) -> np.ndarray:
         if c == "iteration":
             return np.concatenate([np.arange(n, dtype=np.int64) for n in self._rows] or [np.zeros(0, np.int64)])
@@ -69,12 +86,14 @@ class IterationTable:
         # widens them: the same values) and dropped, memory handed back as it goes
         column = np.empty(len(self), dtype=IterationLog.dtype(c))
         at = 0
-        for parts in self._pieces.pop(c):
-            for part in parts:
-                column[at:at + len(part)] = part
-                at += len(part)
-                self._freed += part.nbytes
-            parts.clear()
+        pieces = self._pieces.pop(c)
+        pieces.reverse()  # popped from the end: each piece let go once copied
+        while pieces:
+            piece = pieces.pop()
+            column[at:at + len(piece)] = piece
+            at += len(piece)
+            self._freed += piece.nbytes
+            del piece
             if self._freed >= _TRIM_BYTES:
                 return_freed_memory()
                 self._freed = 0

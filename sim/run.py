@@ -18,7 +18,7 @@ import simpy
 from policies.client_latency import CLIENT_ITERATION_COLUMNS, ClientTerms, with_client_latencies
 from policies.dp_router import VllmDPRouter
 from policies.limits import CPU_BLOCK_BYTES, GPU_BLOCK_BYTES, REPLICA_BYTES, check_fits
-from policies.metrics import SUMMARY_COLUMNS, RequestRows, rows_frame, summarize
+from policies.metrics import RequestRows, rows_frame, summarize
 from policies.queue_policy import QueuePolicy
 from policies.replica_config import ReplicaConfig, build_scheduler
 from policies.router import PrefixAffinityRouter, Router, make_router, reads_counts
@@ -399,12 +399,10 @@ def _simulate(cfg: SimConfig, trace: Trace, cost_model: CostModel | None, progre
         requests, table = _tables(replicas)
         if len(requests) != num_in:
             raise AssertionError(f"{num_in} requests in, {len(requests)} out")
-        # the summaries read a few of the iteration table's columns: only those are built
         terms = run_client_terms(costs.values())
-        iterations = table.frame({*SUMMARY_COLUMNS, *(_ROUTER_COLUMNS if router is not None else ()),
-                                  *(CLIENT_ITERATION_COLUMNS if terms is not None else ())} & set(table.names))
-        requests = with_client_latencies(requests, iterations, terms)
-        summary = summarize(requests, iterations, cfg.slo_ttft, cfg.slo_tpot)
+        if terms is not None:
+            requests = with_client_latencies(requests, _columns(table, CLIENT_ITERATION_COLUMNS), terms)
+        summary = summarize(requests, table, cfg.slo_ttft, cfg.slo_tpot)  # reads the table's blocks
     first = configs[hardware[0]]  # every replica's: summary["router"]["replicas"]
     summary["num_gpu_blocks"] = first.num_gpu_blocks
     summary["num_cpu_blocks"] = first.num_cpu_blocks
@@ -415,7 +413,7 @@ def _simulate(cfg: SimConfig, trace: Trace, cost_model: CostModel | None, progre
                          "skipped_iterations": sum(r.skipped for r in replicas),
                          "preempting_in_windows": sum(r.exhaustions for r in replicas)}
     if router is not None:
-        summary["router"] = _router_summary(router, requests, iterations,
+        summary["router"] = _router_summary(router, requests, _columns(table, _ROUTER_COLUMNS),
                                             [(hw, configs[hw].num_gpu_blocks) for hw in hardware])
     extra: dict[str, Any] = {}
     if cfg.dp > 1 or cfg.ep:
@@ -472,6 +470,11 @@ def _tables(replicas: list[Replica]) -> tuple[pd.DataFrame, IterationTable]:
     iterations = _iteration_table(replicas)
     gc.collect(0)
     return requests, iterations
+
+
+def _columns(table: IterationTable, names: tuple[str, ...]) -> pd.DataFrame:
+    """Those of the iteration columns `names` the table has (one replica's has no `replica`)."""
+    return table.frame(set(names) & set(table.names))
 
 
 def _iteration_table(replicas: list[Replica]) -> IterationTable:
@@ -551,17 +554,19 @@ class _ByReplica:
     """A table's rows grouped by replica: `order` (a stable sort of the replica column) and
     `bounds` (replica i's rows are order[bounds[i]:bounds[i + 1]])."""
 
-    order: np.ndarray
+    order: np.ndarray | None  # None: the rows are in replica order already
     bounds: np.ndarray
 
     def take(self, column: np.ndarray) -> np.ndarray:
-        return column[self.order]
+        return column if self.order is None else column[self.order]
 
     def rows(self, i: int) -> slice:
         return slice(int(self.bounds[i]), int(self.bounds[i + 1]))
 
 
 def _by_replica(replica: np.ndarray, n: int) -> _ByReplica:
+    if (replica[1:] >= replica[:-1]).all():  # grouped already, as a run's iteration table is
+        return _ByReplica(None, np.searchsorted(replica, np.arange(n + 1), side="left"))
     order = np.argsort(replica, kind="stable")
     return _ByReplica(order, np.searchsorted(replica[order], np.arange(n + 1), side="left"))
 

@@ -96,6 +96,21 @@ def test_a_run_builds_its_iteration_table_when_read() -> None:
     assert summarize(res.requests, frame) == summarize(res.requests, frame[list(SUMMARY_COLUMNS)])
 
 
+@pytest.mark.parametrize("built", [(), ("kv_reserved", "num_seqs")])
+def test_time_averages_over_the_tables_blocks_equal_the_frames(built: tuple[str, ...]) -> None:
+    """summarize reads a run's table block by block (narrow pieces, some columns perhaps built
+    whole already): the same bits as over the frame."""
+    frame = IterationTable([_log(i, 40 + 13 * i) for i in range(3)], [0, 1, 2]).frame()
+    table = IterationTable([_log(i, 40 + 13 * i) for i in range(3)], [0, 1, 2])
+    assert len(table._splits) > 10 and table._pieces["kv_free"][0].dtype == np.int16  # many narrow blocks
+    for c in built:
+        table.column(c)
+    w = frame.duration.to_numpy()
+    assert _kv_time_averages(table, _TimeAverage(table.column("duration"))) == _kv_time_averages(frame, _TimeAverage(w))
+    got = _TimeAverage(table.column("duration")).of_blocks(table.blocks(["num_seqs"]), np.copyto)
+    assert got == float(np.average(frame.num_seqs, weights=w))
+
+
 def test_kv_time_averages_equal_the_sub_frame_formulation() -> None:
     frame = _log(5, 400).frame()
     w = frame.duration
@@ -132,7 +147,8 @@ def test_per_request_line_separates_cost_from_load() -> None:
     assert line == "CPU 150 us per request, 750x python_reference_s; wall / CPU 1.20"
 
 
-def test_router_summary_equals_masking_each_replica():
+@pytest.mark.parametrize("grouped", [False, True])
+def test_router_summary_equals_masking_each_replica(grouped: bool):
     """The router summary reads each replica's rows from slices of sorted columns: the figures must
     be those of masking the tables per replica with pandas, bit for bit (NaN latencies, unfinished
     requests, a replica that served nothing)."""
@@ -149,6 +165,8 @@ def test_router_summary_equals_masking_each_replica():
                              "prefix_hit_tokens": rng.integers(0, 500, n), "num_preemptions": rng.integers(0, 3, n),
                              "normalized_latency": latency})
     iterations = pd.DataFrame({"replica": rng.choice(4, 3000), "duration": rng.lognormal(-4, 1, 3000)})
+    if grouped:  # rows in replica order, as a run's iteration table has them
+        iterations = iterations.sort_values("replica", kind="stable", ignore_index=True)
     got = _router_summary(make_router("least-loaded"), requests, iterations, caches)
     span = float(requests.finish_time.max() - requests.arrival.min())
     for i, row in enumerate(got["replicas"]):
