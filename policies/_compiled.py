@@ -48,6 +48,7 @@ class BuildState:
     built: bool
     modules: tuple[str, ...]
     stale: str
+    shared: str = ""  # the shared library's module name (a fresh build's)
 
 
 def source_hash(path: Path) -> str:
@@ -104,7 +105,22 @@ def inspect(root: Path = ROOT) -> BuildState:
             return BuildState(True, names, f"the extension of {name} is missing")
     if _find_extension(root, shared) is None:
         return BuildState(True, names, f"the shared library {shared} is missing")
-    return BuildState(True, names, "")
+    return BuildState(True, names, "", shared)
+
+
+def _load_shared(name: str, root: Path = ROOT) -> None:
+    """Import the build's shared library from the repository root, where it lies, under its own
+    name: the compiled modules import it by that name, and the root is not on sys.path when a
+    command runs from an installed entry point (the editable install maps the packages only)."""
+    if name in sys.modules or importlib.util.find_spec(name) is not None:
+        return
+    path = _find_extension(root, name)
+    spec = importlib.util.spec_from_file_location(name, path) if path is not None else None
+    if spec is None or spec.loader is None:
+        raise ImportError(f"the compiled build's shared library {name} is not loadable from {root}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
 
 
 class _SourceFinder(importlib.abc.MetaPathFinder):
@@ -141,6 +157,7 @@ def guard() -> str:
         print(f"pagesim: the compiled build is stale ({state.stale}); running interpreted "
               "(`make compiled` rebuilds it)", file=sys.stderr)
         return "stale"
+    _load_shared(state.shared)
     return "compiled"
 
 

@@ -67,7 +67,7 @@ def test_nothing_built_is_silent(tmp_path: Path) -> None:
 
 def test_fresh_build_is_recognised(tmp_path: Path) -> None:
     state = _compiled.inspect(_tree(tmp_path))
-    assert state == _compiled.BuildState(True, ("policies.kern",), "")
+    assert state == _compiled.BuildState(True, ("policies.kern",), "", "kernel__mypyc")
 
 
 @pytest.mark.parametrize(("kwargs", "why"), [
@@ -117,3 +117,18 @@ def test_the_real_build_is_running() -> None:
 
     assert _compiled.guard() == "compiled"
     assert _compiled.running_compiled(policies.request) and _compiled.running_compiled(policies.block_manager)
+
+
+@pytest.mark.skipif(os.environ.get(_compiled.ENV) != "1", reason="only under `make test-compiled`")
+def test_the_real_build_runs_from_outside_the_repository(tmp_path: Path) -> None:
+    """An entry point (`pagesim demo`) runs with neither the repository root on sys.path nor it as
+    the working folder: the installed packages' compiled modules must still find the build's shared
+    library, which lies at the root."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = ("import sys, policies.step, policies._compiled as c\n"
+            "assert str(c.ROOT) not in sys.path and '' not in sys.path[1:]\n"
+            "print(c.guard(), c.running_compiled(policies.step))\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["compiled", "True"]
