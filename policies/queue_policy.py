@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -255,6 +256,9 @@ def make_predictor(name: str, error: float = 0.5, seed: int = 0) -> OutputLength
     return PREDICTORS[name]()
 
 
+_QUEUE_KEY = operator.attrgetter("queue_key")
+
+
 class ShortestFirstPolicy(QueuePolicy):
     """Shortest job first by predicted output length, with aging against starvation: the key is
     predicted tokens minus `aging` tokens per second waited, i.e. prediction + aging * arrival
@@ -274,24 +278,27 @@ class ShortestFirstPolicy(QueuePolicy):
         self.reads = STATE_WHEN_QUEUED if self.predictor.learns else REQUEST
         self.aging = aging
         self.remaining = remaining
-        self._guess: dict[int, float] = {}
-        self._key: dict[int, tuple] = {}
+        self._guess: dict[SequenceGroup, float] = {}
+        if type(self).key is ShortestFirstPolicy.key:
+            # the key fixed at queueing is the group's queue_key: read by a C getter, so that the
+            # waiting heap and the running order (a few reads an insertion) run no interpreted
+            # frame and no lookup (a subclass's own key is left as it is)
+            self.key = _QUEUE_KEY  # type: ignore[method-assign]
 
     def on_queued(self, group: SequenceGroup) -> None:
-        guess = self._guess.get(group.group_id)
+        guess = self._guess.get(group)
         if guess is None:
-            guess = self._guess[group.group_id] = self.predictor.predict(group)
+            guess = self._guess[group] = self.predictor.predict(group)
         done = max((s.exact_output_len for s in group.seqs), default=0) if self.remaining else 0
-        self._key[group.group_id] = (max(guess - done, 0.0) + self.aging * group.request.arrival, group.group_id)
+        group.queue_key = (max(guess - done, 0.0) + self.aging * group.request.arrival, group.group_id)
 
     def key(self, group: SequenceGroup) -> tuple:
-        return self._key[group.group_id]
+        return group.queue_key
 
     def on_finished(self, group: SequenceGroup) -> None:
         if group.rejected is None:
             self.predictor.observe(group)
-        self._guess.pop(group.group_id, None)
-        self._key.pop(group.group_id, None)
+        self._guess.pop(group, None)
 
 
 class SrptPolicy(ShortestFirstPolicy):

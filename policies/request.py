@@ -278,6 +278,7 @@ class SequenceGroup:
         "num_preemptions",
         "num_swaps",
         "prefix_hit_tokens",
+        "queue_key",
         "rejected",
         "request",
         "seqs",
@@ -299,6 +300,9 @@ class SequenceGroup:
         self.rejected: str | None = None   # why it ended unfinished (rejected, or aborted: see `aborted`)
         self.aborted = False               # ended from outside (Scheduler.abort), not by the scheduler
         self.prefix_hit_tokens = 0
+        # a queue policy's key for the group, fixed when it was queued (ShortestFirstPolicy keeps its
+        # own here: read where the queue and the running order compare, without a lookup)
+        self.queue_key: tuple | None = None
 
     @property
     def arrival(self) -> float:

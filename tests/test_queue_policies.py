@@ -291,3 +291,26 @@ def test_the_readme_policy_example_runs_in_simulate(tmp_path, capsys):
     pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
     fcfs = run_simulation(SimConfig(), tr).requests
     assert not a.requests.first_scheduled.equals(fcfs.first_scheduled)
+
+
+def test_sjf_reads_its_key_from_the_group_and_a_subclass_keeps_its_own() -> None:
+    """ShortestFirstPolicy keeps the key it fixed at queueing on the group (`queue_key`, read by a C
+    getter); a subclass that gives its own key is served by that key, in the waiting order too."""
+    from policies.queue_policy import ShortestFirstPolicy
+    from policies.vllm_scheduler import VllmScheduler
+
+    class LongestFirst(ShortestFirstPolicy):
+        reads = "state-when-queued"
+
+        def key(self, group: SequenceGroup) -> tuple:
+            return (-group.queue_key[0], group.group_id)
+
+    reqs = [_req(i, 16, out, arrival=0.0) for i, out in enumerate([5, 40, 12, 80, 3])]
+    g = SequenceGroup(reqs[1], 1)
+    sjf = ShortestFirstPolicy()
+    sjf.on_queued(g)
+    assert sjf.key(g) == g.queue_key == (40.0, 1)
+    # one running at a time: the order of first scheduling is the waiting order
+    shortest = _drive(make_scheduler("sjf", 64, 16, max_num_seqs=1), reqs)
+    longest = _drive(VllmScheduler(num_gpu_blocks=64, block_size=16, max_num_seqs=1, policy=LongestFirst()), reqs)
+    assert shortest == [4, 0, 2, 1, 3] and longest == [3, 1, 2, 0, 4]
