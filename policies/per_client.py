@@ -3,8 +3,8 @@
 A window or decode step tells the policy the ~30 groups that decoded (`QueuePolicy.on_decoded`),
 and the scheduler reads the waiting queue's head at every admission. Kept here, in the compiled
 kernel (build_compiled.MODULES), each group's request is read natively; an interpreted policy
-makes one call per step (`count_by_client`) and its queue (`ClientQueues`) runs compiled.
-ClientQueues stays subclassable from interpreted code.
+makes one call per step (`count_by_client`), or keeps its counters here (`ClientTokens`, VtcPolicy's),
+and its queue (`ClientQueues`) runs compiled. ClientQueues stays subclassable from interpreted code.
 """
 
 from __future__ import annotations
@@ -38,6 +38,44 @@ def count_by_client(groups: Iterable[SequenceGroup]) -> dict[str, int]:
     if run:
         counts[run_client] = counts.get(run_client, 0) + run
     return counts
+
+
+class ClientTokens:
+    """Tokens served to each client, counted as integers (`tokens`: client -> [input, output]), and
+    each client's counter computed from them: w_in * input + w_out * output + its `lift` (what it
+    was raised by when it came back active). VtcPolicy's, kept compiled: the scheduler tells the
+    service at every step and window, and the queue reads counters at every admission."""
+
+    def __init__(self, w_in: float, w_out: float) -> None:
+        self.w_in = w_in
+        self.w_out = w_out
+        self.tokens: dict[str, list[int]] = {}
+        self.lift: dict[str, float] = {}
+
+    def counter(self, client: str) -> float:
+        t = self.tokens.get(client)
+        served = self.w_in * t[0] + self.w_out * t[1] if t is not None else 0.0
+        return self.lift.get(client, 0.0) + served
+
+    def _of(self, client: str) -> list[int]:
+        t = self.tokens.get(client)
+        if t is None:
+            t = self.tokens[client] = [0, 0]
+        return t
+
+    def admitted(self, group: SequenceGroup, now: float) -> None:
+        """The group's prompt tokens are charged to its client."""
+        self._of(group.request.client)[0] += group.request.prompt_len
+
+    def served(self, group: SequenceGroup, prefill_tokens: int, decode_tokens: int) -> None:
+        """The tokens the group generated are charged to its client (its prompt was, on admission)."""
+        self._of(group.request.client)[1] += decode_tokens
+
+    def decoded(self, groups: Iterable[SequenceGroup], decode_tokens: int) -> None:
+        """`served(g, 0, decode_tokens)` for each of `groups`, counted by client first (integer sums:
+        the same counts in any order)."""
+        for client, n in count_by_client(groups).items():
+            self._of(client)[1] += n * decode_tokens
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # a policy may give its own (QueuePolicy.new_queue)

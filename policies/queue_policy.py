@@ -55,7 +55,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from policies.per_client import ClientQueues, count_by_client
+from policies.per_client import ClientQueues, ClientTokens
 from policies.request import SequenceGroup
 
 ADMIT = "admit"
@@ -327,14 +327,25 @@ class VtcPolicy(QueuePolicy):
         if not all(w >= 0 and math.isfinite(w) for w in (input_weight, output_weight)):
             raise ValueError(f"vtc: weights must be finite numbers >= 0, got {input_weight}, {output_weight}")
         self.w_in, self.w_out = input_weight, output_weight
-        self.tokens: dict[str, list[int]] = {}   # client -> [input tokens, output tokens] served
-        self.lift: dict[str, float] = {}         # client -> counter added when it came back active
-        self.active: dict[str, int] = {}         # client -> its requests queued or running
+        self.counts = ClientTokens(input_weight, output_weight)
+        self.tokens = self.counts.tokens  # client -> [input tokens, output tokens] served
+        self.lift = self.counts.lift      # client -> counter added when it came back active
+        self.active: dict[str, int] = {}  # client -> its requests queued or running
+        # the hooks told at every step and window, and the counter the queue reads at every
+        # admission: the compiled counts' own methods where this class's are (no interpreted
+        # frame a call); a subclass's own are left as they are
+        cls = type(self)
+        if cls.counter is VtcPolicy.counter:
+            self.counter = self.counts.counter  # type: ignore[method-assign]
+        if cls.on_admitted is VtcPolicy.on_admitted:
+            self.on_admitted = self.counts.admitted  # type: ignore[method-assign]
+        if cls.on_served is VtcPolicy.on_served:
+            self.on_served = self.counts.served  # type: ignore[method-assign]
+            if cls.on_decoded is VtcPolicy.on_decoded:
+                self.on_decoded = self.counts.decoded  # type: ignore[method-assign]
 
     def counter(self, client: str) -> float:
-        t = self.tokens.get(client)
-        served = self.w_in * t[0] + self.w_out * t[1] if t is not None else 0.0
-        return self.lift.get(client, 0.0) + served
+        return self.counts.counter(client)
 
     def key(self, group: SequenceGroup) -> tuple:
         return (self.counter(group.request.client), group.request.arrival, group.group_id)
@@ -353,21 +364,18 @@ class VtcPolicy(QueuePolicy):
         self.active[c] = self.active.get(c, 0) + 1
 
     def on_admitted(self, group: SequenceGroup, now: float) -> None:
-        self.tokens.setdefault(group.request.client, [0, 0])[0] += group.request.prompt_len
+        self.counts.admitted(group, now)
 
     def on_served(self, group: SequenceGroup, prefill_tokens: int, decode_tokens: int) -> None:
-        self.tokens.setdefault(group.request.client, [0, 0])[1] += decode_tokens
+        self.counts.served(group, prefill_tokens, decode_tokens)
 
     def on_decoded(self, groups: Sequence[SequenceGroup], decode_tokens: int) -> None:
-        # the batch's groups counted by client in one compiled call (integer sums: the same
-        # counters as one on_served per group, in any order); a window's batch is ~30 groups of
-        # a few clients, told at every window and decode step
+        # the batch's groups counted by client in one compiled call; a window's batch is ~30
+        # groups of a few clients, told at every window and decode step
         if type(self).on_served is not VtcPolicy.on_served:  # a subclass's own on_served sees each group
             super().on_decoded(groups, decode_tokens)
             return
-        tokens = self.tokens
-        for client, n in count_by_client(groups).items():
-            tokens.setdefault(client, [0, 0])[1] += n * decode_tokens
+        self.counts.decoded(groups, decode_tokens)
 
     def on_finished(self, group: SequenceGroup) -> None:
         c = group.request.client

@@ -107,3 +107,23 @@ def test_client_queues_subclass_from_interpreted_code():
     for i in range(3):
         sched.waiting.push(_group(i, "ab"[i % 2], float(i)))
     assert sched.waiting.pushed == 3 and len(sched.waiting) == 3 and sched.waiting[0].group_id == 0
+
+
+def test_vtc_binds_its_compiled_counts_unless_a_subclass_gives_its_own() -> None:
+    """VtcPolicy's hooks run its counts' methods directly; a subclass's own counter still orders
+    the queue (here reversed: the client served most comes first)."""
+
+    class MostServedFirst(VtcPolicy):
+        def counter(self, client: str) -> float:
+            return -super().counter(client)
+
+    for cls, first in ((VtcPolicy, "b"), (MostServedFirst, "a")):
+        policy = cls()
+        queue = policy.new_queue()
+        a, b = _group(0, "a", 0.0), _group(1, "b", 1.0)
+        policy.on_admitted(a, 0.0)  # client a charged its prompt
+        for g in (a, b):
+            queue.push(g)
+        assert queue[0].request.client == first
+        assert policy.tokens["a"][0] == a.request.prompt_len and policy.counter("a") == (
+            -1 if cls is MostServedFirst else 1) * a.request.prompt_len
