@@ -50,6 +50,8 @@ MODULES: tuple[str, ...] = (
     "policies.scheduler",
     "policies.vllm_scheduler",
     "policies.step",
+    "policies.iteration_log",
+    "policies.request_rows",
     "policies.metrics",
     "policies.per_client",
     "sim.cost_model",

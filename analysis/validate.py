@@ -22,7 +22,8 @@ import pandas as pd
 from analysis.benchmark_results import guidellm_requests
 from analysis.plots import house_legend, legend_below, save_figure
 from analysis.reprofile import ReprofileDecision, check_and_reprofile
-from policies.metrics import ITERATION_COLUMNS, iteration_compositions, summarize
+from policies.iteration_log import ITERATION_COLUMNS, iteration_compositions
+from policies.metrics import summarize
 from sim.profiled import ProfiledCostModel, load_profile
 from sim.run import run_simulation
 

@@ -46,9 +46,9 @@ from typing import Protocol
 
 import pandas as pd
 
-from policies.metrics import request_frame
 from policies.plan import StepResult
 from policies.request import Request, Sequence, SequenceGroup
+from policies.request_rows import request_frame
 from policies.scheduler import Scheduler
 from policies.step import ReplicaStep, ServedExecutor
 

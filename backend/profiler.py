@@ -33,7 +33,7 @@ from backend.live_executor import build_live_replica
 from backend.model_runner import Batch, ModelRunner, SeqInput
 from backend.replay import serve
 from backend.sampler import Sampler, SamplingParams, log_softmax
-from policies.metrics import iteration_compositions
+from policies.iteration_log import iteration_compositions
 from policies.plan import ScheduledSeq, StepPlan
 from policies.replica_config import ReplicaConfig
 

@@ -17,9 +17,11 @@ import pandas as pd
 
 from backend.live_executor import build_live_replica, load_model
 from backend.model_runner import ModelRunner
-from policies.metrics import IterationLog, request_frame, summarize
+from policies.iteration_log import IterationLog
+from policies.metrics import summarize
 from policies.replica_config import ReplicaConfig
 from policies.request import Request, SequenceGroup
+from policies.request_rows import request_frame
 from policies.step import ReplicaStep
 from policies.trace_requests import requests_from_trace
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from numbers import Integral
 from typing import Any
 
-from policies.metrics import IterationLog
+from policies.iteration_log import IterationLog
 from policies.registry import PAGED_ONLY_DEFAULTS, is_paged, make_scheduler
 from policies.scheduler import Scheduler
 from policies.step import Executor, ReplicaStep

@@ -46,8 +46,8 @@ from typing import Protocol
 
 import numpy as np
 
+from policies.iteration_log import IterationLog
 from policies.memory import MemoryBreakdown
-from policies.metrics import IterationLog
 from policies.plan import (
     DecodeStepPlan,
     DecodeStepResult,

@@ -28,9 +28,10 @@ import pandas as pd
 import simpy
 
 from policies.client_latency import ClientTerms, client_columns, client_timestamps, sent_known
-from policies.metrics import request_frame, summarize
+from policies.metrics import summarize
 from policies.replica_config import ReplicaConfig
 from policies.request import Request, SamplingParams, SequenceGroup
+from policies.request_rows import request_frame
 from policies.router import LeastLoadedRouter, Router, replica_views
 from policies.trace_requests import requests_from_trace
 from sim.cluster import gc_paused, run_replicas, sim_replica

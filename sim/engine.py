@@ -40,8 +40,8 @@ import simpy
 from simpy.events import NORMAL, PENDING, URGENT
 
 from policies.least_loaded import LeastLoaded
-from policies.metrics import RequestRows
 from policies.request import Request
+from policies.request_rows import RequestRows
 from policies.router import SCHEDULER, LeastLoadedRouter, ReplicaViews, Router, replica_views
 from policies.scheduler import Scheduler
 from policies.step import ReplicaStep

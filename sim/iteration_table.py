@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import pandas as pd
 
-from policies.metrics import ITERATION_COLUMNS, IterationLog
+from policies.iteration_log import ITERATION_COLUMNS, IterationLog
 from sim.cluster import return_freed_memory
 
 # the pieces' bytes dropped between two returns of freed memory to the system: enough to bound a

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.metrics import iteration_compositions
+from policies.iteration_log import iteration_compositions
 from policies.plan import COMPOSITION_COUNTS, StepComposition
 from sim.cost_model import CostModel
 from sim.shipped import read_checked, resolve_shipped, shipped_names

@@ -18,9 +18,10 @@ import simpy
 from policies.client_latency import CLIENT_ITERATION_COLUMNS, ClientTerms, with_client_latencies
 from policies.dp_router import VllmDPRouter
 from policies.limits import CPU_BLOCK_BYTES, GPU_BLOCK_BYTES, REPLICA_BYTES, check_fits
-from policies.metrics import RequestRows, rows_frame, summarize
+from policies.metrics import summarize
 from policies.queue_policy import QueuePolicy
 from policies.replica_config import ReplicaConfig, build_scheduler
+from policies.request_rows import RequestRows, rows_frame
 from policies.router import PrefixAffinityRouter, Router, make_router, reads_counts
 from policies.scheduler import Scheduler
 from policies.trace_requests import requests_from_trace

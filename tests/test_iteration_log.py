@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from policies.iteration_log import ITERATION_COLUMNS, IterationLog
 from policies.memory import MemoryBreakdown
-from policies.metrics import ITERATION_COLUMNS, IterationLog
 from policies.plan import RepeatResult, StepComposition
 
 _BIG = [3, 200, 40_000, 3_000_000_000]  # int8 .. beyond int32

@@ -1,4 +1,4 @@
-"""Finished requests kept as rows (policies.metrics.RequestRows): the request table built from a
+"""Finished requests kept as rows (policies.request_rows.RequestRows): the request table built from a
 store equals the table of the groups themselves, however the groups were handed over; a group
 handed over is freed at once; a simulated run that hands its groups over as it goes (sim.engine
 Replica.hand_over) gives the tables of one that holds them all to the end."""
@@ -14,9 +14,9 @@ import pytest
 import simpy
 
 import sim.run
-from policies.metrics import RequestRows, request_frame, rows_frame
 from policies.registry import make_scheduler
 from policies.request import Request, SamplingParams, SequenceGroup
+from policies.request_rows import RequestRows, request_frame, rows_frame
 from policies.trace_requests import requests_from_trace
 from sim.cluster import run_replicas, sim_replica
 from sim.engine import ArrivalFeed

@@ -228,7 +228,7 @@ def test_round_robin_spreads_requests_in_turn_and_accounts_for_all():
 def test_routed_tables_are_each_replicas_tables_joined():
     """The run's tables are every replica's own tables with a `replica` column: requests in id
     order, iterations replica by replica (as concatenating the per-replica frames gives them)."""
-    from policies.metrics import request_frame
+    from policies.request_rows import request_frame
     from sim import run as sim_run
 
     seen = {}

@@ -10,14 +10,8 @@ import pandas as pd
 import pytest
 
 from benchmarks.bench_sim import PEAK_TARGET_MB, _peak_vs_target, _per_request
-from policies.metrics import (
-    ITERATION_COLUMNS,
-    SUMMARY_COLUMNS,
-    IterationLog,
-    _kv_time_averages,
-    _TimeAverage,
-    summarize,
-)
+from policies.iteration_log import ITERATION_COLUMNS, IterationLog
+from policies.metrics import SUMMARY_COLUMNS, _kv_time_averages, _TimeAverage, summarize
 from sim.iteration_table import IterationTable
 from sim.run import SimConfig, _iteration_table, run_simulation
 from traces import resolve_trace
@@ -189,7 +183,7 @@ def test_iteration_table_with_an_empty_log_equals_the_logs_frames() -> None:
 
 
 def test_request_frame_orders_groups_by_id_whatever_their_order() -> None:
-    from policies.metrics import request_frame
+    from policies.request_rows import request_frame
     from sim import run as sim_run
 
     seen = {}

@@ -286,7 +286,7 @@ def test_real_azure_conv_trace():
 def test_iteration_table_holds_each_iterations_composition(extra):
     """Repricing every row's composition gives its duration exactly: the table is complete enough to
     check or refit a cost model against (stepped rows and skipped windows alike)."""
-    from policies.metrics import iteration_compositions
+    from policies.iteration_log import iteration_compositions
     from sim.run import build_cost_model
 
     cfg = SimConfig(**extra)

@@ -13,8 +13,8 @@ from backend.model_runner import ModelRunner
 from backend.replay import serve
 from pagesim.cli import main as cli_main
 from policies import Request, SamplingParams
-from policies.metrics import request_frame
 from policies.replica_config import ReplicaConfig
+from policies.request_rows import request_frame
 from tests.readme_example import install_readme_policy
 
 # (prompt ids, output tokens, client, priority): all four queue at once and run one at a time
