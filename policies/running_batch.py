@@ -25,7 +25,7 @@ Kept as the batch changes (never recomputed by walking it):
 - `size`, the members' context sum (`context()`: base + size * clock) and their seat demand;
 - the members by block residue: a member whose true count is c sits in bucket (c - clock) % bs,
   which a decode step leaves unchanged; the bucket of -(clock + r) % bs opens a block in r + 1,
-  r + 1 + bs, ... decode steps (`opening_bucket(r)`, `tables_opening_within`), and `counts` holds
+  r + 1 + bs, ... decode steps (`opening_bucket(r)`, `open_within`), and `counts` holds
   each bucket's size;
 - the finish heap: (the clock at which a member samples its last token, seq id, sequence), with
   lazy deletion (an entry is live while its sequence is a member with that finish), for members
@@ -42,13 +42,18 @@ together).
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
-from heapq import heappop, heappush  # module globals: `heapq.x` is a generic attribute read compiled
+from heapq import heappop, heappush
+from typing import Any
 
+from policies._compiled import running_compiled
 from policies.block_manager import PagedBlockManager, table_of
 from policies.exact_reads import GUARDED, guard
 from policies.request import Sequence, SequenceGroup
+
+_Finish = tuple[int, int, Sequence]  # a finish heap entry (RunningBatch.heap)
 
 
 class RunningBatch:
@@ -64,7 +69,10 @@ class RunningBatch:
         self.demand = 0   # the members' groups' seq_demand
         self.buckets: list[list[Sequence]] = [[] for _ in range(self.bs)]
         self.counts = [0] * self.bs  # len(buckets[q]), kept so that windows read no list sizes
-        self.heap: list[tuple[int, int, Sequence]] = []
+        self.heap: list[Any] = []  # of _Finish entries (Any: see _heap_push)
+        # the heap's operations written out when compiled (native comparisons), heapq's C ones when
+        # interpreted (where a Python sift costs more than heapq's generic comparisons)
+        self._native_heap = running_compiled(sys.modules[__name__])
         self.unknown: list[Sequence] = []  # members whose finish the executor has not told yet
         self.exact_at = 0       # the clock at the last materialise_all (every member exact while equal)
         self.guarded = False    # --debug: members' owed fields check their readers (guard_reads)
@@ -154,21 +162,23 @@ class RunningBatch:
     def set_finishes(self, seqs: list[Sequence], remaining: list[int]) -> None:
         """The executor's remaining counts (tokens each samples before it finishes, from the
         clock) for members whose finish was unknown."""
-        clock, heap = self.clock, self.heap
-        for s, r in zip(seqs, remaining):
+        clock = self.clock
+        for i in range(len(seqs)):  # by index: zip is a generic iterator compiled
+            s = seqs[i]
             if s.anchor >= 0 and s.finish_at < 0:
-                s.finish_at = clock + r
-                heappush(heap, (clock + r, s.seq_id, s))
+                s.finish_at = at = clock + remaining[i]
+                self._push((at, s.seq_id, s))
         self.unknown = [s for s in self.unknown if s.finish_at < 0]
 
     def first_finish(self) -> float:
         """Decode steps from the clock to the earliest known finish (inf when none is known)."""
         heap = self.heap
         while heap:
-            at, _, s = heap[0]
+            top: _Finish = heap[0]
+            at, s = top[0], top[2]
             if s.anchor >= 0 and s.finish_at == at:
                 return at - self.clock
-            heappop(heap)  # stale: its sequence left, or finishes at another time now
+            self._pop()  # stale: its sequence left, or finishes at another time now
         return float("inf")
 
     def finishing(self, ahead: int = 0) -> list[Sequence]:
@@ -176,11 +186,24 @@ class RunningBatch:
         order); each still a member (the caller orders them and lets them leave)."""
         heap, clock = self.heap, self.clock + ahead
         out: list[Sequence] = []
-        while heap and heap[0][0] <= clock:
-            at, _, s = heappop(heap)
+        while heap:
+            top: _Finish = heap[0]
+            if top[0] > clock:
+                break
+            at, _, s = self._pop()
             if s.anchor >= 0 and s.finish_at == at and s not in out:
                 out.append(s)
         return out
+
+    def _push(self, entry: _Finish) -> None:
+        if self._native_heap:
+            _heap_push(self.heap, entry)
+        else:
+            heappush(self.heap, entry)
+
+    def _pop(self) -> _Finish:
+        entry: Any = _heap_pop(self.heap) if self._native_heap else heappop(self.heap)
+        return entry  # unboxed once, here
 
     # ---------------------------------------------------------------- reads for windows
     def context(self) -> int:
@@ -196,36 +219,49 @@ class RunningBatch:
         """The tables of `opening_bucket(steps)`, in its order (the members' own lists)."""
         return [table_of(s) for s in self.buckets[-(self.clock + steps) % self.bs]]
 
-    def tables_opening_within(self, k: int) -> list[list[int]]:
-        """The tables of the members opening a block in each of the next `k` decode steps: step
-        1's bucket first, each in bucket order (the order stepping takes their blocks)."""
+    def open_within(self, k: int) -> None:
+        """Open the blocks of the next `k` decode steps (the caller has counted them against the
+        free blocks): each member opening a block in a step gets one, step 1's bucket first, each
+        in bucket order (the order stepping takes them), also over more than one cycle of the
+        block size. The ids are taken at once and appended to the members' own tables."""
         bs, counts, buckets = self.bs, self.counts, self.buckets
-        cycle: list[list[int]] = []  # steps 1 .. min(k, bs); every bs steps the same buckets open again
-        r = k % bs
-        part = 0  # len(cycle) over the first r steps
-        q = -self.clock % bs  # step j + 1 opens bucket -(clock + j) % bs: one down per step, wrapping
-        for j in range(min(k, bs)):
-            if j == r:
-                part = len(cycle)
+        first = -self.clock % bs  # step j + 1 opens bucket -(clock + j) % bs: one down per step, wrapping
+        n = k // bs * self.size  # every bs steps each member opens one
+        q = first
+        for _j in range(k % bs):
+            n += counts[q]
+            q = q - 1 if q else bs - 1
+        # typed Any: the pool's int objects appended as they are (see PagedBlockManager.open_blocks)
+        ids: list[Any] = self.bm.pool.take_ids(n)
+        i = 0
+        q = first
+        for _j in range(k):
             if counts[q]:
                 for s in buckets[q]:
-                    cycle.append(table_of(s))
+                    table_of(s).append(ids[i])
+                    i += 1
             q = q - 1 if q else bs - 1
-        return cycle if k <= bs else cycle * (k // bs) + cycle[:part]
 
     def opening_in_order(self, groups: list[SequenceGroup]) -> list[Sequence]:
         """`opening_bucket()` in the order of `groups` (single-sequence groups, every one a
-        member): one pass picking the members in the opening bucket by their residue, where
-        sorting the bucket by each group's position would search `groups` once per member."""
+        member): one pass over `groups` picking the bucket's members (a pointer comparison with
+        each of the few in the bucket, until all are found), where sorting the bucket by each
+        group's position would search `groups` once per member."""
         bs = self.bs
         q = -self.clock % bs
-        if not self.counts[q]:
-            return []
+        if self.counts[q] < 2:  # none, or one: in order as it is (most buckets hold one or two)
+            return list(self.buckets[q])
+        bucket = self.buckets[q]
+        m = len(bucket)
         out: list[Sequence] = []
         for g in groups:
             s = g.seqs[0]
-            if (s.num_computed - s.anchor) % bs == q:  # phase_of(s), inlined: once per running group
-                out.append(s)
+            for b in bucket:
+                if b is s:
+                    out.append(s)
+                    break
+            if len(out) == m:
+                break
         return out
 
     def phase_of(self, seq: Sequence) -> int:
@@ -251,3 +287,63 @@ class RunningBatch:
         for s in self.unknown:
             assert s.anchor == self.clock and s.finish_at < 0, f"sequence {s.seq_id}: finish asked at another clock"
         return {s.seq_id: self.clock - s.anchor for s in seen}
+
+
+# The finish heap's two operations, heapq's algorithm written out (the same order of entries, so
+# the same pops), used when compiled: there an entry's two numbers are compared natively, where
+# heapq's C code, called generically, compares the tuples through rich comparison (~2k
+# instructions a pop). The list is read as Any so that entries move as the objects they are
+# (typed _Finish, each read would unbox the tuple and each store box it again); a comparison
+# reads only the two numbers (an entry seen as a tuple of ints: the sequence after them is not
+# read). Equal keys are the same sequence (seq ids are unique).
+
+
+def _before(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return a[0] < b[0] or (a[0] == b[0] and a[1] < b[1])
+
+
+def _heap_push(heap: list[Any], entry: _Finish) -> None:
+    """heapq.heappush."""
+    heap.append(entry)
+    _sift_down(heap, 0, len(heap) - 1)
+
+
+def _heap_pop(heap: list[Any]) -> Any:
+    """heapq.heappop (IndexError on an empty heap)."""
+    last = heap.pop()
+    if not heap:
+        return last
+    top = heap[0]
+    heap[0] = last
+    _sift_up(heap, 0)
+    return top
+
+
+def _sift_down(heap: list[Any], start: int, pos: int) -> None:
+    """heapq._siftdown: move heap[pos] up towards `start` while it comes before its parent."""
+    entry = heap[pos]
+    while pos > start:
+        parent_pos = (pos - 1) >> 1
+        parent = heap[parent_pos]
+        if not _before(entry, parent):
+            break
+        heap[pos] = parent
+        pos = parent_pos
+    heap[pos] = entry
+
+
+def _sift_up(heap: list[Any], pos: int) -> None:
+    """heapq._siftup: move the smaller child up until a leaf, then place heap[pos] there."""
+    end = len(heap)
+    start = pos
+    entry = heap[pos]
+    child = 2 * pos + 1
+    while child < end:
+        right = child + 1
+        if right < end and not _before(heap[child], heap[right]):
+            child = right
+        heap[pos] = heap[child]
+        pos = child
+        child = 2 * pos + 1
+    heap[pos] = entry
+    _sift_down(heap, start, pos)

@@ -65,18 +65,26 @@ def test_members_are_exact_once_materialised_and_figures_follow_joins_and_leaves
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 4, 5, 8, 11])
-def test_a_window_opens_the_tables_of_each_step_in_order(k):
-    """tables_opening_within(k): each member's own table, step by step, in bucket order (the order
-    stepping takes their blocks), also over more than one cycle of the block size."""
-    bm = PagedBlockManager(200, block_size=4)
-    batch = RunningBatch(bm, Scheduler.seq_demand)
-    seqs = [plain_decoder(bm, i, p).seqs[0] for i, p in enumerate([3, 4, 5, 7, 11, 2])]
-    for s in seqs:
-        batch.join(s)
-    batch.clock = 2
-    want = [bm.tables[s.seq_id] for j in range(k) for s in batch.opening_bucket(j)]
-    got = batch.tables_opening_within(k)
-    assert len(got) == len(want) and all(t is w for t, w in zip(got, want))
+def test_a_window_opens_the_blocks_of_each_step_in_order(k):
+    """open_within(k): each member opening a block in a step gets the next block taken, step by
+    step, in bucket order (the order stepping takes their blocks), also over more than one cycle
+    of the block size."""
+    def setup() -> tuple[PagedBlockManager, RunningBatch]:
+        bm = PagedBlockManager(200, block_size=4)
+        batch = RunningBatch(bm, Scheduler.seq_demand)
+        for i, p in enumerate([3, 4, 5, 7, 11, 2]):
+            batch.join(plain_decoder(bm, i, p).seqs[0])
+        batch.clock = 2
+        return bm, batch
+
+    bm, batch = setup()
+    want = bm.tables
+    openers = [s for j in range(k) for s in batch.opening_bucket(j)]
+    for s, block in zip(openers, bm.pool.take_ids(len(openers)), strict=True):  # one by one, in order
+        want[s.seq_id].append(block)
+    bm, batch = setup()
+    batch.open_within(k)
+    assert bm.tables == want and len(openers) == k // 4 * 6 + sum(len(batch.opening_bucket(j)) for j in range(k % 4))
     assert batch.opening_tables(1) == [bm.tables[s.seq_id] for s in batch.opening_bucket(1)]
 
 
