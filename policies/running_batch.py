@@ -42,6 +42,7 @@ together).
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from collections.abc import Callable
@@ -179,7 +180,7 @@ class RunningBatch:
             if s.anchor >= 0 and s.finish_at == at:
                 return at - self.clock
             self._pop()  # stale: its sequence left, or finishes at another time now
-        return float("inf")
+        return math.inf
 
     def finishing(self, ahead: int = 0) -> list[Sequence]:
         """The members whose last token is the one computed at the clock + `ahead` (in heap

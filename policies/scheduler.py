@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -202,7 +203,7 @@ class Scheduler(ABC):
 
     def wake_time(self, now: float) -> float:
         """When the policy's admission answers may change by themselves (see QueuePolicy.wake_time)."""
-        return self.policy.wake_time(self.waiting, now) if self._wakes and self.waiting else float("inf")
+        return self.policy.wake_time(self.waiting, now) if self._wakes and self.waiting else math.inf
 
     def refusal_on_arrival(self, request: Request) -> str | None:
         """Why `add_request` would reject the request at once (it never waits), or None. Pure."""
