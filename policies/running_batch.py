@@ -243,18 +243,33 @@ class RunningBatch:
                     i += 1
             q = q - 1 if q else bs - 1
 
-    def opening_in_order(self, groups: list[SequenceGroup]) -> list[Sequence]:
+    def opening_in_order(self, groups: list[SequenceGroup], by_arrival: bool = False) -> list[Sequence]:
         """`opening_bucket()` in the order of `groups` (single-sequence groups, every one a
-        member): one pass over `groups` picking the bucket's members (a pointer comparison with
-        each of the few in the bucket, until all are found), where sorting the bucket by each
-        group's position would search `groups` once per member."""
-        bs = self.bs
-        q = -self.clock % bs
-        if self.counts[q] < 2:  # none, or one: in order as it is (most buckets hold one or two)
-            return list(self.buckets[q])
-        bucket = self.buckets[q]
+        member). `by_arrival`: `groups` is in (request arrival, group id) order (the scheduler's
+        running order under FCFS), so the few in the bucket are sorted by that key; else one pass
+        over `groups` picks them (a pointer comparison with each in the bucket, until all are
+        found), where sorting the bucket by each group's position would search `groups` once per
+        member."""
+        bucket = self.buckets[-self.clock % self.bs]
         m = len(bucket)
-        out: list[Sequence] = []
+        out = list(bucket)
+        if m < 2:
+            return out
+        if by_arrival:  # an insertion sort of a handful (most buckets hold one or two)
+            for i in range(1, m):
+                s = out[i]
+                arrival, gid = s.group.request.arrival, s.group.group_id
+                j = i
+                while j:
+                    other = out[j - 1].group
+                    a = other.request.arrival
+                    if not (arrival < a or (arrival == a and gid < other.group_id)):
+                        break
+                    out[j] = out[j - 1]
+                    j -= 1
+                out[j] = s
+            return out
+        out = []
         for g in groups:
             s = g.seqs[0]
             for b in bucket:

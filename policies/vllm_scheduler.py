@@ -693,7 +693,7 @@ class VllmScheduler(Scheduler):
         batch = self._batch
         preempt_plan = StepPlan(block_size=bs)
         running = self.running  # _preempt removes from its tail
-        openers = batch.opening_in_order(running)  # in batch order
+        openers = batch.opening_in_order(running, self._running_by_arrival)  # in batch order
         opening: list[list[int]] = []  # openers' tables whose blocks are not taken yet: taken before any preemption
         for s in openers:  # in batch order
             g = s.group

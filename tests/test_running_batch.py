@@ -88,6 +88,23 @@ def test_a_window_opens_the_blocks_of_each_step_in_order(k):
     assert batch.opening_tables(1) == [bm.tables[s.seq_id] for s in batch.opening_bucket(1)]
 
 
+def test_the_opening_bucket_in_running_order_by_arrival_or_by_a_pass():
+    """opening_in_order: the members opening a block next, in the order of the running groups;
+    sorted by (arrival, group id) when the running list is in that order, or picked by one pass."""
+    bm = PagedBlockManager(200, block_size=4)
+    batch = RunningBatch(bm, Scheduler.seq_demand)
+    groups = [plain_decoder(bm, i, p) for i, p in enumerate([4, 8, 5, 12, 16, 9])]  # 4, 8, 12, 16: bucket 0
+    for g, arrival in zip(groups, [2.0, 1.0, 0.1, 1.0, 0.5, 3.0], strict=True):
+        g.request.arrival = arrival
+        batch.join(g.seqs[0])
+    running = sorted(groups, key=lambda g: (g.request.arrival, g.group_id))
+    want = [g.seqs[0] for g in running if g.seqs[0].num_computed % 4 == 0]
+    assert [s.seq_id for s in want] == [4, 1, 3, 0]
+    assert batch.opening_in_order(running, by_arrival=True) == want
+    assert batch.opening_in_order(running) == want
+    assert batch.opening_in_order(running[::-1]) == want[::-1]  # the pass follows any order
+
+
 def test_finishes_come_off_the_heap_at_their_clock_and_stale_entries_are_skipped():
     bm = PagedBlockManager(100, block_size=4)
     batch = RunningBatch(bm, Scheduler.seq_demand)
