@@ -27,7 +27,7 @@ Kept as the batch changes (never recomputed by walking it):
   which a decode step leaves unchanged; the bucket of -(clock + r) % bs opens a block in r + 1,
   r + 1 + bs, ... decode steps (`opening_bucket(r)`, `open_within`), and `counts` holds
   each bucket's size;
-- the finish heap: (the clock at which a member samples its last token, seq id, sequence), with
+- the finish heap: `_Finish` entries (the clock at which a member samples its last token, seq id, sequence), with
   lazy deletion (an entry is live while its sequence is a member with that finish), for members
   whose remaining count the executor has told (`set_finish`); the others are `unknown`.
 
@@ -43,18 +43,31 @@ together).
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 from collections.abc import Callable
-from heapq import heappop, heappush
+from heapq import heappop, heappush  # module globals: `heapq.x` is a generic attribute read compiled
 from typing import Any
 
-from policies._compiled import running_compiled
 from policies.block_manager import PagedBlockManager, table_of
 from policies.exact_reads import GUARDED, guard
 from policies.request import Sequence, SequenceGroup
 
-_Finish = tuple[int, int, Sequence]  # a finish heap entry (RunningBatch.heap)
+
+class _Finish:
+    """A finish heap entry: `seq` samples its last token at the batch's clock `at` (live while
+    `seq` is a member with that finish: lazy deletion). Ordered by (at, seq id), which heapq
+    compares: compiled, a native comparison (a tuple's compares its items generically); equal keys
+    are the same sequence (seq ids are unique)."""
+
+    __slots__ = ("at", "seq", "seq_id")
+
+    def __init__(self, at: int, seq_id: int, seq: Sequence) -> None:
+        self.at = at
+        self.seq_id = seq_id
+        self.seq = seq
+
+    def __lt__(self, other: _Finish) -> bool:
+        return self.at < other.at or (self.at == other.at and self.seq_id < other.seq_id)
 
 
 class RunningBatch:
@@ -70,10 +83,7 @@ class RunningBatch:
         self.demand = 0   # the members' groups' seq_demand
         self.buckets: list[list[Sequence]] = [[] for _ in range(self.bs)]
         self.counts = [0] * self.bs  # len(buckets[q]), kept so that windows read no list sizes
-        self.heap: list[Any] = []  # of _Finish entries (Any: see _heap_push)
-        # the heap's operations written out when compiled (native comparisons), heapq's C ones when
-        # interpreted (where a Python sift costs more than heapq's generic comparisons)
-        self._native_heap = running_compiled(sys.modules[__name__])
+        self.heap: list[_Finish] = []
         self.unknown: list[Sequence] = []  # members whose finish the executor has not told yet
         self.exact_at = 0       # the clock at the last materialise_all (every member exact while equal)
         self.guarded = False    # --debug: members' owed fields check their readers (guard_reads)
@@ -168,18 +178,18 @@ class RunningBatch:
             s = seqs[i]
             if s.anchor >= 0 and s.finish_at < 0:
                 s.finish_at = at = clock + remaining[i]
-                self._push((at, s.seq_id, s))
+                heappush(self.heap, _Finish(at, s.seq_id, s))
         self.unknown = [s for s in self.unknown if s.finish_at < 0]
 
     def first_finish(self) -> float:
         """Decode steps from the clock to the earliest known finish (inf when none is known)."""
         heap = self.heap
         while heap:
-            top: _Finish = heap[0]
-            at, s = top[0], top[2]
-            if s.anchor >= 0 and s.finish_at == at:
-                return at - self.clock
-            self._pop()  # stale: its sequence left, or finishes at another time now
+            top = heap[0]
+            s = top.seq
+            if s.anchor >= 0 and s.finish_at == top.at:
+                return top.at - self.clock
+            heappop(heap)  # stale: its sequence left, or finishes at another time now
         return math.inf
 
     def finishing(self, ahead: int = 0) -> list[Sequence]:
@@ -187,24 +197,12 @@ class RunningBatch:
         order); each still a member (the caller orders them and lets them leave)."""
         heap, clock = self.heap, self.clock + ahead
         out: list[Sequence] = []
-        while heap:
-            top: _Finish = heap[0]
-            if top[0] > clock:
-                break
-            at, _, s = self._pop()
-            if s.anchor >= 0 and s.finish_at == at and s not in out:
+        while heap and heap[0].at <= clock:
+            entry: _Finish = heappop(heap)
+            s = entry.seq
+            if s.anchor >= 0 and s.finish_at == entry.at and s not in out:
                 out.append(s)
         return out
-
-    def _push(self, entry: _Finish) -> None:
-        if self._native_heap:
-            _heap_push(self.heap, entry)
-        else:
-            heappush(self.heap, entry)
-
-    def _pop(self) -> _Finish:
-        entry: Any = _heap_pop(self.heap) if self._native_heap else heappop(self.heap)
-        return entry  # unboxed once, here
 
     # ---------------------------------------------------------------- reads for windows
     def context(self) -> int:
@@ -303,63 +301,3 @@ class RunningBatch:
         for s in self.unknown:
             assert s.anchor == self.clock and s.finish_at < 0, f"sequence {s.seq_id}: finish asked at another clock"
         return {s.seq_id: self.clock - s.anchor for s in seen}
-
-
-# The finish heap's two operations, heapq's algorithm written out (the same order of entries, so
-# the same pops), used when compiled: there an entry's two numbers are compared natively, where
-# heapq's C code, called generically, compares the tuples through rich comparison (~2k
-# instructions a pop). The list is read as Any so that entries move as the objects they are
-# (typed _Finish, each read would unbox the tuple and each store box it again); a comparison
-# reads only the two numbers (an entry seen as a tuple of ints: the sequence after them is not
-# read). Equal keys are the same sequence (seq ids are unique).
-
-
-def _before(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
-    return a[0] < b[0] or (a[0] == b[0] and a[1] < b[1])
-
-
-def _heap_push(heap: list[Any], entry: _Finish) -> None:
-    """heapq.heappush."""
-    heap.append(entry)
-    _sift_down(heap, 0, len(heap) - 1)
-
-
-def _heap_pop(heap: list[Any]) -> Any:
-    """heapq.heappop (IndexError on an empty heap)."""
-    last = heap.pop()
-    if not heap:
-        return last
-    top = heap[0]
-    heap[0] = last
-    _sift_up(heap, 0)
-    return top
-
-
-def _sift_down(heap: list[Any], start: int, pos: int) -> None:
-    """heapq._siftdown: move heap[pos] up towards `start` while it comes before its parent."""
-    entry = heap[pos]
-    while pos > start:
-        parent_pos = (pos - 1) >> 1
-        parent = heap[parent_pos]
-        if not _before(entry, parent):
-            break
-        heap[pos] = parent
-        pos = parent_pos
-    heap[pos] = entry
-
-
-def _sift_up(heap: list[Any], pos: int) -> None:
-    """heapq._siftup: move the smaller child up until a leaf, then place heap[pos] there."""
-    end = len(heap)
-    start = pos
-    entry = heap[pos]
-    child = 2 * pos + 1
-    while child < end:
-        right = child + 1
-        if right < end and not _before(heap[child], heap[right]):
-            child = right
-        heap[pos] = heap[child]
-        pos = child
-        child = 2 * pos + 1
-    heap[pos] = entry
-    _sift_down(heap, start, pos)

@@ -121,28 +121,30 @@ def test_finishes_come_off_the_heap_at_their_clock_and_stale_entries_are_skipped
     assert batch.first_finish() == 1 and batch.finishing(ahead=1) == [a]
 
 
-def test_the_written_out_heap_keeps_heapqs_order_and_layout():
-    """The finish heap's own sift (used when compiled) is heapq's: the same list after every push
-    and pop, so the same entries come off in the same order (ties on the clock broken by seq id)."""
+def test_finish_entries_order_as_their_clock_then_seq_id():
+    """The finish heap's entries (a native class compiled) keep the order of (clock, seq id,
+    sequence) tuples: the same list after every heapq push and pop, so the same entries come off
+    in the same order."""
     import heapq
     import random
 
-    from policies import running_batch as rb
+    from policies.running_batch import _Finish
 
     rng = random.Random(5)
     bm = PagedBlockManager(100, block_size=4)
     seqs = [plain_decoder(bm, i, 4).seqs[0] for i in range(40)]
     ours: list = []
-    theirs: list = []
+    tuples: list = []
     for _ in range(400):
-        if theirs and rng.random() < 0.45:
-            assert rb._heap_pop(ours) == heapq.heappop(theirs)
+        if tuples and rng.random() < 0.45:
+            e, t = heapq.heappop(ours), heapq.heappop(tuples)
+            assert (e.at, e.seq_id, e.seq) == t
         else:
             s = rng.choice(seqs)
-            entry = (rng.randrange(12), s.seq_id, s)
-            rb._heap_push(ours, entry)
-            heapq.heappush(theirs, entry)
-        assert ours == theirs
+            at = rng.randrange(12)
+            heapq.heappush(ours, _Finish(at, s.seq_id, s))
+            heapq.heappush(tuples, (at, s.seq_id, s))
+        assert [(e.at, e.seq_id, e.seq) for e in ours] == tuples
 
 
 def test_the_check_catches_a_member_read_without_settling():
