@@ -59,13 +59,19 @@ class BlockPool:
     i), and the ids from len(blocks) to num_blocks - 1, never taken, lie under the never-cached
     stack in id order (the lowest taken first, as if the stack had started full). A small model on
     a large GPU has millions of blocks and a run may touch a few hundred. `num_free` is kept:
-    len(_fresh) + len(_idle) + the blocks not made yet, always.
+    _top + len(_idle) + the blocks not made yet, always.
+
+    The never-cached stack is `_fresh[:_top]` (its top at _top - 1); the list is not shortened as
+    blocks are taken (the slots from _top on are spare, their ids stale), so that taking and
+    freeing blocks writes into it instead of popping and extending a list that shrinks and
+    regrows (each a reallocation, at saturation where the stack stays near empty).
     """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.blocks: list[Block] = []  # the blocks taken at least once, by id
-        self._fresh: list[int] = []  # made, free, hash None; the front is the end
+        self._fresh: list[int] = []  # [:_top]: made, free, hash None; the front is _fresh[_top - 1]
+        self._top = 0
         self._idle: OrderedDict[int, None] = OrderedDict()  # hashed, least recently freed first
         self.cached: dict[int, int] = {}  # content hash -> block id
         self.evictions = 0
@@ -77,7 +83,7 @@ class BlockPool:
     @property
     def free(self) -> list[int]:
         """The free queue's block ids, front first (a copy: for checks and tests)."""
-        return [*reversed(self._fresh), *range(len(self.blocks), self.num_blocks), *self._idle]
+        return [*reversed(self._fresh[:self._top]), *range(len(self.blocks), self.num_blocks), *self._idle]
 
     def _make(self, n: int) -> None:
         """Make the next `n` never-taken blocks, under the never-cached stack (after every block
@@ -85,32 +91,38 @@ class BlockPool:
         first = len(self.blocks)
         self.blocks.extend([Block(i) for i in range(first, first + n)])
         self._fresh[:0] = range(first + n - 1, first - 1, -1)
+        self._top += n
 
     def take(self) -> Block:
         return self.blocks[self.take_ids(1)[0]]
 
-    def take_ids(self, n: int) -> list[int]:
+    def take_ids(self, n: int, filled: int = 0) -> list[int]:
         """`take()` n times (the caller has counted them against the free blocks); their ids, in
-        the order taken. One loop for the many blocks a window of decodes opens."""
+        the order taken, each block's fill level set to `filled` (0: empty, as take() leaves it;
+        the caller counts the token states). One loop for the many blocks a window of decodes
+        opens."""
         fresh, blocks = self._fresh, self.blocks
-        if n > len(fresh) and len(blocks) < self.num_blocks:
-            self._make(min(n - len(fresh), self.num_blocks - len(blocks)))
-        if n <= len(fresh):  # the common case: never-cached blocks only, taken from the stack's top
-            ids = fresh[len(fresh) - n:]  # the stack's own int objects (none boxed again), top first:
+        if n > self._top and len(blocks) < self.num_blocks:
+            self._make(min(n - self._top, self.num_blocks - len(blocks)))
+        top = self._top
+        if n <= top:  # the common case: never-cached blocks only, taken from the stack's top
+            ids = fresh[top - n:top]  # the stack's own int objects (none boxed again), top first:
             ids.reverse()
+            self._top = top - n
             self.num_free -= n
-            for _i in range(n):  # popped, not a slice deleted (a generic call compiled); `_` is an object here
-                block = blocks[fresh.pop()]
+            for i in range(n):
+                block = blocks[ids[i]]
                 block.ref_count = 1
-                block.filled = 0
+                block.filled = filled
             return ids
         if n > self.num_free:
             raise KeyError("take from an empty free queue")
         self.num_free -= n
         ids = []
         for _ in range(n):
-            if fresh:
-                block_id = fresh.pop()
+            if self._top:
+                self._top -= 1
+                block_id = fresh[self._top]
                 block = blocks[block_id]
             else:  # the least recently freed cached block: evicted
                 block_id, _ = self._idle.popitem(last=False)
@@ -121,7 +133,7 @@ class BlockPool:
                 block.hash = None
                 self.evictions += 1
             block.ref_count = 1
-            block.filled = 0
+            block.filled = filled
             ids.append(block_id)
         return ids
 
@@ -145,7 +157,7 @@ class BlockPool:
     def release_ids(self, block_ids: list[int], backwards: bool = False) -> None:
         """`release()` each block, in order (last first when `backwards`): one loop for a whole
         table freed at once (a list walked by index: compiled, no iterator object per table)."""
-        blocks, fresh, idle = self.blocks, self._fresh, self._idle
+        blocks, idle = self.blocks, self._idle
         freed_states = freed = 0
         n = len(block_ids)
         # while every block so far went to the never-cached stack (the common case: a sequence's
@@ -168,7 +180,7 @@ class BlockPool:
                 freed += 1
                 if block.hash is None:  # nothing worth keeping: reuse it first
                     if not run:
-                        fresh.append(block_id)
+                        self._push_fresh(block_id)
                     continue
                 self._push_fresh_run(block_ids, i, backwards, run)
                 run = False
@@ -185,11 +197,23 @@ class BlockPool:
         they are still an unbroken run of blocks bound there (`run`)."""
         if run and i:
             if backwards:
-                tail = block_ids[len(block_ids) - i:]
-                tail.reverse()  # not a [::-1] slice: a generic call compiled
-                self._fresh.extend(tail)
+                run_ids = block_ids[len(block_ids) - i:]
+                run_ids.reverse()  # not a [::-1] slice: a generic call compiled
             else:
-                self._fresh.extend(block_ids[:i])
+                run_ids = block_ids[:i]
+            top = self._top
+            # over the spare slots (the list grows only by what they lack): one slice assignment
+            self._fresh[top:top + i] = run_ids
+            self._top = top + i
+
+    def _push_fresh(self, block_id: int) -> None:
+        """Push one block onto the never-cached stack."""
+        top = self._top
+        if top < len(self._fresh):
+            self._fresh[top] = block_id
+        else:
+            self._fresh.append(block_id)
+        self._top = top + 1
 
     def release_table(self, table: list[int]) -> None:
         """`release_ids(table, backwards=True)`: a whole table freed, last block first. Its own
@@ -231,7 +255,7 @@ class BlockPool:
             return False
         for block_id in self._idle:
             self.blocks[block_id].hash = None
-            self._fresh.append(block_id)
+            self._push_fresh(block_id)
         self._idle.clear()
         self.cached.clear()
         if self.listener is not None:
@@ -244,7 +268,7 @@ class BlockPool:
         reference, once, and every cache entry names a block with its hash."""
         made = len(self.blocks)
         assert len(refs) == made, f"{len(refs)} reference counts for {made} blocks"
-        free = self._fresh + list(self._idle)
+        free = self._fresh[:self._top] + list(self._idle)
         free_ids = set(free)
         assert len(free_ids) == len(free), "a block is in the free queue twice"
         assert self.num_free == len(free) + self.num_blocks - made, \
@@ -574,14 +598,15 @@ class PagedBlockManager:
             copies.append((old.block_id, new.block_id))
             self.pool.release(old)
             table[-1] = new.block_id
+        held = len(table)
         if need:
-            table.extend(self.pool.take_ids(need))
+            table.extend(self.pool.take_ids(need, bs))  # taken full: all but the last are
         # blocks first.. now hold positions [first * bs, new_total): all full but the last. They
         # held [first * bs, cur) before (a partly filled own or copied block, then fresh ones),
         # so the token states grow by new_total - cur
         first = cur // bs
         last = len(table) - 1
-        for i in range(first, last):
+        for i in range(first, held if held < last else last):  # those held before (the fresh ones are full)
             blocks[table[i]].filled = bs
         blocks[table[last]].filled = new_total - last * bs
         self.pool.used_filled += new_total - cur

@@ -264,7 +264,13 @@ class RepeatPlan:
     def first_finish(self) -> float:
         """Iterations until the first finish in the batch (its last token's iteration), once the
         executor has given `remaining`."""
-        told = min(self.remaining) if self.remaining else math.inf
+        remaining = self.remaining
+        if not remaining:
+            return self.first_known
+        told = remaining[0]
+        for r in remaining:  # a loop, not min(): a generic call compiled
+            if r < told:
+                told = r
         return told if told < self.first_known else self.first_known
 
 

@@ -25,9 +25,9 @@ Kept as the batch changes (never recomputed by walking it):
 - `size`, the members' context sum (`context()`: base + size * clock) and their seat demand;
 - the members by block residue: a member whose true count is c sits in bucket (c - clock) % bs,
   which a decode step leaves unchanged; the bucket of -(clock + r) % bs opens a block in r + 1,
-  r + 1 + bs, ... decode steps (`opening_bucket(r)`, `tables_opening_within`), and `counts` holds
+  r + 1 + bs, ... decode steps (`opening_bucket(r)`, `open_within`), and `counts` holds
   each bucket's size;
-- the finish heap: (the clock at which a member samples its last token, seq id, sequence), with
+- the finish heap: `_Finish` entries (the clock at which a member samples its last token, seq id, sequence), with
   lazy deletion (an entry is live while its sequence is a member with that finish), for members
   whose remaining count the executor has told (`set_finish`); the others are `unknown`.
 
@@ -42,13 +42,32 @@ together).
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from heapq import heappop, heappush  # module globals: `heapq.x` is a generic attribute read compiled
+from typing import Any
 
 from policies.block_manager import PagedBlockManager, table_of
 from policies.exact_reads import GUARDED, guard
 from policies.request import Sequence, SequenceGroup
+
+
+class _Finish:
+    """A finish heap entry: `seq` samples its last token at the batch's clock `at` (live while
+    `seq` is a member with that finish: lazy deletion). Ordered by (at, seq id), which heapq
+    compares: compiled, a native comparison (a tuple's compares its items generically); equal keys
+    are the same sequence (seq ids are unique)."""
+
+    __slots__ = ("at", "seq", "seq_id")
+
+    def __init__(self, at: int, seq_id: int, seq: Sequence) -> None:
+        self.at = at
+        self.seq_id = seq_id
+        self.seq = seq
+
+    def __lt__(self, other: _Finish) -> bool:
+        return self.at < other.at or (self.at == other.at and self.seq_id < other.seq_id)
 
 
 class RunningBatch:
@@ -64,7 +83,7 @@ class RunningBatch:
         self.demand = 0   # the members' groups' seq_demand
         self.buckets: list[list[Sequence]] = [[] for _ in range(self.bs)]
         self.counts = [0] * self.bs  # len(buckets[q]), kept so that windows read no list sizes
-        self.heap: list[tuple[int, int, Sequence]] = []
+        self.heap: list[_Finish] = []
         self.unknown: list[Sequence] = []  # members whose finish the executor has not told yet
         self.exact_at = 0       # the clock at the last materialise_all (every member exact while equal)
         self.guarded = False    # --debug: members' owed fields check their readers (guard_reads)
@@ -154,31 +173,34 @@ class RunningBatch:
     def set_finishes(self, seqs: list[Sequence], remaining: list[int]) -> None:
         """The executor's remaining counts (tokens each samples before it finishes, from the
         clock) for members whose finish was unknown."""
-        clock, heap = self.clock, self.heap
-        for s, r in zip(seqs, remaining):
+        clock = self.clock
+        for i in range(len(seqs)):  # by index: zip is a generic iterator compiled
+            s = seqs[i]
             if s.anchor >= 0 and s.finish_at < 0:
-                s.finish_at = clock + r
-                heappush(heap, (clock + r, s.seq_id, s))
+                s.finish_at = at = clock + remaining[i]
+                heappush(self.heap, _Finish(at, s.seq_id, s))
         self.unknown = [s for s in self.unknown if s.finish_at < 0]
 
     def first_finish(self) -> float:
         """Decode steps from the clock to the earliest known finish (inf when none is known)."""
         heap = self.heap
         while heap:
-            at, _, s = heap[0]
-            if s.anchor >= 0 and s.finish_at == at:
-                return at - self.clock
+            top = heap[0]
+            s = top.seq
+            if s.anchor >= 0 and s.finish_at == top.at:
+                return top.at - self.clock
             heappop(heap)  # stale: its sequence left, or finishes at another time now
-        return float("inf")
+        return math.inf
 
     def finishing(self, ahead: int = 0) -> list[Sequence]:
         """The members whose last token is the one computed at the clock + `ahead` (in heap
         order); each still a member (the caller orders them and lets them leave)."""
         heap, clock = self.heap, self.clock + ahead
         out: list[Sequence] = []
-        while heap and heap[0][0] <= clock:
-            at, _, s = heappop(heap)
-            if s.anchor >= 0 and s.finish_at == at and s not in out:
+        while heap and heap[0].at <= clock:
+            entry: _Finish = heappop(heap)
+            s = entry.seq
+            if s.anchor >= 0 and s.finish_at == entry.at and s not in out:
                 out.append(s)
         return out
 
@@ -196,36 +218,64 @@ class RunningBatch:
         """The tables of `opening_bucket(steps)`, in its order (the members' own lists)."""
         return [table_of(s) for s in self.buckets[-(self.clock + steps) % self.bs]]
 
-    def tables_opening_within(self, k: int) -> list[list[int]]:
-        """The tables of the members opening a block in each of the next `k` decode steps: step
-        1's bucket first, each in bucket order (the order stepping takes their blocks)."""
+    def open_within(self, k: int) -> None:
+        """Open the blocks of the next `k` decode steps (the caller has counted them against the
+        free blocks): each member opening a block in a step gets one, step 1's bucket first, each
+        in bucket order (the order stepping takes them), also over more than one cycle of the
+        block size. The ids are taken at once and appended to the members' own tables."""
         bs, counts, buckets = self.bs, self.counts, self.buckets
-        cycle: list[list[int]] = []  # steps 1 .. min(k, bs); every bs steps the same buckets open again
-        r = k % bs
-        part = 0  # len(cycle) over the first r steps
-        q = -self.clock % bs  # step j + 1 opens bucket -(clock + j) % bs: one down per step, wrapping
-        for j in range(min(k, bs)):
-            if j == r:
-                part = len(cycle)
+        first = -self.clock % bs  # step j + 1 opens bucket -(clock + j) % bs: one down per step, wrapping
+        n = k // bs * self.size  # every bs steps each member opens one
+        q = first
+        for _j in range(k % bs):
+            n += counts[q]
+            q = q - 1 if q else bs - 1
+        # typed Any: the pool's int objects appended as they are (see PagedBlockManager.open_blocks)
+        ids: list[Any] = self.bm.pool.take_ids(n)
+        i = 0
+        q = first
+        for _j in range(k):
             if counts[q]:
                 for s in buckets[q]:
-                    cycle.append(table_of(s))
+                    table_of(s).append(ids[i])
+                    i += 1
             q = q - 1 if q else bs - 1
-        return cycle if k <= bs else cycle * (k // bs) + cycle[:part]
 
-    def opening_in_order(self, groups: list[SequenceGroup]) -> list[Sequence]:
+    def opening_in_order(self, groups: list[SequenceGroup], by_arrival: bool = False) -> list[Sequence]:
         """`opening_bucket()` in the order of `groups` (single-sequence groups, every one a
-        member): one pass picking the members in the opening bucket by their residue, where
-        sorting the bucket by each group's position would search `groups` once per member."""
-        bs = self.bs
-        q = -self.clock % bs
-        if not self.counts[q]:
-            return []
-        out: list[Sequence] = []
+        member). `by_arrival`: `groups` is in (request arrival, group id) order (the scheduler's
+        running order under FCFS), so the few in the bucket are sorted by that key; else one pass
+        over `groups` picks them (a pointer comparison with each in the bucket, until all are
+        found), where sorting the bucket by each group's position would search `groups` once per
+        member."""
+        bucket = self.buckets[-self.clock % self.bs]
+        m = len(bucket)
+        out = list(bucket)
+        if m < 2:
+            return out
+        if by_arrival:  # an insertion sort of a handful (most buckets hold one or two)
+            for i in range(1, m):
+                s = out[i]
+                arrival, gid = s.group.request.arrival, s.group.group_id
+                j = i
+                while j:
+                    other = out[j - 1].group
+                    a = other.request.arrival
+                    if not (arrival < a or (arrival == a and gid < other.group_id)):
+                        break
+                    out[j] = out[j - 1]
+                    j -= 1
+                out[j] = s
+            return out
+        out = []
         for g in groups:
             s = g.seqs[0]
-            if (s.num_computed - s.anchor) % bs == q:  # phase_of(s), inlined: once per running group
-                out.append(s)
+            for b in bucket:
+                if b is s:
+                    out.append(s)
+                    break
+            if len(out) == m:
+                break
         return out
 
     def phase_of(self, seq: Sequence) -> int:

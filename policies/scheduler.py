@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -155,8 +156,9 @@ class Scheduler(ABC):
 
     @departing.setter
     def departing(self, n: int) -> None:
-        self.loads[self.load_slot] += n - self._departing
-        self._departing = n
+        if n != self._departing:  # most windows finish nothing: no write to the shared loads
+            self.loads[self.load_slot] += n - self._departing
+            self._departing = n
 
     def share_load(self, loads: list[int], slot: int) -> None:
         """Keep this replica's outstanding count in `loads[slot]` from now on (a router reads all
@@ -201,7 +203,7 @@ class Scheduler(ABC):
 
     def wake_time(self, now: float) -> float:
         """When the policy's admission answers may change by themselves (see QueuePolicy.wake_time)."""
-        return self.policy.wake_time(self.waiting, now) if self._wakes and self.waiting else float("inf")
+        return self.policy.wake_time(self.waiting, now) if self._wakes and self.waiting else math.inf
 
     def refusal_on_arrival(self, request: Request) -> str | None:
         """Why `add_request` would reject the request at once (it never waits), or None. Pure."""

@@ -375,9 +375,9 @@ def _stop_at_arrivals(plan: RepeatPlan, ends: list[float], start: float, next_ar
     k = plan.steps
     if reads_state:
         # every arrival reads this replica's (or its policy's) state: finish the window before it
-        safe = bisect_left(ends, next_arrival)
+        safe = _bisect_left(ends, next_arrival, len(ends))
         # and the first iteration starting at or after the policy's wake time
-        safe = min(safe, bisect_left(ends, sched.wake_time(start), 0, len(ends) - 1) + 1)
+        safe = min(safe, _bisect_left(ends, sched.wake_time(start), len(ends) - 1) + 1)
         if safe < k or next_arrival != math.inf:
             plan.exhausts = False  # stepped instead: its end may pass an arrival (priced once applied)
         k = min(k, safe)
@@ -389,8 +389,20 @@ def _stop_at_arrivals(plan: RepeatPlan, ends: list[float], start: float, next_ar
     limit = sched.wake_time(start)
     if not sched.waiting or not sched.fifo_queue:
         limit = min(limit, next_arrival)
-    safe = bisect_left(ends, limit, 0, len(ends) - 1) + 1
+    safe = _bisect_left(ends, limit, len(ends) - 1) + 1
     if safe < k:
         plan.exhausts = False
         return safe if safe >= 2 else None
     return k
+
+
+def _bisect_left(ends: list[float], x: float, hi: int) -> int:
+    """bisect_left(ends, x, 0, hi) for ascending `ends`: the common answer (every end before `x`,
+    as when nothing can be admitted before the window's last iteration) read from the last one,
+    without the call (a generic one compiled). No ends (hi -1: bisect's own default, the whole
+    empty list): 0."""
+    if hi <= 0:
+        return 0
+    if ends[hi - 1] < x:
+        return hi
+    return bisect_left(ends, x, 0, hi)

@@ -648,7 +648,7 @@ class VllmScheduler(Scheduler):
         free0 = pool.num_free * bs
         # blocks taken in iteration order (any order within one: which block a sequence gets is
         # not observable, only how many are taken and when)
-        bm.open_blocks(batch.tables_opening_within(k))
+        batch.open_within(k)
         bm.add_token_states(k * b)
         if self._tells_served:  # before the clock moves: a group reads as stepping's first call
             self.policy.on_decoded(self.running, k)
@@ -693,7 +693,7 @@ class VllmScheduler(Scheduler):
         batch = self._batch
         preempt_plan = StepPlan(block_size=bs)
         running = self.running  # _preempt removes from its tail
-        openers = batch.opening_in_order(running)  # in batch order
+        openers = batch.opening_in_order(running, self._running_by_arrival)  # in batch order
         opening: list[list[int]] = []  # openers' tables whose blocks are not taken yet: taken before any preemption
         for s in openers:  # in batch order
             g = s.group
@@ -728,9 +728,9 @@ def _block_horizon(counts: list[int], q: int, num_seqs: int, free: int) -> int:
     every bs steps each of the `num_seqs` sequences opens exactly one, so whole periods are counted
     at once."""
     bs = len(counts)
-    periods, left = divmod(free, num_seqs)
+    periods, left = free // num_seqs, free % num_seqs  # not divmod: a generic call compiled
     h = periods * bs
-    for _ in range(bs):  # sum(counts) == num_seqs > left, so this stops within the period
+    for _r in range(bs):  # sum(counts) == num_seqs > left, so this stops within the period
         left -= counts[q]
         if left < 0:
             break

@@ -54,12 +54,13 @@ class CostModel(ABC):
         """`step_time` of one pure-decode iteration (subclasses may skip building the composition)."""
         return self.step_time(StepComposition(num_decode_seqs=num_seqs, decode_context_tokens=context_tokens))
 
-    def decode_step_series(self, num_seqs: int, context_tokens: list[int]) -> list[float]:
-        """`decode_step_time(num_seqs, c)` for each c of `context_tokens` (a few iterations of one
-        batch: plain floats, without numpy's per-call cost). Subclasses may price the terms that
-        depend on the batch size once, if the result stays bit for bit the same."""
+    def decode_step_series(self, num_seqs: int, context0: int, steps: int) -> list[float]:
+        """`decode_step_time(num_seqs, context0 + num_seqs * j)` for j = 1 .. steps: a few decode
+        iterations of one batch whose contexts sum to `context0` before them (plain floats, without
+        numpy's per-call cost; the contexts are not listed, which would box each). Subclasses may
+        price the terms that depend on the batch size once, if the result stays bit for bit the same."""
         price = self.decode_step_time
-        return [price(num_seqs, c) for c in context_tokens]
+        return [price(num_seqs, context0 + num_seqs * j) for j in range(1, steps + 1)]
 
     def series_steps(self) -> int:
         """Windows of fewer iterations than this are priced by `decode_step_series`, longer ones by
@@ -366,9 +367,9 @@ class RooflineCostModel(CostModel):
         fixed, lm = self._decode_terms(num_seqs)
         return fixed + self._decode_attention(float(context_tokens), float(num_seqs)) + lm
 
-    def decode_step_series(self, num_seqs: int, context_tokens: list[int]) -> list[float]:
+    def decode_step_series(self, num_seqs: int, context0: int, steps: int) -> list[float]:
         if num_seqs <= 0 or self._expert_params or self.tp > 1:
-            return super().decode_step_series(num_seqs, context_tokens)
+            return super().decode_step_series(num_seqs, context0, steps)
         # the terms of one batch size are the same in every iteration: priced once, added in order
         fixed, lm = self._decode_terms(num_seqs)
         # _decode_attention(float(c), seqs) written out (a bound method is a generic call compiled):
@@ -376,8 +377,11 @@ class RooflineCostModel(CostModel):
         seqs = float(num_seqs)
         per_pair, attn_flops, kv, attn_bw = self._attn_flops_per_pair, self._attn_flops, self._kv_bytes, self._attn_bw
         qkvo = self._qkvo_bytes * seqs
-        return [fixed + max(per_pair * float(c) / attn_flops, (kv * float(c) + qkvo) / attn_bw) + lm
-                for c in context_tokens]
+        out: list[float] = []
+        for j in range(1, steps + 1):
+            c = float(context0 + num_seqs * j)
+            out.append(fixed + max(per_pair * c / attn_flops, (kv * c + qkvo) / attn_bw) + lm)
+        return out
 
     def series_steps(self) -> int:
         # a dense model's own series prices the batch size's terms once (see __init__)

@@ -534,7 +534,8 @@ def _delays(start: float, end_times: list[float], step_times: list[float]) -> li
     time stepping would reach: end_times[i] = end_times[i - 1] + step_times[i] (from `start`). One
     timeout usually lands there; when float rounding makes that sum unreachable from `start` in
     one addition, land on an earlier iteration's end and step the last ones."""
-    for j in range(len(end_times) - 1, max(len(end_times) - 9, -1), -1):
+    last = len(end_times) - 1
+    for j in range(last, max(len(end_times) - 9, -1), -1):
         target = end_times[j]
         delay = target - start
         while start + delay < target:
@@ -542,7 +543,8 @@ def _delays(start: float, end_times: list[float], step_times: list[float]) -> li
         while start + delay > target:
             delay = math.nextafter(delay, -math.inf)
         if start + delay == target:
-            return [delay, *step_times[j + 1:]]
+            # most often one timeout lands on the last end (the starred form is a generic extend compiled)
+            return [delay] if j == last else [delay, *step_times[j + 1:]]
     return list(step_times)
 
 

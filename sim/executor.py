@@ -106,7 +106,7 @@ class SimulatedExecutor:
         numpy's per-call cost dominates there), longer ones vectorised; both are identical."""
         num_seqs, context0, k = plan.num_seqs, plan.context_tokens, plan.steps
         if k < self.cost.series_steps():
-            return self.cost.decode_step_series(num_seqs, [context0 + num_seqs * j for j in range(1, k + 1)])
+            return self.cost.decode_step_series(num_seqs, context0, k)
         contexts = context0 + num_seqs * np.arange(1, k + 1, dtype=np.int64)
         return self.cost.decode_step_times(np.full(k, num_seqs, dtype=np.int64), contexts)
 

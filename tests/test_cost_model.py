@@ -169,9 +169,9 @@ def test_decode_step_times_equals_step_time(tp: int) -> None:
             np.testing.assert_array_equal(want, general)
         for n in {int(x) for x in seqs[:10]}:  # a window's series of one batch size, as price_repeat asks
             series = [int(n) * j + 7 for j in range(1, 9)]
-            np.testing.assert_array_equal(model.decode_step_series(n, series),
+            np.testing.assert_array_equal(model.decode_step_series(n, 7, 8),
                                           [model.decode_step_time(n, k) for k in series])
-            np.testing.assert_array_equal(model.decode_step_series(n, series),
+            np.testing.assert_array_equal(model.decode_step_series(n, 7, 8),
                                           model.decode_step_times(np.full(8, n), np.array(series)))
 
 

@@ -65,19 +65,44 @@ def test_members_are_exact_once_materialised_and_figures_follow_joins_and_leaves
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 4, 5, 8, 11])
-def test_a_window_opens_the_tables_of_each_step_in_order(k):
-    """tables_opening_within(k): each member's own table, step by step, in bucket order (the order
-    stepping takes their blocks), also over more than one cycle of the block size."""
+def test_a_window_opens_the_blocks_of_each_step_in_order(k):
+    """open_within(k): each member opening a block in a step gets the next block taken, step by
+    step, in bucket order (the order stepping takes their blocks), also over more than one cycle
+    of the block size."""
+    def setup() -> tuple[PagedBlockManager, RunningBatch]:
+        bm = PagedBlockManager(200, block_size=4)
+        batch = RunningBatch(bm, Scheduler.seq_demand)
+        for i, p in enumerate([3, 4, 5, 7, 11, 2]):
+            batch.join(plain_decoder(bm, i, p).seqs[0])
+        batch.clock = 2
+        return bm, batch
+
+    bm, batch = setup()
+    want = bm.tables
+    openers = [s for j in range(k) for s in batch.opening_bucket(j)]
+    for s, block in zip(openers, bm.pool.take_ids(len(openers)), strict=True):  # one by one, in order
+        want[s.seq_id].append(block)
+    bm, batch = setup()
+    batch.open_within(k)
+    assert bm.tables == want and len(openers) == k // 4 * 6 + sum(len(batch.opening_bucket(j)) for j in range(k % 4))
+    assert batch.opening_tables(1) == [bm.tables[s.seq_id] for s in batch.opening_bucket(1)]
+
+
+def test_the_opening_bucket_in_running_order_by_arrival_or_by_a_pass():
+    """opening_in_order: the members opening a block next, in the order of the running groups;
+    sorted by (arrival, group id) when the running list is in that order, or picked by one pass."""
     bm = PagedBlockManager(200, block_size=4)
     batch = RunningBatch(bm, Scheduler.seq_demand)
-    seqs = [plain_decoder(bm, i, p).seqs[0] for i, p in enumerate([3, 4, 5, 7, 11, 2])]
-    for s in seqs:
-        batch.join(s)
-    batch.clock = 2
-    want = [bm.tables[s.seq_id] for j in range(k) for s in batch.opening_bucket(j)]
-    got = batch.tables_opening_within(k)
-    assert len(got) == len(want) and all(t is w for t, w in zip(got, want))
-    assert batch.opening_tables(1) == [bm.tables[s.seq_id] for s in batch.opening_bucket(1)]
+    groups = [plain_decoder(bm, i, p) for i, p in enumerate([4, 8, 5, 12, 16, 9])]  # 4, 8, 12, 16: bucket 0
+    for g, arrival in zip(groups, [2.0, 1.0, 0.1, 1.0, 0.5, 3.0], strict=True):
+        g.request.arrival = arrival
+        batch.join(g.seqs[0])
+    running = sorted(groups, key=lambda g: (g.request.arrival, g.group_id))
+    want = [g.seqs[0] for g in running if g.seqs[0].num_computed % 4 == 0]
+    assert [s.seq_id for s in want] == [4, 1, 3, 0]
+    assert batch.opening_in_order(running, by_arrival=True) == want
+    assert batch.opening_in_order(running) == want
+    assert batch.opening_in_order(running[::-1]) == want[::-1]  # the pass follows any order
 
 
 def test_finishes_come_off_the_heap_at_their_clock_and_stale_entries_are_skipped():
@@ -94,6 +119,32 @@ def test_finishes_come_off_the_heap_at_their_clock_and_stale_entries_are_skipped
     assert batch.finishing() == [b]
     batch.leave(b)
     assert batch.first_finish() == 1 and batch.finishing(ahead=1) == [a]
+
+
+def test_finish_entries_order_as_their_clock_then_seq_id():
+    """The finish heap's entries (a native class compiled) keep the order of (clock, seq id,
+    sequence) tuples: the same list after every heapq push and pop, so the same entries come off
+    in the same order."""
+    import heapq
+    import random
+
+    from policies.running_batch import _Finish
+
+    rng = random.Random(5)
+    bm = PagedBlockManager(100, block_size=4)
+    seqs = [plain_decoder(bm, i, 4).seqs[0] for i in range(40)]
+    ours: list = []
+    tuples: list = []
+    for _ in range(400):
+        if tuples and rng.random() < 0.45:
+            e, t = heapq.heappop(ours), heapq.heappop(tuples)
+            assert (e.at, e.seq_id, e.seq) == t
+        else:
+            s = rng.choice(seqs)
+            at = rng.randrange(12)
+            heapq.heappush(ours, _Finish(at, s.seq_id, s))
+            heapq.heappush(tuples, (at, s.seq_id, s))
+        assert [(e.at, e.seq_id, e.seq) for e in ours] == tuples
 
 
 def test_the_check_catches_a_member_read_without_settling():
