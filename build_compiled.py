@@ -54,6 +54,7 @@ MODULES: tuple[str, ...] = (
     "policies.request_rows",
     "policies.metrics",
     "policies.per_client",
+    "policies.keyed_queue",
     "sim.cost_model",
     "sim.executor",
     "sim.engine",

@@ -46,7 +46,6 @@ with and without skip-ahead and names the class and the decision that differed.
 
 from __future__ import annotations
 
-import heapq
 import math
 import operator
 from collections import deque
@@ -55,6 +54,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from policies.keyed_queue import KeyedQueue
 from policies.per_client import ClientQueues, ClientTokens
 from policies.request import SequenceGroup
 
@@ -380,45 +380,6 @@ class VtcPolicy(QueuePolicy):
     def on_finished(self, group: SequenceGroup) -> None:
         c = group.request.client
         self.active[c] = self.active.get(c, 1) - 1
-
-
-class KeyedQueue(list):
-    """A waiting queue ordered by a key fixed at queueing: a heap (push and popleft in O(log n)),
-    kept in the list itself so that len() and truth, which the scheduler asks at every step, are C
-    calls; `[0]` is the smallest group, and iterating gives the groups (in heap order). Keys must be
-    unique (they end with the group id). An entry is the key's items followed by the group, flat,
-    so that the heap compares the keys' first items directly (not two tuples holding them); the
-    unique key decides before the group is reached."""
-
-    def __init__(self, key: Any) -> None:
-        super().__init__()
-        self.key = key
-
-    def push(self, group: SequenceGroup, front: bool = False) -> None:
-        heapq.heappush(self, (*self.key(group), group))
-
-    def __getitem__(self, i: int) -> SequenceGroup:  # type: ignore[override]
-        if i != 0:
-            raise IndexError("KeyedQueue gives only its head, [0]")
-        return list.__getitem__(self, 0)[-1]
-
-    def popleft(self) -> SequenceGroup:
-        return heapq.heappop(self)[-1]
-
-    def __iter__(self) -> Iterator[SequenceGroup]:  # type: ignore[override]
-        return (entry[-1] for entry in list.__iter__(self))
-
-    def remove(self, group: SequenceGroup) -> None:  # type: ignore[override]
-        """Take `group` out (Scheduler.abort of a waiting request): O(n)."""
-        kept = [entry for entry in list.__iter__(self) if entry[-1] is not group]
-        if len(kept) == len(self):
-            raise ValueError(f"group {group.group_id} is not waiting")
-        list.__setitem__(self, slice(None), kept)
-        heapq.heapify(self)
-
-    def candidates(self) -> list[SequenceGroup]:
-        """The group that comes first until something arrives: the head (keys are fixed)."""
-        return [list.__getitem__(self, 0)[-1]]
 
 
 class ReorderingQueue:
