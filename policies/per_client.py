@@ -27,7 +27,8 @@ def count_by_client(groups: Iterable[SequenceGroup]) -> dict[str, int]:
     # dict adds their counts up.
     run_client = ""
     run = 0
-    for g in groups:
+    batch: list[SequenceGroup] = groups if isinstance(groups, list) else list(groups)  # a list: walked natively
+    for g in batch:
         client = g.request.client
         if client is run_client:
             run += 1
@@ -104,13 +105,22 @@ class ClientQueues:
     def _best(self) -> deque[SequenceGroup]:
         """The queue whose (counter, head's arrival, head's group id) is smallest; the first of
         equals in client order (group ids are unique: no two keys are equal)."""
-        waiting = [(client, q) for client, q in self.queues.items() if q]
-        if len(waiting) == 1:
-            return waiting[0][1]  # one client waits: its head, counters not read
+        first: deque[SequenceGroup] | None = None
+        for q in self.queues.values():
+            if q:
+                if first is not None:
+                    break  # a second client waits
+                first = q
+        else:
+            if first is None:
+                raise IndexError("the waiting queue is empty")
+            return first  # one client waits: its head, counters not read
         best: deque[SequenceGroup] | None = None
         best_counter = best_arrival = 0.0
         best_id = 0
-        for client, q in waiting:
+        for client, q in self.queues.items():
+            if not q:
+                continue
             head = q[0]
             counter, arrival, gid = self.counter(client), head.request.arrival, head.group_id
             # the tuples' order, field by field (no NaN: counters and arrivals are finite)
