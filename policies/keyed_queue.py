@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from mypy_extensions import mypyc_attr
 
@@ -24,12 +25,13 @@ class KeyedQueue:
     heap compares the keys' first items directly, not two tuples holding them); keys are unique
     (they end with the group id), so a comparison is decided before the groups are reached."""
 
-    def __init__(self, key: Callable[[SequenceGroup], tuple]) -> None:
+    def __init__(self, key: Callable[[SequenceGroup], Any]) -> None:  # a tuple (a list is taken too)
         self.key = key
         self.heap: list[tuple] = []
 
     def push(self, group: SequenceGroup, front: bool = False) -> None:
-        heapq.heappush(self.heap, self.key(group) + (group,))
+        key = self.key(group)
+        heapq.heappush(self.heap, (key if isinstance(key, tuple) else tuple(key)) + (group,))  # a list key too
 
     def __getitem__(self, i: int) -> SequenceGroup:
         if i != 0:

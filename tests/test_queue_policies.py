@@ -314,3 +314,16 @@ def test_sjf_reads_its_key_from_the_group_and_a_subclass_keeps_its_own() -> None
     shortest = _drive(make_scheduler("sjf", 64, 16, max_num_seqs=1), reqs)
     longest = _drive(VllmScheduler(num_gpu_blocks=64, block_size=16, max_num_seqs=1, policy=LongestFirst()), reqs)
     assert shortest == [4, 0, 2, 1, 3] and longest == [3, 1, 2, 0, 4]
+
+
+def test_keyed_queue_orders_by_its_key_and_takes_one_given_as_a_list() -> None:
+    from policies.keyed_queue import KeyedQueue
+
+    groups = [SequenceGroup(_req(i, 8, 4), i) for i in range(4)]
+    for key in (lambda g: (-g.group_id, g.group_id), lambda g: [-g.group_id, g.group_id]):
+        q = KeyedQueue(key)
+        for g in groups:
+            q.push(g)
+        assert len(q) == 4 and q[0] is groups[3] and q.candidates() == [groups[3]]
+        q.remove(groups[2])
+        assert [q.popleft().group_id for _ in range(len(q))] == [3, 1, 0] and not q
