@@ -209,36 +209,26 @@ def summarize(requests: pd.DataFrame, iterations: pd.DataFrame | ColumnBlocks, s
 
 
 class _TimeAverage:
-    """`np.average(x, weights=weights)` of columns, bit for bit (numpy's: the products summed, over
-    the weights' float64 sum), each product written into an array given or one scratch array kept
-    for every call: np.average makes a new one per call (96 MB at a million requests, each of them
-    pages the process touches for the first time)."""
+    """`np.average(x, weights=weights)` of columns given block by block, bit for bit (numpy's: the
+    products summed, over the weights' float64 sum). Each column is written into one scratch array
+    kept for every call and its products written over it: np.average makes a new one per call (96
+    MB at a million requests, each of them pages the process touches for the first time)."""
 
     def __init__(self, weights: np.ndarray) -> None:
         self.weights = weights
         self.total = weights.sum(dtype=np.float64)
-        self.scratch: np.ndarray | None = None
-
-    def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> float:
-        if out is None:
-            out = self._scratch()
-        np.multiply(x, self.weights, out=out, dtype=np.float64)
-        return float(out.sum() / self.total)
+        self.scratch = np.empty(len(weights), dtype=np.float64)
 
     def of_blocks(self, blocks: Iterable[tuple[np.ndarray, ...]], fill: Callable[..., object]) -> float:
         """The average of the column that `fill(out, *block)` writes block by block into the
         scratch array (each block's rows in turn: a float64 slice of the block's length)."""
-        out, at = self._scratch(), 0
+        out, at = self.scratch, 0
         for block in blocks:
             n = len(block[0])
             fill(out[at:at + n], *block)
             at += n
-        return self(out, out=out)  # float64(x) * w is x * w with x cast: the same bits
-
-    def _scratch(self) -> np.ndarray:
-        if self.scratch is None:
-            self.scratch = np.empty(len(self.weights), dtype=np.float64)
-        return self.scratch
+        np.multiply(out, self.weights, out=out)  # float64(x) * w is x * w with x cast: the same bits
+        return float(out.sum() / self.total)
 
 
 def _kv_time_averages(iterations: pd.DataFrame | ColumnBlocks, time_avg: _TimeAverage) -> tuple[float, float]:
