@@ -639,11 +639,17 @@ class PagedBlockManager:
     def open_blocks(self, tables: list[list[int]]) -> None:
         """`open_decode_blocks` given the tables themselves (the sequences' `block_table`, as a
         running batch holds its members'): no lookup by seq id per block."""
-        # typed Any so that compiled code moves the pool's int objects as they are (an item read as
-        # an int is boxed again when stored: an allocation for every id above 256)
-        ids: list[Any] = self.pool.take_ids(len(tables))
+        ids = self.take_opening_ids(len(tables))
         for i in range(len(tables)):  # by index: compiled, no zip tuple per block
             tables[i].append(ids[i])
+
+    def take_opening_ids(self, n: int) -> list[Any]:
+        """The ids of `n` blocks taken for decodes that open them (counted against the free blocks
+        by the caller), in the order taken: the caller appends each to its opener's table, as
+        `open_blocks` does for tables given (RunningBatch.open_within for a window's openers).
+        Typed Any so that compiled code moves the pool's int objects as they are (an item read as
+        an int is boxed again when stored: an allocation for every id above 256)."""
+        return self.pool.take_ids(n)
 
     def add_token_states(self, n: int) -> None:
         """Count `n` token states decoded into the owed sequences' blocks (settled later)."""

@@ -46,7 +46,6 @@ import math
 import warnings
 from collections.abc import Callable
 from heapq import heappop, heappush  # module globals: `heapq.x` is a generic attribute read compiled
-from typing import Any
 
 from policies.block_manager import PagedBlockManager, table_of
 from policies.exact_reads import GUARDED, guard
@@ -230,8 +229,7 @@ class RunningBatch:
         for _j in range(k % bs):
             n += counts[q]
             q = q - 1 if q else bs - 1
-        # typed Any: the pool's int objects appended as they are (see PagedBlockManager.open_blocks)
-        ids: list[Any] = self.bm.pool.take_ids(n)
+        ids = self.bm.take_opening_ids(n)
         i = 0
         q = first
         for _j in range(k):
